@@ -1,0 +1,66 @@
+"""What the Ray and the local worker groups share: the call API, futures and errors.
+
+A subclass supplies `_submit(index, method, args, kwargs) -> handle` and
+`_wait(handles, method, indices) -> results`; everything about dispatch, execute and
+collect lives here once, so both backends give identical results.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from orchestration import dispatch as dsp
+
+
+class WorkerError(RuntimeError):
+    """A worker failed or died. Names the role, rank and method; carries the remote traceback."""
+
+    def __init__(self, role: str, rank: int, method: str, problem: str, traceback: str = ""):
+        self.role, self.rank, self.method = role, rank, method
+        msg = f"{role} rank {rank} failed in {method}(): {problem}"
+        if traceback:
+            msg += f"\n--- remote traceback ({role} rank {rank}) ---\n{traceback.rstrip()}"
+        super().__init__(msg)
+
+
+class GroupFuture:
+    """Result of `async_call`: `get()` waits, collects and returns like `call` would."""
+
+    def __init__(self, finish: Callable[[float | None], Any]):
+        self._finish = finish
+        self._done = False
+        self._value: Any = None
+
+    def get(self, timeout: float | None = None) -> Any:
+        if not self._done:
+            self._value = self._finish(timeout)
+            self._done = True
+        return self._value
+
+    result = get
+
+
+class BaseWorkerGroup:
+    role: str
+    world_size: int
+
+    def call(self, method: str, *args: Any, dispatch: dsp.Dispatch = "all", execute: dsp.Execute = "all",
+             collect: dsp.Collect = "none", **kwargs: Any) -> Any:
+        """Run `method` on the workers and wait. See `orchestration.dispatch` for the modes."""
+        return self.async_call(method, *args, dispatch=dispatch, execute=execute, collect=collect, **kwargs).get()
+
+    def async_call(self, method: str, *args: Any, dispatch: dsp.Dispatch = "all", execute: dsp.Execute = "all",
+                   collect: dsp.Collect = "none", **kwargs: Any) -> GroupFuture:
+        dsp.check_execute(execute)
+        if execute == "first":
+            handles = [self._submit(0, method, args, kwargs)]
+            return GroupFuture(lambda timeout: self._wait(handles, method, [0], timeout)[0])
+        per_worker = dsp.split(dispatch, self.world_size, args, kwargs)
+        indices = [i for i, a in enumerate(per_worker) if a is not None]
+        handles = [self._submit(i, method, *per_worker[i]) for i in indices]
+        return GroupFuture(lambda timeout: dsp.collect(collect, self._wait(handles, method, indices, timeout)))
+
+    def _submit(self, index: int, method: str, args: tuple, kwargs: dict) -> Any:
+        raise NotImplementedError
+
+    def _wait(self, handles: list, method: str, indices: list[int], timeout: float | None) -> list:
+        raise NotImplementedError

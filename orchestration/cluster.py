@@ -1,0 +1,38 @@
+"""Start a local Ray cluster or join one, with quiet defaults."""
+from __future__ import annotations
+
+import os
+
+from orchestration.config import ClusterConfig
+
+QUIET_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
+             "RAY_DEDUP_LOGS": "1", "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
+
+
+def quiet_ray_env() -> None:
+    for k, v in QUIET_ENV.items():
+        os.environ.setdefault(k, v)
+
+
+def init_cluster(cfg: ClusterConfig, demand: dict[str, float] | None = None):
+    """Join `cfg.address` if set, else start a local cluster sized for `demand`.
+
+    A local cluster gets at least as many logical CPUs as the plan has CPU processes (Ray
+    CPUs are scheduling slots, not cores) and `simulate_gpus` fake GPUs if set: actors
+    then reserve and see GPU ids while engines compute on the CPU.
+    """
+    quiet_ray_env()
+    import ray
+
+    if ray.is_initialized():
+        return ray
+    if cfg.address:
+        ray.init(address=cfg.address, log_to_driver=cfg.log_to_driver)
+        return ray
+    demand = demand or {}
+    num_cpus = cfg.num_cpus or max(os.cpu_count() or 1, int(demand.get("CPU", 0)) + 1)
+    ray.init(num_cpus=num_cpus, num_gpus=cfg.simulate_gpus, include_dashboard=cfg.dashboard,
+             object_store_memory=cfg.object_store_mb * 2**20 if cfg.object_store_mb else None,
+             _node_ip_address=cfg.node_ip, log_to_driver=cfg.log_to_driver,
+             configure_logging=True, logging_level="WARNING")
+    return ray

@@ -1,0 +1,192 @@
+"""Typed config sections owned by the orchestration layer, their validation, and the
+loader for ms-swift YAML files (`config_file=PATH`).
+
+Defaults live here, once; the YAML files under conf/ only choose values and carry a
+comment above every field. `validate` merges a composed config into these dataclasses
+before any actor starts, so an unknown key or a wrong type fails with its full key name.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Mapping, Optional
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from orchestration.planner import MEGATRON_KEYS, SWIFT_KEYS
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the key and the fix."""
+
+
+@dataclass
+class RoleDevices:
+    # Number of devices (GPUs) for this role.
+    gpus: int = 1
+    # Model of this role (a local HF directory or a preset name); None: the run's model.
+    model: Optional[str] = None
+    # vLLM tensor-parallel size; must divide gpus (rollout and teacher only).
+    vllm_tensor_parallel_size: int = 1
+
+
+@dataclass
+class PlacementConfig:
+    # Megatron-Ray form. Roles listed together share devices, e.g. [[train, rollout]];
+    # None places every role on its own devices.
+    colocate_groups: Optional[List[List[str]]] = None
+    # Offload colocated model weights to host memory while another role runs.
+    offload_model: bool = False
+    # Offload the colocated trainer's optimizer state while another role runs.
+    offload_optimizer: bool = False
+    # Rollout sleep between generations when colocated: 0 never, 1 weights to host, 2 discard.
+    sleep_level: int = 0
+    # Teacher model colocated with the trainer (shares its devices); None: no colocated teacher.
+    teacher_model: Optional[str] = None
+    # Offload the colocated teacher between uses.
+    offload_teacher_model: bool = False
+    # Teacher logits kept per position for GKD; None: full vocabulary.
+    gkd_logits_topk: Optional[int] = None
+    # Number of nodes the layout spans; None: 1 (Megatron form) or derived from ranks.
+    nnodes: Optional[int] = None
+    # Devices per node (Megatron form); None: total devices / nnodes.
+    nproc_per_node: Optional[int] = None
+    # Trainer devices.
+    train: Optional[RoleDevices] = None
+    # Rollout (generation) devices.
+    rollout: Optional[RoleDevices] = None
+    # Standalone teacher group (its own devices).
+    teacher: Optional[RoleDevices] = None
+    # Swift-Ray form: {nproc_per_node: N, <group>: {device: GPU|CPU, ranks, workers: [...]}}.
+    device_groups: Optional[Dict[str, Any]] = None
+
+
+@dataclass
+class ClusterConfig:
+    # Ray cluster to join ("auto", "ray://host:10001", "host:6379"); None starts a local one.
+    address: Optional[str] = None
+    # Fake GPUs for a local cluster on a CPU machine: actors reserve GPU ids, compute on CPU.
+    simulate_gpus: Optional[int] = None
+    # Logical CPUs of a local cluster; None: max(cores, CPU processes the plan needs + 1).
+    num_cpus: Optional[int] = None
+    # Start Ray's dashboard with a local cluster.
+    dashboard: bool = False
+    # Object store size of a local cluster in MiB; None: Ray's default (30% of memory).
+    object_store_mb: Optional[int] = None
+    # Address a local cluster binds to; loopback keeps it private to this machine.
+    node_ip: str = "127.0.0.1"
+    # Show worker logs in the driver's output.
+    log_to_driver: bool = True
+    # Seconds to wait for placement groups before reporting missing resources.
+    placement_timeout_s: float = 60.0
+
+
+@dataclass
+class BackendConfig:
+    # Where roles run: "ray" (actors on placement groups) or "local" (in this process).
+    workers: str = "ray"
+
+
+@dataclass
+class PlanCliConfig:
+    # Print the plan as JSON instead of a table.
+    json: bool = False
+
+
+@dataclass
+class PlanConfig:
+    """Schema of `python -m orchestration.plan`."""
+    # Placement in either ms-swift form.
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    # Ray cluster to start or join.
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    # Worker backend and engines.
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    # An ms-swift YAML file (either form) used instead of the composed placement.
+    config_file: Optional[str] = None
+    # Output options of the plan CLI.
+    plan: PlanCliConfig = field(default_factory=PlanCliConfig)
+
+
+def register_schema(schema: type) -> None:
+    """Make `schema` the typed base of conf/config.yaml (its `base_config` entry).
+
+    Each entry point registers its own schema before Hydra composes, so the composed
+    config is typed and its defaults come from the dataclasses.
+    """
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="base_config", node=schema)
+
+
+def validate(cfg: DictConfig | Mapping, schema: type, sections: list[str] | None = None) -> DictConfig:
+    """Merge `cfg` into `schema` (only `sections` of it, if given) and return the typed config.
+
+    Unknown keys and wrong types raise ConfigError naming the full key.
+    """
+    cfg = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(dict(cfg))
+    if sections is not None:
+        cfg = OmegaConf.masked_copy(cfg, [s for s in sections if s in cfg])
+    try:
+        typed = OmegaConf.merge(OmegaConf.structured(schema), cfg)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "?"
+        raise ConfigError(f"config key '{key}': {e.msg if hasattr(e, 'msg') else e}. "
+                          f"Fix: use a key and type of {schema.__name__} (see conf/)") from None
+    if typed.backend.workers not in ("ray", "local"):
+        raise ConfigError(f"config key 'backend.workers': unknown value {typed.backend.workers!r}. "
+                          "Fix: use backend=ray or backend=local")
+    return typed
+
+
+PLACEMENT_KEYS = MEGATRON_KEYS | SWIFT_KEYS
+
+
+def read_swift_yaml(path: str, key_map: Mapping[str, str]) -> tuple[dict, dict, list[str]]:
+    """Read an ms-swift YAML file (either form).
+
+    Returns (placement, overrides, unused): the placement section, our dotted keys -> values
+    for the keys `key_map` knows (ms-swift name -> our dotted key), and the keys nobody reads.
+    """
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except OSError as e:
+        raise ConfigError(f"config_file: cannot read {path!r} ({e.strerror}). Fix: pass an existing YAML path") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config_file: {path!r} is not valid YAML ({e}). Fix: correct the file") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config_file: {path!r} must hold a mapping of keys, got {type(data).__name__}")
+    placement = {k: v for k, v in data.items() if k in PLACEMENT_KEYS}
+    overrides = {key_map[k]: v for k, v in data.items() if k in key_map}
+    unused = sorted(k for k in data if k not in PLACEMENT_KEYS and k not in key_map)
+    return placement, overrides, unused
+
+
+def apply_swift_yaml(cfg: DictConfig, key_map: Mapping[str, str], *, allow_unused: bool = False) -> list[str]:
+    """Replace cfg.placement with the file's and apply mapped keys. Returns unused keys.
+
+    Unless `allow_unused`, keys this run does not support raise one error listing them all.
+    """
+    placement, overrides, unused = read_swift_yaml(cfg.config_file, key_map)
+    if unused and not allow_unused:
+        raise ConfigError(f"config_file {cfg.config_file!r}: keys not supported here: {unused}. "
+                          f"Fix: remove them; supported keys are the placement keys {sorted(PLACEMENT_KEYS)} "
+                          f"and {sorted(key_map)}")
+    if placement:
+        fresh = OmegaConf.structured(PlacementConfig)
+        try:
+            cfg.placement = OmegaConf.merge(fresh, placement)
+        except OmegaConfBaseException as e:
+            raise ConfigError(f"config_file {cfg.config_file!r}: placement key '{getattr(e, 'full_key', '?')}': "
+                              f"{getattr(e, 'msg', e)}") from None
+    for key, value in overrides.items():
+        OmegaConf.update(cfg, key, value, merge=False)
+    return unused
+
+
+def placement_dict(cfg: DictConfig) -> dict:
+    """The placement section as a plain dict for the planner."""
+    return OmegaConf.to_container(cfg.placement, resolve=True)
+

@@ -1,0 +1,62 @@
+"""Local backend: the worker-group API in the driver process, rank by rank, without Ray.
+
+Used by `backend=local` for debugging with breakpoints and for fast tests. Each rank is
+an instance of the role class; while a rank is constructed or called, its RANK,
+WORLD_SIZE and LOCAL_RANK are in os.environ, as they would be in its own process.
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import traceback
+from typing import Any
+
+from orchestration.base_group import BaseWorkerGroup, WorkerError
+from orchestration.planner import RolePlan
+
+
+@contextlib.contextmanager
+def _environ(env: dict[str, str]):
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class LocalWorkerGroup(BaseWorkerGroup):
+    def __init__(self, role_cls: type, plan_entry: RolePlan, init_kwargs: dict | None = None,
+                 init_args: tuple = (), env: dict[str, str] | None = None):
+        self.role, self.plan_entry = plan_entry.role, plan_entry
+        self.world_size = plan_entry.world_size
+        self._envs = [{**(env or {}), "RANK": str(i), "WORLD_SIZE": str(self.world_size),
+                       "LOCAL_RANK": str(i)} for i in range(self.world_size)]
+        self.workers = []
+        for i in range(self.world_size):
+            try:
+                with _environ(self._envs[i]):
+                    self.workers.append(role_cls(*init_args, **(init_kwargs or {})))
+            except Exception as e:
+                raise WorkerError(self.role, i, "__init__", f"{type(e).__name__}: {e}",
+                                  traceback.format_exc()) from e
+
+    def _submit(self, index: int, method: str, args: tuple, kwargs: dict) -> Any:
+        try:
+            with _environ(self._envs[index]):
+                return ("ok", getattr(self.workers[index], method)(*args, **kwargs))
+        except Exception as e:
+            return ("error", WorkerError(self.role, index, method, f"{type(e).__name__}: {e}", traceback.format_exc()))
+
+    def _wait(self, handles: list, method: str, indices: list[int], timeout: float | None) -> list:
+        for status, value in handles:
+            if status == "error":
+                raise value
+        return [value for _, value in handles]
+
+    def shutdown(self) -> None:
+        self.workers = []

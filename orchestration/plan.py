@@ -1,0 +1,68 @@
+"""Print the placement plan of a config without starting anything.
+
+    python -m orchestration.plan +experiment=grpo_colocate
+    python -m orchestration.plan +experiment=sampling_device_groups plan.json=true
+    python -m orchestration.plan config_file=my_swift_ray.yaml
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from orchestration.config import (ConfigError, PlanConfig, apply_swift_yaml, placement_dict, register_schema,
+                                  validate)
+from orchestration.planner import Plan, PlanError, make_plan
+
+COLUMNS = ("role", "device", "ranks", "nodes", "group", "colocated_with", "offload", "sleep", "tp", "model")
+
+
+def _compact(ranks: list[int]) -> str:
+    if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"{ranks[0]}-{ranks[-1]}"
+    return ",".join(map(str, ranks))
+
+
+def format_table(plan: Plan) -> str:
+    rows = []
+    for r in plan.rows():
+        offload = "+".join(n for n, on in (("model", r["offload_model"]), ("optimizer", r["offload_optimizer"])) if on)
+        rows.append((r["role"], r["device"], _compact(r["ranks"]), _compact(r["nodes"]), r["group"],
+                     ",".join(r["colocated_with"]) or "-", offload or "-", str(r["sleep_level"] or "-"),
+                     str(r["tensor_parallel_size"]), r["model"] or "-"))
+    widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(COLUMNS)]
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
+    head = f"plan ({plan.form} form): {plan.nnodes} node(s) x {plan.devices_per_node} device(s)"
+    if plan.gkd_logits_topk:
+        head += f", teacher top-k {plan.gkd_logits_topk}"
+    return "\n".join([head, line(COLUMNS), line(["-" * w for w in widths]), *map(line, rows)])
+
+
+def plan_from_config(cfg: DictConfig) -> tuple[Plan, list[str]]:
+    typed = validate(cfg, PlanConfig, sections=["placement", "cluster", "backend", "config_file", "plan"])
+    unused = apply_swift_yaml(typed, {}, allow_unused=True) if typed.config_file else []
+    return make_plan(placement_dict(typed)), unused
+
+
+register_schema(PlanConfig)
+
+
+@hydra.main(config_path="pkg://conf", config_name="config", version_base=None)
+def main(cfg: DictConfig) -> None:
+    try:
+        plan, unused = plan_from_config(cfg)
+    except (ConfigError, PlanError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if cfg.plan.json:
+        print(json.dumps(plan.rows(), indent=2))
+    else:
+        print(format_table(plan))
+    if unused:
+        print(f"note: the planner reads only placement keys; not used here: {unused}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

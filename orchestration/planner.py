@@ -1,0 +1,379 @@
+"""Placement planner: a placement config (either ms-swift form) -> a `Plan`.
+
+Pure: no Ray, no I/O. Two input forms are accepted (DESIGN §5):
+
+* Megatron-Ray form: ``train/rollout/teacher: {gpus: N}``, ``colocate_groups``,
+  ``teacher_model`` (a teacher colocated with the trainer), ``offload_*``, ``sleep_level``.
+* Swift-Ray form: ``device_groups: {nproc_per_node: N, <group>: {device, ranks, workers}}``.
+
+Every impossible layout raises `PlanError`, whose message names the key and the fix.
+"""
+from __future__ import annotations
+
+import ast
+import re
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+ROLES = ("train", "rollout", "teacher", "sampler", "prm", "orm", "default")
+MEGATRON_ROLES = ("train", "rollout", "teacher")
+# Keys shared by both forms, then the keys of each form.
+COMMON_KEYS = {"offload_model", "offload_optimizer", "sleep_level", "nnodes", "gkd_logits_topk"}
+MEGATRON_KEYS = COMMON_KEYS | {"colocate_groups", "teacher_model", "offload_teacher_model",
+                               "nproc_per_node", *MEGATRON_ROLES}
+SWIFT_KEYS = COMMON_KEYS | {"device_groups"}
+ROLE_ENTRY_KEYS = {"gpus", "model", "vllm_tensor_parallel_size"}
+GROUP_ENTRY_KEYS = {"device", "ranks", "workers"}
+
+
+class PlanError(ValueError):
+    """An impossible or ambiguous placement. `key` is the offending config key."""
+
+    def __init__(self, key: str, problem: str, fix: str):
+        self.key = key
+        super().__init__(f"placement key '{key}': {problem}. Fix: {fix}")
+
+
+@dataclass(frozen=True)
+class RolePlan:
+    role: str
+    device: str  # "GPU" or "CPU"
+    # Global ranks: device index over the cluster (node * devices_per_node + local) for
+    # GPU roles; process index among all CPU processes for CPU roles.
+    ranks: tuple[int, ...]
+    nodes: tuple[int, ...]  # node index of each rank
+    local_devices: tuple[int, ...]  # device index inside its node, per rank
+    group: str  # device group; colocated roles share it and its bundles
+    colocated_with: tuple[str, ...] = ()
+    offload_model: bool = False
+    offload_optimizer: bool = False
+    sleep_level: int = 0
+    tensor_parallel_size: int = 1
+    model: str | None = None
+
+    @property
+    def world_size(self) -> int:
+        return len(self.ranks)
+
+
+@dataclass(frozen=True)
+class Plan:
+    roles: dict[str, RolePlan]
+    nnodes: int
+    devices_per_node: int
+    form: str  # "megatron" or "device_groups"
+    gkd_logits_topk: int | None = None
+    notes: tuple[str, ...] = field(default=())
+
+    def __getitem__(self, role: str) -> RolePlan:
+        if role not in self.roles:
+            raise KeyError(f"role '{role}' is not in the plan (planned: {', '.join(self.roles)})")
+        return self.roles[role]
+
+    def rows(self) -> list[dict[str, Any]]:
+        """One JSON-ready dict per role, for the CLI table and `plan.json=true`."""
+        return [{"role": r.role, "device": r.device, "ranks": list(r.ranks),
+                 "nodes": sorted(set(r.nodes)), "group": r.group,
+                 "colocated_with": list(r.colocated_with), "offload_model": r.offload_model,
+                 "offload_optimizer": r.offload_optimizer, "sleep_level": r.sleep_level,
+                 "tensor_parallel_size": r.tensor_parallel_size, "model": r.model}
+                for r in self.roles.values()]
+
+    def demand(self) -> dict[str, float]:
+        """Devices the plan reserves: {'GPU': n, 'CPU': m} (colocated roles count once)."""
+        seen: dict[str, set] = {"GPU": set(), "CPU": set()}
+        for r in self.roles.values():
+            seen[r.device].update(r.ranks)
+        return {k: float(len(v)) for k, v in seen.items()}
+
+
+def make_plan(cfg: Mapping[str, Any]) -> Plan:
+    """Build a Plan from a placement mapping in either ms-swift form (None/False = unset)."""
+    cfg = {k: v for k, v in dict(cfg).items() if v is not None and v is not False}
+    if "device_groups" in cfg:
+        mixed = sorted(set(cfg) & (MEGATRON_KEYS - COMMON_KEYS))
+        if mixed:
+            raise PlanError(mixed[0], "the Megatron-Ray form (train/rollout/teacher, colocate_groups) "
+                            "is mixed with the Swift-Ray form (device_groups)",
+                            "use one form: either device_groups, or train/rollout/teacher with colocate_groups")
+        _reject_unknown(cfg, SWIFT_KEYS, "placement")
+        return _plan_device_groups(cfg)
+    _reject_unknown(cfg, MEGATRON_KEYS, "placement")
+    return _plan_megatron(cfg)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def _reject_unknown(d: Mapping, allowed: set, where: str) -> None:
+    unknown = sorted(set(d) - allowed)
+    if unknown:
+        raise PlanError(f"{where}.{unknown[0]}", f"unknown key(s) {unknown}",
+                        f"remove them; accepted keys here are {sorted(allowed)}")
+
+
+def _positive_int(value: Any, key: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise PlanError(key, f"expected an integer >= {minimum}, got {value!r}",
+                        f"set {key} to an integer >= {minimum}")
+    return value
+
+
+def _common(cfg: Mapping) -> dict[str, Any]:
+    sleep = cfg.get("sleep_level", 0)
+    if sleep not in (0, 1, 2):
+        raise PlanError("sleep_level", f"must be 0, 1 or 2, got {sleep!r}",
+                        "use 1 (weights to host memory) or 2 (weights discarded), 0 to never sleep")
+    topk = cfg.get("gkd_logits_topk")
+    if topk is not None:
+        _positive_int(topk, "gkd_logits_topk")
+    return {"offload_model": bool(cfg.get("offload_model", False)),
+            "offload_optimizer": bool(cfg.get("offload_optimizer", False)),
+            "sleep_level": sleep, "gkd_logits_topk": topk}
+
+
+def _check_capacity(ranks_used: list[int], nnodes: int, per_node: int, key: str) -> None:
+    if ranks_used and max(ranks_used) >= nnodes * per_node:
+        raise PlanError(key, f"the layout needs device rank {max(ranks_used)} but {nnodes} node(s) x "
+                        f"{per_node} device(s) only have ranks 0..{nnodes * per_node - 1}",
+                        "raise nnodes or nproc_per_node, or give the roles fewer devices")
+
+
+# ------------------------------------------------------------------ Megatron-Ray form
+
+def _plan_megatron(cfg: dict) -> Plan:
+    common = _common(cfg)
+    entries: dict[str, dict] = {}
+    for role in MEGATRON_ROLES:
+        if role not in cfg:
+            continue
+        entry = cfg[role]
+        if not isinstance(entry, Mapping):
+            raise PlanError(role, f"expected a mapping like {{gpus: 2}}, got {entry!r}",
+                            f"write {role}: {{gpus: N}}")
+        entry = {k: v for k, v in dict(entry).items() if v is not None}
+        _reject_unknown(entry, ROLE_ENTRY_KEYS, role)
+        if "gpus" not in entry:
+            raise PlanError(f"{role}.gpus", "missing", f"set {role}.gpus to the number of devices for {role}")
+        _positive_int(entry["gpus"], f"{role}.gpus")
+        tp = _positive_int(entry.get("vllm_tensor_parallel_size", 1), f"{role}.vllm_tensor_parallel_size")
+        if tp > 1 and role == "train":
+            raise PlanError("train.vllm_tensor_parallel_size", "the trainer has no vLLM engine",
+                            "set it on rollout or teacher")
+        if entry["gpus"] % tp:
+            raise PlanError(f"{role}.vllm_tensor_parallel_size",
+                            f"tensor parallel size {tp} does not divide {role}.gpus={entry['gpus']}",
+                            f"choose a tensor parallel size that divides {entry['gpus']}")
+        entries[role] = entry
+    if "train" not in entries and "rollout" not in entries:
+        raise PlanError("train", "no role has devices", "add at least train: {gpus: N}")
+
+    teacher_model = cfg.get("teacher_model")
+    colocated_teacher = teacher_model is not None and "teacher" not in entries
+    if cfg.get("offload_teacher_model") and not colocated_teacher:
+        raise PlanError("offload_teacher_model", "only a teacher colocated with the trainer is offloaded",
+                        "set teacher_model (and no teacher group), or drop offload_teacher_model")
+    if colocated_teacher:
+        if "train" not in entries:
+            raise PlanError("teacher_model", "a colocated teacher shares the trainer's devices, "
+                            "but there is no train group", "add train: {gpus: N}")
+        entries["teacher"] = {"gpus": entries["train"]["gpus"], "model": teacher_model}
+    elif "teacher" in entries and teacher_model is not None:
+        entries["teacher"].setdefault("model", teacher_model)
+
+    # Colocate groups: validated, then implicit colocation of the teacher with train.
+    groups: list[list[str]] = []
+    owner: dict[str, int] = {}
+    raw_groups = cfg.get("colocate_groups", [])
+    if not isinstance(raw_groups, (list, tuple)) or any(not isinstance(g, (list, tuple)) for g in raw_groups):
+        raise PlanError("colocate_groups", f"expected a list of lists of roles, got {raw_groups!r}",
+                        "write colocate_groups: [[train, rollout]]")
+    for gi, group in enumerate(raw_groups):
+        for role in group:
+            if role not in MEGATRON_ROLES:
+                raise PlanError("colocate_groups", f"unknown role '{role}'",
+                                f"use role names from {list(MEGATRON_ROLES)}")
+            if role not in entries:
+                raise PlanError("colocate_groups", f"role '{role}' is colocated but has no devices",
+                                f"add {role}: {{gpus: N}} or remove it from colocate_groups")
+            if role in owner:
+                raise PlanError("colocate_groups", f"role '{role}' is in two colocate groups",
+                                "put each role in at most one group (merge the groups)")
+            owner[role] = gi
+        counts = {r: entries[r]["gpus"] for r in group}
+        if len(set(counts.values())) > 1:
+            raise PlanError("colocate_groups", f"colocated roles need equal device counts, got {counts}",
+                            "give every role of the group the same gpus, or place them separately")
+        groups.append(list(group))
+    if colocated_teacher:
+        if "train" in owner:
+            groups[owner["train"]].append("teacher")
+        else:
+            owner["train"] = len(groups)
+            groups.append(["train", "teacher"])
+        owner["teacher"] = owner["train"]
+
+    # Devices: each colocate group (once) and each separate role take the next ranks.
+    order = [r for r in MEGATRON_ROLES if r in entries]
+    first: dict[str, list[int]] = {}
+    next_rank = 0
+    for role in order:
+        key = owner.get(role, role)
+        if key not in first:
+            n = entries[role]["gpus"]
+            first[key] = list(range(next_rank, next_rank + n))
+            next_rank += n
+    nnodes = _positive_int(cfg.get("nnodes", 1), "nnodes")
+    per_node = cfg.get("nproc_per_node")
+    per_node = -(-next_rank // nnodes) if per_node is None else _positive_int(per_node, "nproc_per_node")
+    _check_capacity(list(range(next_rank)), nnodes, per_node,
+                    "nproc_per_node" if "nproc_per_node" in cfg else "nnodes")
+
+    roles = {}
+    for role in order:
+        key = owner.get(role, role)
+        mates = tuple(r for r in groups[key] if r != role) if isinstance(key, int) else ()
+        ranks = tuple(first[key])
+        is_teacher = role == "teacher"
+        roles[role] = RolePlan(
+            role=role, device="GPU", ranks=ranks,
+            nodes=tuple(r // per_node for r in ranks), local_devices=tuple(r % per_node for r in ranks),
+            group="+".join(groups[key]) if isinstance(key, int) else role, colocated_with=mates,
+            # The rollout frees memory by sleeping; trainer and teacher by offloading.
+            offload_model=bool(mates) and (bool(cfg.get("offload_teacher_model")) if is_teacher
+                                           else role == "train" and common["offload_model"]),
+            offload_optimizer=bool(mates) and role == "train" and common["offload_optimizer"],
+            sleep_level=common["sleep_level"] if (mates and role == "rollout") else 0,
+            tensor_parallel_size=entries[role].get("vllm_tensor_parallel_size", 1),
+            model=entries[role].get("model"))
+    return Plan(roles=roles, nnodes=nnodes, devices_per_node=per_node, form="megatron",
+                gkd_logits_topk=common["gkd_logits_topk"])
+
+
+# ------------------------------------------------------------------- Swift-Ray form
+
+_RANGE = re.compile(r"^\s*list\(\s*range\(\s*(\d+)\s*(?:,\s*(\d+)\s*)?\)\s*\)\s*$")
+
+
+def parse_ranks(value: Any, key: str) -> int | list[int]:
+    """`ranks` as given by users: an int, a list of ints, or the strings
+    'list(range(a, b))', 'list(range(n))', '[0, 1]' or '0,1'. Never eval'd."""
+    if isinstance(value, bool):
+        raise PlanError(key, f"expected an int or a list of ints, got {value!r}", "write ranks: 2 or ranks: [0, 1]")
+    if isinstance(value, int):
+        return _positive_int(value, key)
+    if isinstance(value, str):
+        m = _RANGE.match(value)
+        if m:
+            a, b = (0, int(m.group(1))) if m.group(2) is None else (int(m.group(1)), int(m.group(2)))
+            value = list(range(a, b))
+        else:
+            text = value.strip()
+            try:
+                value = ast.literal_eval(text if text.startswith("[") else f"[{text}]")
+            except (ValueError, SyntaxError):
+                raise PlanError(key, f"cannot read ranks {value!r}",
+                                "write an int, a list like [0, 1], or 'list(range(0, 2))'") from None
+    if isinstance(value, (list, tuple)):
+        if not value or any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in value):
+            raise PlanError(key, f"expected a non-empty list of ranks >= 0, got {value!r}",
+                            "write ranks like [0, 1] or 'list(range(0, 2))'")
+        if len(set(value)) != len(value):
+            raise PlanError(key, f"rank listed twice in {list(value)}", "list each rank once")
+        return list(value)
+    raise PlanError(key, f"expected an int or a list of ints, got {value!r}", "write ranks: 2 or ranks: [0, 1]")
+
+
+def _plan_device_groups(cfg: dict) -> Plan:
+    common = _common(cfg)
+    dg = cfg["device_groups"]
+    if not isinstance(dg, Mapping):
+        raise PlanError("device_groups", f"expected a mapping, got {dg!r}",
+                        "write device_groups: {nproc_per_node: N, my_group: {device, ranks, workers}}")
+    dg = dict(dg)
+    if "nproc_per_node" not in dg:
+        raise PlanError("device_groups.nproc_per_node", "missing",
+                        "set device_groups.nproc_per_node to the devices per node")
+    per_node = _positive_int(dg.pop("nproc_per_node"), "device_groups.nproc_per_node")
+
+    parsed = []  # (name, device, ranks|count, workers)
+    owner: dict[str, str] = {}
+    for name, group in dg.items():
+        key = f"device_groups.{name}"
+        if not isinstance(group, Mapping):
+            raise PlanError(key, f"expected a mapping with device/ranks/workers, got {group!r}",
+                            f"write {name}: {{device: GPU, ranks: 2, workers: [sampler]}}")
+        group = dict(group)
+        _reject_unknown(group, GROUP_ENTRY_KEYS, key)
+        device = str(group.get("device", "GPU")).upper()
+        if device not in ("GPU", "CPU"):
+            raise PlanError(f"{key}.device", f"unknown device {group.get('device')!r}", "use GPU or CPU")
+        if "ranks" not in group:
+            raise PlanError(f"{key}.ranks", "missing", "give ranks as a count (2) or a list ([0, 1])")
+        ranks = parse_ranks(group["ranks"], f"{key}.ranks")
+        if device == "CPU" and isinstance(ranks, list):
+            raise PlanError(f"{key}.ranks", "CPU groups take a process count, not a list of ranks",
+                            f"write ranks: {len(ranks)}")
+        workers = group.get("workers")
+        workers = [workers] if isinstance(workers, str) else workers
+        if not workers or not isinstance(workers, (list, tuple)):
+            raise PlanError(f"{key}.workers", f"expected a non-empty list of roles, got {workers!r}",
+                            f"write workers: [sampler] with roles from {list(ROLES)}")
+        for role in workers:
+            if role not in ROLES:
+                raise PlanError(f"{key}.workers", f"unknown role '{role}'", f"use roles from {list(ROLES)}")
+            if role in owner:
+                raise PlanError(f"{key}.workers", f"role '{role}' is already in group '{owner[role]}'",
+                                "list each role in exactly one group")
+            owner[role] = name
+        parsed.append((name, device, ranks, list(workers)))
+
+    # Explicit GPU ranks first; counts then take the lowest free ranks, in group order.
+    taken: dict[int, str] = {}
+    for name, device, ranks, _ in parsed:
+        if device == "GPU" and isinstance(ranks, list):
+            for r in ranks:
+                if r in taken:
+                    raise PlanError(f"device_groups.{name}.ranks",
+                                    f"rank {r} is also used by group '{taken[r]}'",
+                                    "give each group its own ranks, or list both roles in one group's workers to colocate them")
+                taken[r] = name
+    resolved: dict[str, list[int]] = {}
+    next_cpu = 0
+    for name, device, ranks, _ in parsed:
+        if device == "CPU":
+            resolved[name] = list(range(next_cpu, next_cpu + ranks))
+            next_cpu += ranks
+        elif isinstance(ranks, list):
+            resolved[name] = ranks
+        else:
+            free, r = [], 0
+            while len(free) < ranks:
+                if r not in taken:
+                    free.append(r)
+                    taken[r] = name
+                r += 1
+            resolved[name] = free
+
+    gpu_ranks = [r for name, device, _, _ in parsed if device == "GPU" for r in resolved[name]]
+    if "nnodes" in cfg:
+        nnodes = _positive_int(cfg["nnodes"], "nnodes")
+        _check_capacity(gpu_ranks, nnodes, per_node, "nnodes")
+    else:
+        nnodes = (max(gpu_ranks) // per_node + 1) if gpu_ranks else 1
+
+    roles = {}
+    for name, device, _, workers in parsed:
+        ranks = tuple(resolved[name])
+        gpu = device == "GPU"
+        for role in workers:
+            mates = tuple(w for w in workers if w != role)
+            roles[role] = RolePlan(
+                role=role, device=device, ranks=ranks,
+                nodes=tuple(r // per_node if gpu else 0 for r in ranks),
+                local_devices=tuple(r % per_node if gpu else r for r in ranks),
+                group=name, colocated_with=mates,
+                offload_model=bool(mates) and role not in ("rollout", "sampler") and common["offload_model"],
+                offload_optimizer=bool(mates) and role in ("train", "default") and common["offload_optimizer"],
+                sleep_level=common["sleep_level"] if (mates and role in ("rollout", "sampler")) else 0)
+    return Plan(roles=roles, nnodes=nnodes, devices_per_node=per_node, form="device_groups",
+                gkd_logits_topk=common["gkd_logits_topk"])

