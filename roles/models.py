@@ -1,0 +1,199 @@
+"""Model factory: HF causal LMs from a local checkpoint directory or from tiny presets.
+
+`build_model(spec)` and `load_tokenizer(spec)` take the same spec:
+
+* a local directory with `config.json` + safetensors (any Qwen2/Llama-family checkpoint
+  saved by plain `transformers`), loaded with `local_files_only=True`;
+* a preset name, i.e. a file `conf/model/<name>.yaml` (tiny Qwen2/Llama models whose
+  weights are initialised from a seed, so CPU training takes seconds);
+* a `ModelConfig` (what Hydra composes under `model:`), or a mapping of its fields.
+
+Everything written with `save_checkpoint` loads back with `AutoModelForCausalLM` and
+`AutoTokenizer` alone. No Ray here: roles build their models through this module.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, List, Mapping, Optional, Union
+
+import torch
+from omegaconf import OmegaConf
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedModel, Qwen2Config
+
+from roles.tokenizers import BUILDERS, build_tokenizer
+
+# Smallest head size vLLM's CPU attention kernels accept.
+MIN_HEAD_DIM = 32
+ARCHS = {"qwen2": Qwen2Config, "llama": LlamaConfig}
+# Files of which a saved tokenizer has at least one.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ModelConfig:
+    # Preset name (a file conf/model/<name>.yaml) or a label for a checkpoint; shown in logs.
+    name: str = "tiny_qwen2"
+    # Local HF checkpoint directory (config.json + safetensors); set, it replaces the preset
+    # and the architecture fields below are ignored.
+    path: Optional[str] = None
+    # Tokenizer of a preset, and of a checkpoint without tokenizer files of its own:
+    # "char", "gpt2", or a directory saved with save_pretrained; None: "char".
+    tokenizer: Optional[str] = None
+    # Architecture of a preset: "qwen2" or "llama".
+    arch: str = "qwen2"
+    # Width of the residual stream.
+    hidden_size: int = 128
+    # Width of the MLP's hidden layer.
+    intermediate_size: int = 256
+    # Number of transformer blocks.
+    num_hidden_layers: int = 4
+    # Query heads; head size is hidden_size / num_attention_heads and must be >= 32.
+    num_attention_heads: int = 4
+    # Key/value heads (grouped-query attention); must divide num_attention_heads.
+    num_key_value_heads: int = 2
+    # Longest sequence (prompt + completion) in tokens.
+    max_position_embeddings: int = 1024
+    # RoPE base frequency.
+    rope_theta: float = 10000.0
+    # Epsilon of the RMS norms.
+    rms_norm_eps: float = 1e-6
+    # Share the input embedding with the output head (halves the parameters of tiny models).
+    tie_word_embeddings: bool = True
+    # Embedding rows; None: the tokenizer's size.
+    vocab_size: Optional[int] = None
+    # Seed of the weight initialisation of a preset (the global RNG is left untouched).
+    seed: int = 0
+    # Weight dtype: "float32", "bfloat16", "float16", or "auto" (a checkpoint's own dtype).
+    dtype: str = "float32"
+    # Attention kernel passed to transformers: "sdpa" or "eager".
+    attn_implementation: str = "sdpa"
+
+
+ModelSpec = Union[str, os.PathLike, ModelConfig, Mapping[str, Any]]
+
+
+def preset_dir() -> Path:
+    """Folder of the preset files (conf/model/, shipped with the package)."""
+    return Path(str(resources.files("conf") / "model"))
+
+
+def preset_names() -> List[str]:
+    """Names of the presets in conf/model/."""
+    return sorted(p.stem for p in preset_dir().glob("*.yaml"))
+
+
+def resolve_config(spec: ModelSpec) -> ModelConfig:
+    """A ModelConfig from a directory, a preset name, a ModelConfig or a mapping."""
+    if isinstance(spec, ModelConfig):
+        return spec
+    schema = OmegaConf.structured(ModelConfig)
+    if isinstance(spec, (str, os.PathLike)):
+        text = os.fspath(spec)
+        if os.path.isdir(text):
+            return ModelConfig(name=os.path.basename(os.path.normpath(text)), path=text)
+        preset = preset_dir() / f"{text}.yaml"
+        if not preset.is_file():
+            raise ValueError(f"model '{text}' is neither a directory nor a preset; presets: "
+                             f"{preset_names()} (files in {preset_dir()})")
+        return OmegaConf.to_object(OmegaConf.merge(schema, OmegaConf.load(preset)))
+    # A mapping or DictConfig; unknown keys and wrong types fail here with the key's name.
+    return OmegaConf.to_object(OmegaConf.merge(schema, spec))
+
+
+def check_config(cfg: ModelConfig) -> None:
+    """Reject preset shapes that cannot build or that vLLM's CPU kernels refuse."""
+    if cfg.arch not in ARCHS:
+        raise ValueError(f"model.arch='{cfg.arch}' is not supported; choose one of {sorted(ARCHS)}")
+    if cfg.hidden_size % cfg.num_attention_heads:
+        raise ValueError(f"model.hidden_size={cfg.hidden_size} is not divisible by "
+                         f"model.num_attention_heads={cfg.num_attention_heads}")
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    if head_dim < MIN_HEAD_DIM:
+        raise ValueError(f"head size {head_dim} (model.hidden_size / model.num_attention_heads) is "
+                         f"below {MIN_HEAD_DIM}; use fewer heads or a wider model")
+    if cfg.num_attention_heads % cfg.num_key_value_heads:
+        raise ValueError(f"model.num_key_value_heads={cfg.num_key_value_heads} must divide "
+                         f"model.num_attention_heads={cfg.num_attention_heads}")
+    if cfg.dtype != "auto" and cfg.dtype not in DTYPES:
+        raise ValueError(f"model.dtype='{cfg.dtype}'; choose one of {sorted(DTYPES)} or 'auto'")
+
+
+def _has_tokenizer_files(directory: str) -> bool:
+    return any(os.path.isfile(os.path.join(directory, f)) for f in TOKENIZER_FILES)
+
+
+def load_tokenizer(spec: ModelSpec):
+    """The tokenizer of a model spec: a checkpoint's own (it matches the embeddings, so it
+    wins even over a preset's `tokenizer` field), else `ModelConfig.tokenizer`."""
+    cfg = resolve_config(spec)
+    if cfg.path is not None and _has_tokenizer_files(cfg.path):
+        kind = cfg.path
+    elif cfg.path is not None and cfg.tokenizer is None:
+        raise ValueError(f"no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {cfg.path}; save "
+                         f"one there or set model.tokenizer to one of {sorted(BUILDERS)} or a directory")
+    else:
+        kind = cfg.tokenizer or "char"
+    if kind in BUILDERS:
+        return build_tokenizer(kind)
+    if not os.path.isdir(kind):
+        raise ValueError(f"model.tokenizer='{kind}' is neither {sorted(BUILDERS)} nor a directory")
+    # Without tokenizer files transformers builds an empty tokenizer instead of failing.
+    if not _has_tokenizer_files(kind):
+        raise ValueError(f"no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {kind}; save one "
+                         f"there or set model.tokenizer to one of {sorted(BUILDERS)}")
+    try:
+        return AutoTokenizer.from_pretrained(kind, local_files_only=True)
+    except (OSError, ValueError) as err:
+        raise ValueError(f"no tokenizer could be loaded from {kind} ({err}); save one there "
+                         f"or set model.tokenizer to one of {sorted(BUILDERS)}") from err
+
+
+def build_model(spec: ModelSpec) -> PreTrainedModel:
+    """A causal LM on CPU in eval mode: loaded from `path`, or a preset built from a seed."""
+    cfg = resolve_config(spec)
+    if cfg.path is not None:
+        if not os.path.isfile(os.path.join(cfg.path, "config.json")):
+            raise ValueError(f"model.path={cfg.path} has no config.json; expected a directory "
+                             "written by save_pretrained")
+        dtype = "auto" if cfg.dtype == "auto" else DTYPES[cfg.dtype]
+        model = AutoModelForCausalLM.from_pretrained(
+            cfg.path, local_files_only=True, dtype=dtype, attn_implementation=cfg.attn_implementation)
+        return model.eval()
+    check_config(cfg)
+    tokenizer = load_tokenizer(cfg)
+    hf_config = ARCHS[cfg.arch](
+        vocab_size=cfg.vocab_size or len(tokenizer),
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.intermediate_size,
+        num_hidden_layers=cfg.num_hidden_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.num_key_value_heads,
+        max_position_embeddings=cfg.max_position_embeddings,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        rms_norm_eps=cfg.rms_norm_eps,
+        tie_word_embeddings=cfg.tie_word_embeddings,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    hf_config._attn_implementation = cfg.attn_implementation
+    # Fork the RNG so that building a model never shifts the caller's random stream.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.seed)
+        model = AutoModelForCausalLM.from_config(hf_config)
+    if cfg.dtype not in ("auto", "float32"):
+        model = model.to(DTYPES[cfg.dtype])
+    return model.eval()
+
+
+def save_checkpoint(model: PreTrainedModel, tokenizer, out_dir: Union[str, os.PathLike]) -> Path:
+    """Write model (safetensors) and tokenizer so plain `from_pretrained(out_dir)` loads both."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
