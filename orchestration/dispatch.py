@@ -115,8 +115,10 @@ def flatten(results: list) -> Any:
     if isinstance(first, dict):
         return {k: flatten([r[k] for r in results]) for k in first}
     if dataclasses.is_dataclass(first) and not isinstance(first, type):
+        # Per-item fields are concatenated; whole-batch fields (scalars, strings) keep rank 0's value.
         return dataclasses.replace(first, **{f.name: flatten([getattr(r, f.name) for r in results])
-                                             for f in dataclasses.fields(first) if f.init})
+                                             for f in dataclasses.fields(first)
+                                             if f.init and _length(getattr(first, f.name)) is not None})
     return list(results)
 
 

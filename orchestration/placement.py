@@ -94,7 +94,7 @@ def create_placement(plan: Plan, timeout_s: float = 60.0) -> Placement:
     for node in sorted(need):
         node_keys = sorted(k for k in keys if k[1] == node)
         bundles = [{k[0]: 1.0} for k in node_keys]
-        pg = placement_group(bundles, strategy="STRICT_PACK", name=f"plan-node{node}",
+        pg = placement_group(bundles, strategy="STRICT_PACK", name="",
                              bundle_label_selector=[{NODE_LABEL: node_ids[node]}] * len(bundles))
         groups[node] = pg
         for i, k in enumerate(node_keys):

@@ -1,0 +1,48 @@
+"""Shared fixtures: one Ray cluster for the whole test session.
+
+The cluster has two simulated nodes on this machine: a head node with 12 fake GPUs and a
+second node with 4, so single-node layouts of 8 GPUs (beside a module-scoped 4-GPU one) and
+2-node layouts both place.
+Fake GPUs give actors CUDA_VISIBLE_DEVICES while torch.cuda stays unavailable.
+"""
+import os
+
+import pytest
+
+from orchestration.cluster import quiet_ray_env
+
+quiet_ray_env()
+# Keep every Ray address on loopback (Ray otherwise resolves 127.0.0.1 to the host's IP).
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+HEAD_GPUS, WORKER_GPUS = 12, 4
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a real CUDA GPU; skipped on CPU machines")
+
+
+def pytest_collection_modifyitems(config, items):
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+    from ray.cluster_utils import Cluster
+
+    common = dict(num_cpus=8, object_store_memory=256 * 2**20, node_ip_address="127.0.0.1")
+    cluster = Cluster(initialize_head=True, head_node_args=dict(num_gpus=HEAD_GPUS, include_dashboard=False, **common))
+    cluster.add_node(num_gpus=WORKER_GPUS, **common)
+    ray.init(address=cluster.address, log_to_driver=False, logging_level="WARNING")
+    assert ray.nodes()[0]["NodeManagerAddress"] == "127.0.0.1"
+    cluster.wait_for_nodes()
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()

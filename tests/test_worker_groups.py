@@ -1,0 +1,232 @@
+"""Worker groups on real Ray (fake GPUs, two simulated nodes) and the local backend.
+
+Every dispatch/collect case runs on both backends and must give identical results.
+"""
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from orchestration.base_group import WorkerError
+from orchestration.local import LocalWorkerGroup
+from orchestration.planner import make_plan
+from tests.roles_for_tests import Probe
+
+
+@dataclasses.dataclass
+class Batch:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    texts: list
+    temperature: float = 1.0
+
+
+@pytest.fixture(scope="module")
+def ray_groups(ray_cluster):
+    """Ray groups for a 4-GPU colocated layout: train and rollout share the 4 devices."""
+    from orchestration.placement import create_placement
+    from orchestration.worker_group import WorkerGroup
+
+    plan = make_plan({"colocate_groups": [["train", "rollout"]], "train": {"gpus": 4}, "rollout": {"gpus": 4}})
+    placement = create_placement(plan, timeout_s=30)
+    groups = {r: WorkerGroup(Probe, plan[r], {"scale": 2.0}, placement=placement) for r in ("train", "rollout")}
+    yield groups
+    for g in groups.values():
+        g.shutdown()
+    placement.remove()
+
+
+@pytest.fixture(scope="module")
+def local_group():
+    plan = make_plan({"train": {"gpus": 4}})
+    return LocalWorkerGroup(Probe, plan["train"], {"scale": 2.0})
+
+
+@pytest.fixture(params=["ray", "local"])
+def group(request, ray_groups, local_group):
+    return ray_groups["train"] if request.param == "ray" else local_group
+
+
+def same(a, b):
+    """Deep equality over lists/tuples/dicts/tensors/arrays/dataclasses."""
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return np.array_equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if dataclasses.is_dataclass(a):
+        return all(same(getattr(a, f.name), getattr(b, f.name)) for f in dataclasses.fields(a))
+    return a == b
+
+
+CASES = {
+    "slice 10 over 4 -> 3,3,2,2": (("rank_and_len", list(range(10))), dict(dispatch="slice", collect="flatten"),
+                                   [(0, 3), (1, 3), (2, 2), (3, 2)]),
+    "slice fewer items than workers skips": (("rank_and_len", [7, 8]), dict(dispatch="slice", collect="flatten"),
+                                             [(0, 1), (1, 1)]),
+    "slice tensor round trip": (("echo", torch.arange(10.0)), dict(dispatch="slice", collect="flatten"),
+                                torch.arange(10.0)),
+    "slice array scaled": (("scaled", np.arange(6.0).reshape(6, 1)), dict(dispatch="slice", collect="flatten"),
+                           np.arange(6.0).reshape(6, 1) * 2),
+    "slice batch dataclass": (("echo", Batch(torch.arange(10).reshape(5, 2), torch.ones(5, 2), list("abcde"), 0.5)),
+                              dict(dispatch="slice", collect="flatten"),
+                              Batch(torch.arange(10).reshape(5, 2), torch.ones(5, 2), list("abcde"), 0.5)),
+    "slice sends strings and dicts whole": (("tag", [1, 2, 3, 4, 5], "L"), dict(dispatch="slice", extra={"k": 9}),
+                                            [[("L", 9, 1), ("L", 9, 2)], [("L", 9, 3)], [("L", 9, 4)], [("L", 9, 5)]]),
+    "tuple returns flatten element-wise": (("pair", list("abcd")), dict(dispatch="slice", collect="flatten"),
+                                           (list("abcd"), [0, 1, 2, 3])),
+    "all sends the same": (("echo", "hello"), dict(dispatch="all"), ["hello"] * 4),
+    "execute first unwraps": (("whoami",), dict(execute="first", collect=lambda r: r["rank"]), 0),
+    "collect none lists per worker": (("tensor_rank",), {}, [torch.full((2,), float(i)) for i in range(4)]),
+    "flatten tensors": (("tensor_rank",), dict(collect="flatten"), torch.tensor([0., 0, 1, 1, 2, 2, 3, 3])),
+    "flatten arrays": (("array_rank",), dict(collect="flatten"), np.array([[i] * 3 for i in range(4)])),
+    "flatten dicts key-wise": (("metrics", 5), dict(collect="flatten"), {"rank": [0, 1, 2, 3], "n": [5] * 4}),
+    "callable collect": (("echo", 3), dict(collect=sum), 12),
+    "callable dispatch": (("echo", 100), dict(dispatch=lambda n, i, x: ((x + i,), {}), collect="flatten"),
+                          [100, 101, 102, 103]),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_dispatch_semantics_identical_on_both_backends(name, ray_groups, local_group):
+    (method, *args), kwargs, expected = CASES[name]
+    kwargs = dict(kwargs)
+    if name == "execute first unwraps":
+        kwargs.pop("collect")
+        for g in (ray_groups["train"], local_group):
+            assert g.call(method, *args, **kwargs)["rank"] == 0
+        return
+    results = [g.call(method, *args, **kwargs) for g in (ray_groups["train"], local_group)]
+    assert same(results[0], expected), results[0]
+    assert same(results[1], expected), results[1]
+
+
+def test_async_call_returns_future(group):
+    fut = group.async_call("echo", [1, 2, 3, 4], dispatch="slice", collect="flatten")
+    assert fut.get() == [1, 2, 3, 4] and fut.get() == [1, 2, 3, 4]
+
+
+def test_remote_exception_names_role_rank_method(group):
+    with pytest.raises(WorkerError) as info:
+        group.call("fail", "boom-message")
+    err = info.value
+    assert (err.role, err.rank, err.method) == ("train", 1, "fail")
+    text = str(err)
+    assert "train rank 1 failed in fail(): ValueError: boom-message" in text
+    assert "remote traceback" in text and "roles_for_tests.py" in text
+
+
+def test_mismatched_slice_lengths_are_refused(group):
+    with pytest.raises(ValueError, match="one length"):
+        group.call("add", [1, 2, 3], [1, 2], dispatch="slice")
+
+
+def test_rank_environment(ray_groups):
+    infos = ray_groups["train"].call("whoami")
+    assert [i["rank"] for i in infos] == [0, 1, 2, 3]
+    for i in infos:
+        assert i["env"]["WORLD_SIZE"] == "4" and i["env"]["MASTER_ADDR"] == infos[0]["env"]["MASTER_ADDR"]
+        assert int(i["env"]["MASTER_PORT"]) > 0
+    assert len({i["pid"] for i in infos}) == 4  # one process per rank
+
+
+def test_colocated_roles_share_devices(ray_groups):
+    train = [i["cuda"] for i in ray_groups["train"].call("whoami")]
+    rollout = [i["cuda"] for i in ray_groups["rollout"].call("whoami")]
+    assert all(c for c in train) and train == rollout  # rank i of both roles on the same GPU
+    assert len(set(train)) == 4
+
+
+def test_separate_roles_get_disjoint_devices(ray_cluster):
+    from orchestration.placement import create_placement
+    from orchestration.worker_group import WorkerGroup
+
+    plan = make_plan({"train": {"gpus": 4}, "rollout": {"gpus": 4}})  # 8 GPUs: the head node's
+    placement = create_placement(plan, timeout_s=30)
+    try:
+        groups = [WorkerGroup(Probe, plan[r], placement=placement) for r in ("train", "rollout")]
+        seen = [{i["cuda"] for i in g.call("whoami")} for g in groups]
+        assert len(seen[0]) == 4 and len(seen[1]) == 4 and not (seen[0] & seen[1])
+        for g in groups:
+            g.shutdown()
+    finally:
+        placement.remove()
+
+
+def test_two_node_layout_spans_both_nodes(ray_cluster):
+    import ray
+    from orchestration.placement import create_placement
+    from orchestration.worker_group import WorkerGroup
+
+    plan = make_plan({"nnodes": 2, "nproc_per_node": 4, "train": {"gpus": 4}, "rollout": {"gpus": 4}})
+    placement = create_placement(plan, timeout_s=30)
+    try:
+        groups = {r: WorkerGroup(Probe, plan[r], placement=placement) for r in ("train", "rollout")}
+        nodes = {r: {info["node_id"] for info in g.infos} for r, g in groups.items()}
+        assert len(nodes["train"]) == 1 and len(nodes["rollout"]) == 1 and nodes["train"] != nodes["rollout"]
+        assert nodes["train"] == {placement.node_ids[0]} and nodes["rollout"] == {placement.node_ids[1]}
+        assert len({n["NodeID"] for n in ray.nodes() if n["Alive"]}) == 2
+        for g in groups.values():
+            g.shutdown()
+    finally:
+        placement.remove()
+
+
+def test_unsatisfiable_plan_fails_fast_naming_resources(ray_cluster):
+    from orchestration.placement import PlacementError, create_placement
+
+    with pytest.raises(PlacementError, match="needs {'GPU': 16.0}.*simulate_gpus"):
+        create_placement(make_plan({"train": {"gpus": 16}}), timeout_s=5)
+
+
+def test_cpu_group_places_processes(ray_cluster):
+    from orchestration.placement import create_placement
+    from orchestration.worker_group import WorkerGroup
+
+    plan = make_plan({"device_groups": {"nproc_per_node": 1,
+                                        "rm": {"device": "CPU", "ranks": 2, "workers": ["prm", "orm"]}}})
+    placement = create_placement(plan, timeout_s=30)
+    try:
+        prm = WorkerGroup(Probe, plan["prm"], placement=placement)
+        orm = WorkerGroup(Probe, plan["orm"], placement=placement)
+        assert prm.call("echo", [1, 2, 3], dispatch="slice", collect="flatten") == [1, 2, 3]
+        assert [i["cuda"] for i in orm.call("whoami")] == ["", ""]
+        prm.shutdown(), orm.shutdown()
+    finally:
+        placement.remove()
+
+
+def test_dead_actor_is_reported_not_waited_for(ray_cluster):
+    from orchestration.placement import create_placement
+    from orchestration.worker_group import WorkerGroup
+
+    plan = make_plan({"train": {"gpus": 2}})
+    placement = create_placement(plan, timeout_s=30)
+    try:
+        g = WorkerGroup(Probe, plan["train"], placement=placement)
+        with pytest.raises(WorkerError, match="train rank 1 failed in die\\(\\): the actor process died"):
+            g.call("die")
+        g.shutdown()
+    finally:
+        placement.remove()
+
+
+def test_constructor_failure_names_init(ray_cluster):
+    from orchestration.placement import create_placement
+    from orchestration.worker_group import WorkerGroup
+
+    plan = make_plan({"train": {"gpus": 1}})
+    placement = create_placement(plan, timeout_s=30)
+    try:
+        with pytest.raises(WorkerError, match="train rank 0 failed in __init__\\(\\): TypeError"):
+            WorkerGroup(Probe, plan["train"], {"no_such_arg": 1}, placement=placement)
+    finally:
+        placement.remove()
+    with pytest.raises(WorkerError, match="train rank 0 failed in __init__"):
+        LocalWorkerGroup(Probe, plan["train"], {"no_such_arg": 1})
