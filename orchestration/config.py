@@ -92,6 +92,9 @@ class BackendConfig:
 class PlanCliConfig:
     # Print the plan as JSON instead of a table.
     json: bool = False
+    # Also start the cluster, place one idle actor per planned rank and print where each
+    # landed (node, visible devices): a check that a cluster can hold the layout.
+    launch: bool = False
 
 
 @dataclass

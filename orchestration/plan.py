@@ -3,6 +3,7 @@
     python -m orchestration.plan +experiment=grpo_colocate
     python -m orchestration.plan +experiment=sampling_device_groups plan.json=true
     python -m orchestration.plan config_file=my_swift_ray.yaml
+    python -m orchestration.plan +experiment=grpo_colocate plan.launch=true   # place it for real
 """
 from __future__ import annotations
 
@@ -40,10 +41,32 @@ def format_table(plan: Plan) -> str:
     return "\n".join([head, line(COLUMNS), line(["-" * w for w in widths]), *map(line, rows)])
 
 
-def plan_from_config(cfg: DictConfig) -> tuple[Plan, list[str]]:
+class _Idle:
+    """Stands in for a role when only the placement is checked."""
+
+
+def launch_report(cfg: DictConfig, plan: Plan) -> str:
+    """Place one idle actor per planned rank and describe where each one runs."""
+    from orchestration.launch import start_roles
+
+    started = start_roles(cfg, plan, {r: (_Idle, {}) for r in plan.roles})
+    try:
+        nodes = {}
+        lines = ["placed on the cluster:", "role     rank  node  node_id   visible_devices  pid"]
+        for role, group in started.groups.items():
+            for rank, info in enumerate(group.infos):
+                node = nodes.setdefault(info["node_id"], len(nodes))
+                lines.append(f"{role:<8} {rank:<5} {node:<5} {info['node_id'][:8]}  "
+                             f"{info['cuda_visible_devices'] or '-':<16} {info['pid']}")
+        return "\n".join(lines)
+    finally:
+        started.shutdown()
+
+
+def plan_from_config(cfg: DictConfig) -> tuple[DictConfig, Plan, list[str]]:
     typed = validate(cfg, PlanConfig, sections=["placement", "cluster", "backend", "config_file", "plan"])
     unused = apply_swift_yaml(typed, {}, allow_unused=True) if typed.config_file else []
-    return make_plan(placement_dict(typed)), unused
+    return typed, make_plan(placement_dict(typed)), unused
 
 
 register_schema(PlanConfig)
@@ -52,7 +75,7 @@ register_schema(PlanConfig)
 @hydra.main(config_path="pkg://conf", config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
     try:
-        plan, unused = plan_from_config(cfg)
+        typed, plan, unused = plan_from_config(cfg)
     except (ConfigError, PlanError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -62,6 +85,11 @@ def main(cfg: DictConfig) -> None:
         print(format_table(plan))
     if unused:
         print(f"note: the planner reads only placement keys; not used here: {unused}", file=sys.stderr)
+    if cfg.plan.launch:
+        if typed.backend.workers == "local":
+            print("note: backend=local runs every role in this process; nothing to place", file=sys.stderr)
+        else:
+            print(launch_report(typed, plan))
 
 
 if __name__ == "__main__":

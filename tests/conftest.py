@@ -17,10 +17,6 @@ os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 HEAD_GPUS, WORKER_GPUS = 12, 4
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a real CUDA GPU; skipped on CPU machines")
-
-
 def pytest_collection_modifyitems(config, items):
     import torch
 

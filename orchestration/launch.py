@@ -1,0 +1,64 @@
+"""Start the planned roles on the chosen backend: what every driver does first.
+
+    groups = start_roles(cfg, plan, {"train": (Trainer, {...}), "rollout": (Rollout, {...})})
+    groups["train"].call("train_step", batch, dispatch="slice", collect="flatten")
+
+With `backend.workers=ray` this starts or joins the cluster, reserves placement groups and
+spawns one actor per rank; with `local` every rank is built in this process.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from orchestration.base_group import BaseWorkerGroup
+from orchestration.local import LocalWorkerGroup
+from orchestration.planner import Plan
+
+
+@dataclass
+class Roles:
+    """The started worker groups, by role name, and what to release at the end."""
+    groups: dict[str, BaseWorkerGroup]
+    placement: Any = None
+    _closed: bool = field(default=False, repr=False)
+
+    def __getitem__(self, role: str) -> BaseWorkerGroup:
+        return self.groups[role]
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        for g in self.groups.values():
+            g.shutdown()
+        if self.placement is not None:
+            self.placement.remove()
+        self._closed = True
+
+
+def start_roles(cfg: Any, plan: Plan, roles: dict[str, tuple[type, dict]]) -> Roles:
+    """Build a worker group per role named in `roles` ({role: (class, init kwargs)}).
+
+    `cfg` is the typed run config (its `backend` and `cluster` sections are read).
+    """
+    missing = sorted(set(roles) - set(plan.roles))
+    if missing:
+        raise ValueError(f"roles {missing} are not in the placement plan (planned: {sorted(plan.roles)}); "
+                         "add them to the placement config")
+    if cfg.backend.workers == "local":
+        return Roles({r: LocalWorkerGroup(cls, plan[r], kw) for r, (cls, kw) in roles.items()})
+
+    from orchestration.cluster import init_cluster
+    from orchestration.placement import create_placement
+    from orchestration.worker_group import WorkerGroup
+
+    init_cluster(cfg.cluster, plan.demand())
+    placement = create_placement(plan, timeout_s=cfg.cluster.placement_timeout_s)
+    started = Roles({}, placement)
+    try:
+        for r, (cls, kw) in roles.items():
+            started.groups[r] = WorkerGroup(cls, plan[r], kw, placement=placement)
+    except BaseException:
+        started.shutdown()
+        raise
+    return started
