@@ -31,7 +31,8 @@ def init_cluster(cfg: ClusterConfig, demand: dict[str, float] | None = None):
         return ray
     demand = demand or {}
     num_cpus = cfg.num_cpus or max(os.cpu_count() or 1, int(demand.get("CPU", 0)) + 1)
-    ray.init(num_cpus=num_cpus, num_gpus=cfg.simulate_gpus, include_dashboard=cfg.dashboard,
+    # address="local": always a new cluster, never one found running on this machine.
+    ray.init(address="local", num_cpus=num_cpus, num_gpus=cfg.simulate_gpus, include_dashboard=cfg.dashboard,
              object_store_memory=cfg.object_store_mb * 2**20 if cfg.object_store_mb else None,
              _node_ip_address=cfg.node_ip, log_to_driver=cfg.log_to_driver,
              configure_logging=True, logging_level="WARNING")

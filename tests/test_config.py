@@ -1,0 +1,183 @@
+"""Every shipped YAML composes and validates; ms-swift files load; the plan CLI runs."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from hydra import compose, initialize_config_module
+from omegaconf import OmegaConf
+
+from orchestration.config import (ConfigError, PlacementConfig, PlanConfig, apply_swift_yaml, placement_dict,
+                                  register_schema, validate)
+from orchestration.planner import make_plan
+
+CONF = Path(__file__).resolve().parent.parent / "conf"
+EXPERIMENTS = sorted(p.stem for p in (CONF / "experiment").glob("*.yaml"))
+PLACEMENTS = sorted(p.stem for p in (CONF / "placement").glob("*.yaml") if p.stem != "empty")
+
+
+def compose_plan_config(overrides):
+    register_schema(PlanConfig)
+    with initialize_config_module(config_module="conf", version_base=None):
+        return compose(config_name="config", overrides=overrides)
+
+
+def test_shipped_configs_exist():
+    assert len(EXPERIMENTS) >= 6 and {"colocate", "separate"} <= set(PLACEMENTS)
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_every_experiment_composes_validates_and_plans(name):
+    cfg = compose_plan_config([f"+experiment={name}"])
+    typed = validate(cfg, PlanConfig)
+    plan = make_plan(placement_dict(typed))
+    assert plan.roles
+    # Experiments that run on a CPU machine simulate exactly the GPUs their plan needs.
+    if typed.cluster.simulate_gpus is not None:
+        assert typed.cluster.simulate_gpus == plan.demand()["GPU"]
+
+
+@pytest.mark.parametrize("name", PLACEMENTS)
+def test_every_placement_option_composes(name):
+    typed = validate(compose_plan_config([f"placement={name}"]), PlanConfig)
+    assert make_plan(placement_dict(typed)).roles
+
+
+def test_every_yaml_field_has_a_comment_above():
+    for path in CONF.rglob("*.yaml"):
+        lines = path.read_text().splitlines()
+        for i, line in enumerate(lines):
+            stripped = line.strip()
+            if not stripped or stripped.startswith(("#", "-")) or stripped == "{}" or ":" not in stripped:
+                continue
+            if stripped.startswith("defaults:"):
+                continue
+            above = lines[i - 1].strip() if i else ""
+            assert above.startswith("#"), f"{path.relative_to(CONF)}:{i + 1} '{stripped}' has no comment above it"
+
+
+def test_unknown_key_and_wrong_type_name_the_key():
+    with pytest.raises(ConfigError, match="'placement.train.gpuz'"):
+        validate({"placement": {"train": {"gpuz": 1}}}, PlanConfig)
+    with pytest.raises(ConfigError, match="'cluster.simulate_gpus'"):
+        validate({"cluster": {"simulate_gpus": "many"}}, PlanConfig)
+    with pytest.raises(ConfigError, match="backend=local"):
+        validate({"backend": {"workers": "threads"}}, PlanConfig)
+
+
+MS_SWIFT_MEGATRON = """
+rlhf_type: gkd
+model: Qwen/Qwen3-0.6B
+teacher_model: Qwen/Qwen3-8B
+beta: 0.5
+lmbda: 0.5
+colocate_groups: [[train, rollout]]
+offload_model: true
+offload_optimizer: true
+offload_teacher_model: true
+sleep_level: 1
+gkd_logits_topk: 64
+train: {gpus: 4}
+rollout: {gpus: 4}
+"""
+MS_SWIFT_SAMPLING = """
+sampler_type: sample
+num_return_sequences: 8
+device_groups:
+  nproc_per_node: 4
+  sample_group:
+    device: GPU
+    ranks: list(range(0, 2))
+    workers:
+      - sampler
+  rm_group:
+    device: CPU
+    ranks: 2
+    workers:
+      - prm
+      - orm
+"""
+
+
+def _with_file(tmp_path, text):
+    path = tmp_path / "swift.yaml"
+    path.write_text(text)
+    return OmegaConf.merge(OmegaConf.structured(PlanConfig), {"config_file": str(path)})
+
+
+def test_ms_swift_megatron_file_maps_placement_and_refuses_the_rest_in_one_error(tmp_path):
+    cfg = _with_file(tmp_path, MS_SWIFT_MEGATRON)
+    with pytest.raises(ConfigError) as info:
+        apply_swift_yaml(cfg, {})
+    assert "['beta', 'lmbda', 'model', 'rlhf_type']" in str(info.value)
+    # With a mapping for the algorithm keys, nothing is left over.
+    cfg = OmegaConf.create({**OmegaConf.to_container(cfg), "extra": {}})
+    unused = apply_swift_yaml(cfg, {"beta": "extra.beta", "lmbda": "extra.lmbda", "model": "extra.model",
+                                    "rlhf_type": "extra.rlhf_type"})
+    assert unused == [] and cfg.extra.beta == 0.5
+    plan = make_plan(placement_dict(cfg))
+    assert plan["teacher"].colocated_with == ("train", "rollout") and plan.gkd_logits_topk == 64
+
+
+def test_ms_swift_file_replaces_the_composed_placement(tmp_path):
+    cfg = compose_plan_config(["placement=colocate"])
+    cfg = validate(cfg, PlanConfig)
+    cfg.config_file = str(tmp_path / "swift.yaml")
+    Path(cfg.config_file).write_text(MS_SWIFT_SAMPLING)
+    unused = apply_swift_yaml(cfg, {}, allow_unused=True)
+    assert unused == ["num_return_sequences", "sampler_type"]
+    plan = make_plan(placement_dict(cfg))
+    assert set(plan.roles) == {"sampler", "prm", "orm"} and plan["prm"].device == "CPU"
+
+
+def test_bad_config_file_is_named(tmp_path):
+    cfg = OmegaConf.merge(OmegaConf.structured(PlanConfig), {"config_file": str(tmp_path / "nope.yaml")})
+    with pytest.raises(ConfigError, match="cannot read"):
+        apply_swift_yaml(cfg, {})
+    cfg = _with_file(tmp_path, "train: {gpus: [1, 2]}\n")
+    with pytest.raises(ConfigError, match="train.gpus"):
+        apply_swift_yaml(cfg, {})
+
+
+def run_cli(*args, timeout=120):
+    env = {**os.environ, "HYDRA_FULL_ERROR": "0"}
+    return subprocess.run([sys.executable, "-m", "orchestration.plan", "hydra/job_logging=none",
+                           "hydra/hydra_logging=none", "hydra.run.dir=.", "hydra.output_subdir=null", *args],
+                          capture_output=True, text=True, timeout=timeout, env=env,
+                          cwd=Path(__file__).resolve().parent.parent)
+
+
+def test_plan_cli_json():
+    out = run_cli("+experiment=sampling_device_groups", "plan.json=true")
+    assert out.returncode == 0, out.stderr
+    rows = {r["role"]: r for r in json.loads(out.stdout)}
+    assert rows["sampler"]["device"] == "GPU" and rows["sampler"]["ranks"] == [0, 1]
+    assert rows["prm"]["colocated_with"] == ["orm"] and rows["orm"]["device"] == "CPU"
+    assert all({"role", "device", "ranks", "nodes", "colocated_with"} <= set(r) for r in rows.values())
+
+
+def test_plan_cli_table_and_error(tmp_path):
+    out = run_cli("+experiment=gkd_teacher_group")
+    assert out.returncode == 0, out.stderr
+    assert "teacher  GPU     4,5" in out.stdout and "teacher top-k 64" in out.stdout
+    bad = run_cli("placement=colocate", "placement.rollout.gpus=2")
+    assert bad.returncode == 2 and "colocated roles need equal device counts" in bad.stderr
+    path = tmp_path / "swift.yaml"
+    path.write_text(MS_SWIFT_MEGATRON)
+    out = run_cli(f"config_file={path}")
+    assert out.returncode == 0 and "teacher" in out.stdout and "not used here" in out.stderr
+
+
+def test_plan_cli_launch_places_on_a_fresh_local_cluster():
+    """The quickstart's second command, end to end in its own process and Ray cluster."""
+    out = run_cli("+experiment=gkd_colocated_teacher", "plan.launch=true", timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    placed = [line.split() for line in out.stdout.splitlines()
+              if line.split() and line.split()[0] in ("train", "rollout", "teacher") and len(line.split()) == 6]
+    by_role = {}
+    for role, rank, _node, _nid, devices, _pid in placed:
+        by_role.setdefault(role, {})[int(rank)] = devices
+    assert by_role["train"] == by_role["rollout"] == by_role["teacher"] == {0: "0", 1: "1"}
