@@ -1,0 +1,97 @@
+"""The data that crosses role boundaries: small dataclasses of tensors and lists.
+
+Conventions (every role follows them):
+* Sequences are right-padded to one length T; `attention_mask` is 1 on real tokens.
+* Per-token fields have shape [B, T] and are aligned with `input_ids`: position t holds
+  the value for token t given tokens < t (log p(input_ids[t] | input_ids[:t])); position 0
+  and padding hold 0.
+* `loss_mask` is 1 on the tokens a loss counts (the response/completion tokens).
+All batch types slice along the first axis (orchestration's dispatch='slice') and
+concatenate back (collect='flatten'), so every field is per-sample.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    # Softmax temperature; 0 means greedy.
+    temperature: float = 1.0
+    # Nucleus sampling mass; 1.0 disables it.
+    top_p: float = 1.0
+    # Keep only the k most likely tokens; 0 disables it.
+    top_k: int = 0
+    # Longest completion in tokens.
+    max_new_tokens: int = 64
+    # Completions per prompt.
+    n: int = 1
+    # Token ids that end a completion (the tokenizer's eos is always one).
+    stop_token_ids: tuple[int, ...] = ()
+    # Seed of the sampling generator; None draws from the global generator.
+    seed: Optional[int] = None
+
+
+@dataclass
+class Completions:
+    """Output of Rollout.generate / Sampler.sample: one entry per completion, grouped by
+    prompt (the n completions of prompt i are consecutive)."""
+    prompt_index: list[int]  # index of the prompt in the request
+    prompt_ids: list[list[int]]
+    completion_ids: list[list[int]]
+    texts: list[str]
+    logprobs: list[list[float]]  # sampling-distribution logprob of each completion token
+    finish_reasons: list[str]  # "stop" (a stop token) or "length" (max_new_tokens)
+    weight_version: list[int] = field(default_factory=list)  # version of the weights that generated it
+
+    def __len__(self) -> int:
+        return len(self.completion_ids)
+
+
+@dataclass
+class Batch:
+    """A training/scoring batch: prompt + completion token ids with masks and per-token fields."""
+    input_ids: torch.Tensor  # [B, T] long
+    attention_mask: torch.Tensor  # [B, T] long
+    loss_mask: torch.Tensor  # [B, T] float, 1 on tokens the loss counts
+    old_logprobs: Optional[torch.Tensor] = None  # [B, T] behaviour-policy logprobs
+    ref_logprobs: Optional[torch.Tensor] = None  # [B, T] reference-policy logprobs
+    advantages: Optional[torch.Tensor] = None  # [B] per-sequence (or [B, T] per-token)
+    teacher_logprobs: Optional[torch.Tensor] = None  # [B, T, k] top-k (or [B, T, V] full) teacher logprobs
+    teacher_indices: Optional[torch.Tensor] = None  # [B, T, k] token ids of the top-k, None for full vocab
+    rewards: Optional[torch.Tensor] = None  # [B]
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.loss_mask.sum().item())
+
+
+def pad_sequences(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-pad token lists to a [B, T] tensor and its attention mask."""
+    width = max((len(s) for s in seqs), default=0)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, :len(s)] = torch.tensor(s, dtype=torch.long)
+        mask[i, :len(s)] = 1
+    return ids, mask
+
+
+def batch_from_completions(c: Completions, pad_id: int) -> Batch:
+    """Prompt + completion as one sequence; the loss counts completion tokens, and the
+    sampling logprobs become `old_logprobs` at their aligned positions."""
+    seqs = [p + r for p, r in zip(c.prompt_ids, c.completion_ids)]
+    ids, mask = pad_sequences(seqs, pad_id)
+    loss_mask = torch.zeros(ids.shape, dtype=torch.float32)
+    old = torch.zeros(ids.shape, dtype=torch.float32)
+    for i, (p, r) in enumerate(zip(c.prompt_ids, c.completion_ids)):
+        loss_mask[i, len(p):len(p) + len(r)] = 1.0
+        if c.logprobs and c.logprobs[i]:
+            old[i, len(p):len(p) + len(r)] = torch.tensor(c.logprobs[i], dtype=torch.float32)
+    return Batch(input_ids=ids, attention_mask=mask, loss_mask=loss_mask, old_logprobs=old)
