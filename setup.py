@@ -15,7 +15,7 @@ setup(
     description="LLM post-training on Ray: explicit Trainer/Rollout/Teacher/Sampler/PRM/ORM roles, "
                 "GRPO, GKD, distill/sampling and SFT drivers, colocated or separate placement.",
     python_requires=">=3.10",
-    packages=["roles", "orchestration", "algorithms", "conf"],
+    packages=["roles", "roles.engines", "orchestration", "algorithms", "conf"],
     package_data={"conf": ["*.yaml", "*/*.yaml"]},
     install_requires=[
         "torch>=2.4",
