@@ -79,7 +79,7 @@ def main() -> None:
     stats = {name: {"median_ms": float(np.median(t)), "p90_ms": float(np.percentile(t, 90))}
              for name, t in times.items()}
     ratio = stats["group"]["median_ms"] / stats["raw"]["median_ms"]
-    print(f"dispatch overhead: {args.workers} workers, {batch.nbytes / 2**20:.1f} MB float32 {batch.shape}, "
+    print(f"dispatch overhead: {args.workers} workers, {batch.nbytes / 2**20:.2f} MB float32 {batch.shape}, "
           f"{args.reps} reps, {args.device}")
     print(f"{'path':<6} {'median ms':>10} {'p90 ms':>10}")
     for name, s in stats.items():

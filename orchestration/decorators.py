@@ -74,12 +74,12 @@ class _Config:
 _config: _Config | None = None
 
 
-def configure(plan: Plan | Mapping, backend: str = "ray", placement: Any = None) -> None:
+def configure(plan: Plan | Mapping, backend: str = "ray", placement: Any = None, cluster: Any = None) -> None:
     """Activate the decorators for @worker instances constructed from now on.
 
     `plan` is a Plan or a `device_groups` mapping whose workers name the groups. With
-    backend='ray' and no `placement`, Ray is started if needed and the plan is placed;
-    that placement is removed again by `teardown`.
+    backend='ray' and no `placement`, Ray is started if needed (`cluster`: a ClusterConfig,
+    e.g. with simulate_gpus) and the plan is placed; `teardown` removes that placement.
     """
     global _config
     teardown()
@@ -91,7 +91,7 @@ def configure(plan: Plan | Mapping, backend: str = "ray", placement: Any = None)
         from orchestration.cluster import init_cluster
         from orchestration.config import ClusterConfig
         from orchestration.placement import create_placement
-        init_cluster(ClusterConfig(), plan.demand())
+        init_cluster(cluster or ClusterConfig(), plan.demand())
         placement, owns = create_placement(plan), True
     _config = _Config(plan, backend, placement, owns)
 
@@ -125,7 +125,7 @@ def plan_device_groups(device_groups: Mapping) -> Plan:
         workers = [workers] if isinstance(workers, str) else workers
         if not workers or not isinstance(workers, (list, tuple)) or not all(isinstance(w, str) for w in workers):
             raise PlanError(f"device_groups.{key}.workers", f"expected a non-empty list of names, got {workers!r}",
-                            f"write workers: [model1] with the names used in @worker(group=[...])")
+                            "write workers: [model1] with the names used in @worker(group=[...])")
         for name in workers:
             if name in names:
                 raise PlanError(f"device_groups.{key}.workers", f"worker '{name}' is listed twice",
