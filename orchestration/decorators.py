@@ -24,12 +24,12 @@ the driver.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from orchestration import dispatch as dsp
 from orchestration.base_group import BaseWorkerGroup
-from orchestration.planner import ROLES, Plan, PlanError, make_plan
+from orchestration.planner import Plan, make_plan
 
 _STATE = "_rayhelper_state"  # instance attribute holding an _Instance once configured
 
@@ -113,36 +113,8 @@ def is_configured() -> bool:
 
 
 def plan_device_groups(device_groups: Mapping) -> Plan:
-    """Plan a `device_groups` mapping whose workers are any names (model1, model2, ...).
-
-    The planner accepts only the framework's role names, so each name is planned under a
-    stand-in role and renamed back; drop this once make_plan takes arbitrary names.
-    """
-    groups = {key: dict(g) for key, g in device_groups.items() if key != "nproc_per_node" and isinstance(g, Mapping)}
-    names: list[str] = []
-    for key, group in groups.items():
-        workers = group.get("workers")
-        workers = [workers] if isinstance(workers, str) else workers
-        if not workers or not isinstance(workers, (list, tuple)) or not all(isinstance(w, str) for w in workers):
-            raise PlanError(f"device_groups.{key}.workers", f"expected a non-empty list of names, got {workers!r}",
-                            "write workers: [model1] with the names used in @worker(group=[...])")
-        for name in workers:
-            if name in names:
-                raise PlanError(f"device_groups.{key}.workers", f"worker '{name}' is listed twice",
-                                "list each worker name in exactly one group")
-            names.append(name)
-        group["workers"] = list(workers)
-    if len(names) > len(ROLES):
-        raise PlanError("device_groups", f"{len(names)} worker names, at most {len(ROLES)} are supported",
-                        "use fewer groups")
-    stand_in = dict(zip(names, ROLES))
-    for group in groups.values():
-        group["workers"] = [stand_in[w] for w in group["workers"]]
-    plan = make_plan({"device_groups": {**device_groups, **groups}})
-    back = {role: name for name, role in stand_in.items()}
-    roles = {back[r.role]: replace(r, role=back[r.role], colocated_with=tuple(back[m] for m in r.colocated_with))
-             for r in plan.roles.values()}
-    return replace(plan, roles=roles)
+    """Plan a `device_groups` mapping whose workers are any names (model1, model2, ...)."""
+    return make_plan({"device_groups": device_groups}, any_role_names=True)
 
 
 def _make_replica(cls: type, group: str, *args: Any, **kwargs: Any) -> Any:

@@ -87,8 +87,12 @@ class Plan:
         return {k: float(len(v)) for k, v in seen.items()}
 
 
-def make_plan(cfg: Mapping[str, Any]) -> Plan:
-    """Build a Plan from a placement mapping in either ms-swift form (None/False = unset)."""
+def make_plan(cfg: Mapping[str, Any], *, any_role_names: bool = False) -> Plan:
+    """Build a Plan from a placement mapping in either ms-swift form (None/False = unset).
+
+    `any_role_names` lets `device_groups` workers be any identifier (model1, model2, ...),
+    as the @worker/@function front end names its groups; drivers keep the role names.
+    """
     cfg = {k: v for k, v in dict(cfg).items() if v is not None and v is not False}
     if "device_groups" in cfg:
         mixed = sorted(set(cfg) & (MEGATRON_KEYS - COMMON_KEYS))
@@ -97,7 +101,7 @@ def make_plan(cfg: Mapping[str, Any]) -> Plan:
                             "is mixed with the Swift-Ray form (device_groups)",
                             "use one form: either device_groups, or train/rollout/teacher with colocate_groups")
         _reject_unknown(cfg, SWIFT_KEYS, "placement")
-        return _plan_device_groups(cfg)
+        return _plan_device_groups(cfg, any_role_names)
     _reject_unknown(cfg, MEGATRON_KEYS, "placement")
     return _plan_megatron(cfg)
 
@@ -283,7 +287,10 @@ def parse_ranks(value: Any, key: str) -> int | list[int]:
     raise PlanError(key, f"expected an int or a list of ints, got {value!r}", "write ranks: 2 or ranks: [0, 1]")
 
 
-def _plan_device_groups(cfg: dict) -> Plan:
+_NAME = re.compile(r"^[A-Za-z_][\w-]*$")
+
+
+def _plan_device_groups(cfg: dict, any_role_names: bool = False) -> Plan:
     common = _common(cfg)
     dg = cfg["device_groups"]
     if not isinstance(dg, Mapping):
@@ -319,7 +326,8 @@ def _plan_device_groups(cfg: dict) -> Plan:
             raise PlanError(f"{key}.workers", f"expected a non-empty list of roles, got {workers!r}",
                             f"write workers: [sampler] with roles from {list(ROLES)}")
         for role in workers:
-            if role not in ROLES:
+            known = role in ROLES or (any_role_names and isinstance(role, str) and bool(_NAME.match(role)))
+            if not known:
                 raise PlanError(f"{key}.workers", f"unknown role '{role}'", f"use roles from {list(ROLES)}")
             if role in owner:
                 raise PlanError(f"{key}.workers", f"role '{role}' is already in group '{owner[role]}'",

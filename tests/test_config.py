@@ -6,11 +6,10 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from orchestration.config import (ConfigError, PlacementConfig, PlanConfig, apply_swift_yaml, placement_dict,
+from orchestration.config import (ConfigError, PlanConfig, apply_swift_yaml, placement_dict,
                                   register_schema, validate)
 from orchestration.planner import make_plan
 

@@ -197,3 +197,16 @@ def test_invalid_layouts_name_key_and_fix(cfg, key, fragment):
     assert info.value.key == key
     msg = str(info.value)
     assert f"placement key '{key}'" in msg and fragment in msg and "Fix: " in msg
+
+
+def test_any_role_names_for_the_decorator_front_end():
+    dg = {"device_groups": {"nproc_per_node": 2, "a": {"device": "GPU", "ranks": 2, "workers": ["model1"]},
+                            "b": {"device": "CPU", "ranks": 1, "workers": ["model2", "model3"]}}}
+    with pytest.raises(PlanError, match="unknown role 'model1'"):
+        make_plan(dg)
+    plan = make_plan(dg, any_role_names=True)
+    assert summary(plan) == {"model1": ("GPU", [0, 1], [0], []), "model2": ("CPU", [0], [0], ["model3"]),
+                             "model3": ("CPU", [0], [0], ["model2"])}
+    bad = {"device_groups": {"nproc_per_node": 1, "a": {"device": "GPU", "ranks": 1, "workers": ["no spaces"]}}}
+    with pytest.raises(PlanError, match="unknown role 'no spaces'"):
+        make_plan(bad, any_role_names=True)
