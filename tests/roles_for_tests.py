@@ -49,6 +49,15 @@ class Probe:
             raise ValueError(msg)
         return self.rank
 
+    def fail_or_hang(self):
+        """Rank 1 fails; the others wait as if blocked in a collective with it."""
+        import time
+        if self.rank == 1:
+            time.sleep(0.5)
+            raise RuntimeError("rank 1 gave up")
+        time.sleep(120)
+        return self.rank
+
     def die(self):
         if self.rank == 1:
             os._exit(3)

@@ -217,6 +217,24 @@ def test_dead_actor_is_reported_not_waited_for(ray_cluster):
         placement.remove()
 
 
+def test_failure_while_others_block_is_raised_at_once(ray_cluster):
+    import time
+    from orchestration.placement import create_placement
+    from orchestration.worker_group import WorkerGroup
+
+    plan = make_plan({"train": {"gpus": 2}})
+    placement = create_placement(plan, timeout_s=30)
+    try:
+        g = WorkerGroup(Probe, plan["train"], placement=placement)
+        start = time.monotonic()
+        with pytest.raises(WorkerError, match="train rank 1 failed in fail_or_hang\\(\\): RuntimeError: rank 1 gave up"):
+            g.call("fail_or_hang")
+        assert time.monotonic() - start < 60  # rank 0 would block for 120 s
+        g.shutdown()
+    finally:
+        placement.remove()
+
+
 def test_constructor_failure_names_init(ray_cluster):
     from orchestration.placement import create_placement
     from orchestration.worker_group import WorkerGroup
@@ -230,3 +248,22 @@ def test_constructor_failure_names_init(ray_cluster):
         placement.remove()
     with pytest.raises(WorkerError, match="train rank 0 failed in __init__"):
         LocalWorkerGroup(Probe, plan["train"], {"no_such_arg": 1})
+
+
+def test_driver_joins_an_existing_cluster_and_spans_its_nodes(ray_cluster):
+    """`cluster.address=...` joins a running cluster; the 2-node experiment lands on both nodes."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = subprocess.run(
+        [sys.executable, "-m", "orchestration.plan", "+experiment=grpo_two_nodes", "plan.launch=true",
+         f"cluster.address={ray_cluster.address}", "hydra.run.dir=.", "hydra.output_subdir=null",
+         "hydra/job_logging=none", "hydra/hydra_logging=none"],
+        capture_output=True, text=True, timeout=240, cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [line.split() for line in out.stdout.splitlines() if line.split()[:1] in (["train"], ["rollout"])]
+    rows = [r for r in rows if len(r) == 6]
+    nodes = {role: {node_id for r, _, _, node_id, _, _ in rows if r == role} for role in ("train", "rollout")}
+    assert len(rows) == 8 and len(nodes["train"]) == 1 and len(nodes["rollout"]) == 1
+    assert nodes["train"] != nodes["rollout"]
