@@ -1,0 +1,370 @@
+"""Loss functions for the Trainer: SFT, GRPO and GKD (pure torch; no Ray, no role imports).
+
+Call contract (what a Trainer does with a loss built by `make_loss`):
+    loss, metrics = loss_fn(logprobs, batch, extras)
+* `logprobs` [B, T]: the current policy's token logprobs with grad, aligned like every
+  per-token field of `roles.batch.Batch` (position t = log p(token t | tokens < t)).
+* `extras`: 'logits' [B, T, V] (needed by GKD, `loss_fn.needs_logits` says so) are the raw
+  model outputs for `batch.input_ids`, NOT shifted: logits[:, t] predicts token t+1, the
+  input `roles.engines.torch_engine.token_logprobs` takes. Optional 'entropy' [B, T] (aligned)
+  is only logged.
+* `metrics`: dict of python floats, means over this call's loss tokens (or sequences).
+
+Reduction contract: every loss is a ratio numerator / denominator.
+* reduction='sum' (the default of `make_loss`) returns the numerator; `loss_fn.denominator(batch)`
+  gives this micro-batch's denominator (needs no forward pass).
+* A Trainer that splits one optimizer step over micro-batches and ranks uses
+  loss = Σ numerators / Σ denominators (sums over every micro-batch of every rank), e.g.
+  backward(numerator * world_size / global_denominator) under DDP gradient averaging. One
+  micro-batch on one rank then gives exactly reduction='mean'.
+* reduction='mean' returns numerator / denominator of this call alone.
+Per loss: SFT, GKD and GRPO 'dapo' count loss tokens (numerator = token sum); GRPO 'grpo'
+counts sequences (numerator = sum of per-sequence token means); 'dr_grpo' counts sequences
+(numerator = token sum / max_completion_length); 'bnpo' counts micro-batches (numerator =
+this micro-batch's token mean, denominator 1), so 'bnpo' normalises per micro-batch and
+'dapo' by the global token count, as in TRL.
+"""
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Literal, Optional
+
+import torch
+
+from roles.batch import Batch
+
+Reduction = Literal["mean", "sum"]
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+TOPK_MODES = ("renorm", "tail")
+
+
+def _check_reduction(reduction: str) -> None:
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+
+
+def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    # where, not multiply: padding may hold inf/nan that 0 * x would spread.
+    return torch.where(mask > 0, x, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    return float(_masked(x.detach().float(), mask).sum() / mask.sum().clamp(min=1))
+
+
+def _finish(numerator: torch.Tensor, denominator: float, reduction: str) -> torch.Tensor:
+    return numerator if reduction == "sum" else numerator / max(denominator, 1.0)
+
+
+def loss_denominator(loss_type: str, loss_mask: torch.Tensor) -> float:
+    """Denominator of one micro-batch for a loss_type (SFT and GKD use 'dapo': tokens)."""
+    if loss_type in ("grpo", "dr_grpo"):
+        return float(loss_mask.shape[0])
+    if loss_type == "bnpo":
+        return 1.0
+    if loss_type == "dapo":
+        return float(loss_mask.sum())
+    raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+
+
+# ----------------------------------------------------------------------------- SFT
+
+def sft_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor,
+             reduction: Reduction = "mean") -> tuple[torch.Tensor, dict]:
+    """Token-level negative log-likelihood over `loss_mask` (denominator: loss tokens)."""
+    _check_reduction(reduction)
+    numerator = -_masked(logprobs, loss_mask).sum()
+    nll = _masked_mean(-logprobs, loss_mask)
+    return _finish(numerator, float(loss_mask.sum()), reduction), {"nll": nll}
+
+
+# ----------------------------------------------------------------------------- GRPO
+
+def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimator of KL(policy || ref): exp(ref - logp) - (ref - logp) - 1 (>= 0)."""
+    delta = ref_logprobs - logprobs
+    return torch.exp(delta) - delta - 1
+
+
+def grpo_loss(logprobs: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor, *,
+              old_logprobs: Optional[torch.Tensor] = None, ref_logprobs: Optional[torch.Tensor] = None,
+              epsilon: float = 0.2, epsilon_high: Optional[float] = None, beta: float = 0.0,
+              loss_type: str = "grpo", max_completion_length: Optional[int] = None,
+              reduction: Reduction = "mean") -> tuple[torch.Tensor, dict]:
+    """Clipped-ratio policy loss with an optional k3 KL penalty, TRL GRPOTrainer semantics.
+
+    Per token: ratio r = exp(logp - old_logp) (old_logprobs None: the detached current logprobs,
+    r = 1 with the policy gradient kept), loss_t = -min(r*A, clip(r, 1-epsilon, 1+epsilon_high)*A)
+    + beta * k3(logp, ref). `advantages` is [B] (per sequence) or [B, T]. Aggregation by
+    `loss_type` (see the module docstring for the numerator/denominator of each).
+    Metrics: clip_ratio/low (r < 1-eps with A < 0), clip_ratio/high (r > 1+eps_high with
+    A > 0), clip_ratio/region (either), ratio_mean, and kl (mean k3) when ref_logprobs is given.
+    """
+    _check_reduction(reduction)
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+    if loss_type == "dr_grpo" and not max_completion_length:
+        raise ValueError("loss_type='dr_grpo' needs max_completion_length (its normaliser)")
+    if beta != 0.0 and ref_logprobs is None:
+        raise ValueError(f"beta={beta} needs ref_logprobs (reference-policy logprobs); set beta=0 to skip the KL")
+    eps_low = epsilon
+    eps_high = epsilon if epsilon_high is None else epsilon_high
+    if old_logprobs is None:
+        old_logprobs = logprobs.detach()
+    adv = advantages.to(logprobs.dtype)
+    if adv.ndim == 1:
+        adv = adv.unsqueeze(1)
+
+    ratio = torch.exp(logprobs - old_logprobs)
+    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
+    per_token = -torch.min(ratio * adv, clipped * adv)
+    metrics = {}
+    if ref_logprobs is not None:
+        kl = k3_kl(logprobs, ref_logprobs)
+        metrics["kl"] = _masked_mean(kl, loss_mask)
+        if beta != 0.0:
+            per_token = per_token + beta * kl
+    per_token = _masked(per_token, loss_mask)
+
+    if loss_type == "grpo":
+        numerator = (per_token.sum(-1) / loss_mask.sum(-1).clamp(min=1)).sum()
+    elif loss_type == "bnpo":
+        numerator = per_token.sum() / loss_mask.sum().clamp(min=1)
+    elif loss_type == "dr_grpo":
+        numerator = per_token.sum() / max_completion_length
+    else:  # dapo
+        numerator = per_token.sum()
+
+    with torch.no_grad():
+        low = (ratio < 1 - eps_low) & (adv < 0)
+        high = (ratio > 1 + eps_high) & (adv > 0)
+        metrics["clip_ratio/low"] = _masked_mean(low.float(), loss_mask)
+        metrics["clip_ratio/high"] = _masked_mean(high.float(), loss_mask)
+        metrics["clip_ratio/region"] = _masked_mean((low | high).float(), loss_mask)
+        metrics["ratio_mean"] = _masked_mean(ratio, loss_mask)
+    return _finish(numerator, loss_denominator(loss_type, loss_mask), reduction), metrics
+
+
+# ----------------------------------------------------------------------------- GKD
+
+def _kl(p_log: torch.Tensor, q_log: torch.Tensor) -> torch.Tensor:
+    """KL(p || q) over the last dim from log-probabilities; terms with p = 0 count 0."""
+    p = p_log.exp()
+    diff = torch.where(p > 0, p_log - q_log, torch.zeros((), dtype=p_log.dtype, device=p_log.device))
+    return (p * diff).sum(-1)
+
+
+def generalized_jsd(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, beta: float) -> torch.Tensor:
+    """Per-position generalized JSD over the last dim, TRL GKDTrainer.generalized_jsd_loss convention.
+
+    beta = 0: KL(teacher || student) (forward); beta = 1: KL(student || teacher) (reverse);
+    else beta * KL(teacher || M) + (1 - beta) * KL(student || M), M = beta*P_t + (1-beta)*P_s.
+    """
+    if not 0.0 <= beta <= 1.0:
+        raise ValueError(f"GKD beta must be in [0, 1], got {beta}")
+    if beta == 0.0:
+        return _kl(teacher_logprobs, student_logprobs)
+    if beta == 1.0:
+        return _kl(student_logprobs, teacher_logprobs)
+    mixture = torch.logsumexp(torch.stack([student_logprobs + math.log(1 - beta),
+                                           teacher_logprobs + math.log(beta)]), dim=0)
+    return beta * _kl(teacher_logprobs, mixture) + (1 - beta) * _kl(student_logprobs, mixture)
+
+
+def _topk_distributions(student_logits, teacher_logprobs, teacher_indices, temperature, topk_mode,
+                        teacher_temperature_applied):
+    """Student and teacher log-distributions over the k teacher tokens ('renorm') or the k
+    tokens plus one tail bucket ('tail'), both at the loss temperature. Inputs are [N, V] / [N, k]."""
+    if topk_mode == "renorm":
+        s = torch.log_softmax(student_logits.gather(-1, teacher_indices) / temperature, dim=-1)
+        t = teacher_logprobs if teacher_temperature_applied else teacher_logprobs / temperature
+        return s, torch.log_softmax(t, dim=-1)
+    if temperature != 1.0 and not teacher_temperature_applied:
+        raise ValueError(
+            "topk_mode='tail' with temperature != 1 needs the teacher's top-k logprobs taken at that "
+            "temperature (the tail mass at another temperature is unknown from k values): have the "
+            "teacher apply the temperature and pass teacher_temperature_applied=True, or use topk_mode='renorm'")
+    # Both tails are floored at the same tiny mass: when k covers (nearly) the whole vocabulary a
+    # rounding-level teacher tail against an exactly-zero student tail would otherwise give inf.
+    floor = math.log(torch.finfo(student_logits.dtype).tiny)
+    scaled = student_logits / temperature
+    lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
+    s_top = scaled.gather(-1, teacher_indices) - lse
+    # The student's tail exactly: logsumexp over the vocabulary with the k tokens removed.
+    rest = scaled.scatter(-1, teacher_indices, torch.finfo(scaled.dtype).min)
+    s_tail = (torch.logsumexp(rest, dim=-1, keepdim=True) - lse).clamp(min=floor)
+    t_mass = torch.logsumexp(teacher_logprobs, dim=-1, keepdim=True)
+    t_tail = torch.log(-torch.expm1(t_mass.clamp(max=0))).clamp(min=floor)  # log(1 - sum p_topk)
+    t = torch.log_softmax(torch.cat([teacher_logprobs, t_tail], dim=-1), dim=-1)  # absorbs rounding
+    return torch.cat([s_top, s_tail], dim=-1), t
+
+
+def gkd_loss(student_logits: torch.Tensor, teacher_logprobs: torch.Tensor, loss_mask: torch.Tensor, *,
+             teacher_indices: Optional[torch.Tensor] = None, beta: float = 0.5, temperature: float = 1.0,
+             topk_mode: str = "renorm", teacher_temperature_applied: bool = False,
+             reduction: Reduction = "mean") -> tuple[torch.Tensor, dict]:
+    """Generalized JSD between student and teacher next-token distributions, masked token mean.
+
+    All inputs are aligned with each other: student_logits [B, T, V], loss_mask [B, T], and
+    the teacher either full vocabulary (teacher_logprobs [B, T, V], teacher_indices None; exact)
+    or top-k (teacher_logprobs and teacher_indices [B, T, k]):
+    * 'renorm': both distributions restricted to the k teacher tokens and renormalised;
+    * 'tail': the k tokens plus one bucket holding the remaining mass 1 - Σp_topk, for the
+      teacher and the student alike; exact divergence of those (k+1)-way distributions.
+    `temperature` divides the student logits and the teacher logprobs before normalising (for
+    full vocabulary and 'renorm' this equals tempering the teacher's logits). With
+    `teacher_temperature_applied` the teacher values are already at that temperature.
+    Only positions with loss_mask > 0 are computed. Denominator: loss tokens.
+    """
+    _check_reduction(reduction)
+    if temperature <= 0:
+        raise ValueError(f"GKD temperature must be > 0, got {temperature}")
+    if teacher_indices is None and teacher_logprobs.shape != student_logits.shape:
+        raise ValueError(f"full-vocabulary teacher logprobs {tuple(teacher_logprobs.shape)} must match the "
+                         f"student logits {tuple(student_logits.shape)}")
+    if teacher_indices is not None and teacher_indices.shape != teacher_logprobs.shape:
+        raise ValueError(f"teacher_indices {tuple(teacher_indices.shape)} and teacher_logprobs "
+                         f"{tuple(teacher_logprobs.shape)} must have the same shape")
+    if topk_mode not in TOPK_MODES:
+        raise ValueError(f"topk_mode must be one of {TOPK_MODES}, got {topk_mode!r}")
+    # Select the loss positions first: prompt and padding rows cost nothing and cannot leak nan.
+    active = loss_mask > 0
+    dtype = torch.promote_types(student_logits.dtype, torch.float32)
+    s_logits = student_logits[active].to(dtype)
+    t_logp = teacher_logprobs[active].to(dtype)
+    metrics = {}
+    if teacher_indices is None:
+        s = torch.log_softmax(s_logits / temperature, dim=-1)
+        t = torch.log_softmax(t_logp if teacher_temperature_applied else t_logp / temperature, dim=-1)
+    else:
+        s, t = _topk_distributions(s_logits, t_logp, teacher_indices[active].long(), temperature,
+                                   topk_mode, teacher_temperature_applied)
+        metrics["teacher_topk_mass"] = float(t_logp.detach().exp().sum(-1).mean()) if len(t_logp) else 0.0
+    per_token = generalized_jsd(s, t, beta)
+    numerator = per_token.sum()
+    metrics["jsd"] = float(per_token.detach().mean()) if per_token.numel() else 0.0
+    return _finish(numerator, float(active.sum()), reduction), metrics
+
+
+# ----------------------------------------------------------------------------- Trainer callables
+
+class SFTLoss:
+    """NLL over `batch.loss_mask` (denominator: loss tokens)."""
+    needs_logits = False
+
+    def __init__(self, reduction: Reduction = "sum"):
+        _check_reduction(reduction)
+        self.reduction = reduction
+
+    def denominator(self, batch: Batch) -> float:
+        return float(batch.loss_mask.sum())
+
+    def __call__(self, logprobs: torch.Tensor, batch: Batch, extras: Optional[dict] = None):
+        return sft_loss(logprobs, batch.loss_mask.to(logprobs.device), reduction=self.reduction)
+
+
+class GRPOLoss:
+    """GRPO on a batch with `advantages` ([B] or [B, T]), optional `old_logprobs` (behaviour
+    policy; None = on-policy single update) and `ref_logprobs` (needed when beta != 0)."""
+    needs_logits = False
+
+    def __init__(self, epsilon: float = 0.2, epsilon_high: Optional[float] = None, beta: float = 0.04,
+                 loss_type: str = "grpo", max_completion_length: Optional[int] = None,
+                 reduction: Reduction = "sum"):
+        _check_reduction(reduction)
+        if loss_type not in LOSS_TYPES:
+            raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+        if loss_type == "dr_grpo" and not max_completion_length:
+            raise ValueError("loss_type='dr_grpo' needs max_completion_length (its normaliser)")
+        self.epsilon, self.epsilon_high, self.beta = epsilon, epsilon_high, beta
+        self.loss_type, self.max_completion_length, self.reduction = loss_type, max_completion_length, reduction
+
+    def denominator(self, batch: Batch) -> float:
+        return loss_denominator(self.loss_type, batch.loss_mask)
+
+    def __call__(self, logprobs: torch.Tensor, batch: Batch, extras: Optional[dict] = None):
+        if batch.advantages is None:
+            raise ValueError("GRPO loss needs batch.advantages (see algorithms.advantages.group_advantages)")
+        device = logprobs.device
+        old = None if batch.old_logprobs is None else batch.old_logprobs.to(device)
+        ref = None if batch.ref_logprobs is None else batch.ref_logprobs.to(device)
+        loss, metrics = grpo_loss(
+            logprobs, batch.advantages.to(device), batch.loss_mask.to(device), old_logprobs=old, ref_logprobs=ref,
+            epsilon=self.epsilon, epsilon_high=self.epsilon_high, beta=self.beta, loss_type=self.loss_type,
+            max_completion_length=self.max_completion_length, reduction=self.reduction)
+        if extras and extras.get("entropy") is not None:
+            metrics["entropy"] = _masked_mean(extras["entropy"], batch.loss_mask.to(device))
+        return loss, metrics
+
+
+class GKDLoss:
+    """Generalized JSD to the teacher (`batch.teacher_logprobs`, plus `batch.teacher_indices`
+    for top-k) + `sft_alpha` * NLL of the batch tokens (temperature 1), both over loss tokens.
+
+    Needs extras['logits'] (raw model outputs, unshifted). `lmbda` and `seq_kd` are data-side:
+    the driver picks where completions come from (student generations with probability lmbda,
+    else dataset responses, or teacher generations when seq_kd); this loss is the same for all.
+    ms-swift applies the SFT term only to completions the student did not generate: build the
+    loss with sft_alpha=0 for on-policy batches if that is wanted.
+    """
+    needs_logits = True
+
+    def __init__(self, beta: float = 0.5, temperature: float = 0.9, sft_alpha: float = 0.0,
+                 topk_mode: str = "renorm", teacher_temperature_applied: bool = False,
+                 reduction: Reduction = "sum"):
+        _check_reduction(reduction)
+        if not 0.0 <= beta <= 1.0:
+            raise ValueError(f"GKD beta must be in [0, 1], got {beta}")
+        if topk_mode not in TOPK_MODES:
+            raise ValueError(f"topk_mode must be one of {TOPK_MODES}, got {topk_mode!r}")
+        if sft_alpha < 0:
+            raise ValueError(f"sft_alpha must be >= 0, got {sft_alpha}")
+        self.beta, self.temperature, self.sft_alpha = beta, temperature, sft_alpha
+        self.topk_mode, self.teacher_temperature_applied, self.reduction = topk_mode, teacher_temperature_applied, reduction
+
+    def denominator(self, batch: Batch) -> float:
+        # Position 0 has no prediction in the raw logits; it is never a completion token anyway.
+        return float((batch.loss_mask[:, 1:] > 0).sum())
+
+    def __call__(self, logprobs: torch.Tensor, batch: Batch, extras: Optional[dict] = None):
+        logits = (extras or {}).get("logits")
+        if logits is None:
+            raise ValueError("GKD loss needs extras['logits'] (the student's [B, T, V] logits); "
+                             "the trainer passes them when loss_fn.needs_logits is True")
+        if batch.teacher_logprobs is None:
+            raise ValueError("GKD loss needs batch.teacher_logprobs (from Teacher.logits)")
+        if logits.shape[:2] != batch.input_ids.shape:
+            raise ValueError(f"extras['logits'] {tuple(logits.shape)} must be the raw model outputs for "
+                             f"input_ids {tuple(batch.input_ids.shape)}")
+        device = logits.device
+        # Raw logits[:, t] predict token t+1, which the aligned teacher fields hold at t+1.
+        mask = batch.loss_mask[:, 1:].to(device)
+        indices = None if batch.teacher_indices is None else batch.teacher_indices[:, 1:].to(device)
+        loss, metrics = gkd_loss(
+            logits[:, :-1], batch.teacher_logprobs[:, 1:].to(device), mask, teacher_indices=indices,
+            beta=self.beta, temperature=self.temperature, topk_mode=self.topk_mode,
+            teacher_temperature_applied=self.teacher_temperature_applied, reduction="sum")
+        if self.sft_alpha > 0:
+            active = mask > 0
+            rows = logits[:, :-1][active].float()
+            target = batch.input_ids[:, 1:].to(device)[active].unsqueeze(-1)
+            nll = torch.logsumexp(rows, dim=-1) - rows.gather(-1, target).squeeze(-1)
+            loss = loss + self.sft_alpha * nll.sum()
+            metrics["sft_nll"] = float(nll.detach().mean()) if nll.numel() else 0.0
+        return _finish(loss, float((mask > 0).sum()), self.reduction), metrics
+
+
+_LOSSES = {"sft": SFTLoss, "grpo": GRPOLoss, "gkd": GKDLoss}
+
+
+def make_loss(name: str, **params):
+    """A picklable loss callable for the Trainer: 'sft', 'grpo' or 'gkd' with its parameters."""
+    if name not in _LOSSES:
+        raise ValueError(f"unknown loss {name!r}; choose one of {sorted(_LOSSES)}")
+    cls = _LOSSES[name]
+    accepted = [p for p in inspect.signature(cls).parameters]
+    unknown = sorted(set(params) - set(accepted))
+    if unknown:
+        raise ValueError(f"loss {name!r} does not take {unknown}; it takes {accepted}")
+    return cls(**params)
