@@ -1,0 +1,363 @@
+"""Outcome reward model (ORM): one score per completion.
+
+Kinds, chosen by `ORMConfig.kind`:
+
+* 'exact': 1.0 when the completion equals the reference after normalisation (trimmed,
+  runs of whitespace collapsed to one space, case folded unless `exact_ignore_case` is off).
+* 'numeric': GSM8K style. The number after the last '####' of the completion is compared
+  numerically with the reference's '#### N' (or with the reference itself when it is a
+  plain number). Commas, '$' and a trailing period are ignored ('#### $1,234.' is 1234).
+  A completion without '####' scores 0, or, with `numeric_fallback_last_number`, its last
+  number is used instead.
+* 'format': 1.0 when `format_pattern` matches the completion (`re.search`), else 0.0.
+* 'custom': `reward_fn`, a dotted path 'pkg.mod.fn' to a function
+  fn(prompts, completions, references) -> list[float].
+* 'model': a causal LM with a scalar head read at the last token of prompt + completion
+  (+ eos); trained with a pairwise Bradley-Terry loss by `train_pairwise`.
+* 'combined': the weighted sum over `weights` ({kind: weight}) of the kinds above.
+
+Prompts, completions and references are lists of strings, one entry per completion (repeat
+a prompt for its n samples), so `dispatch='slice'` splits them consistently.
+
+The scalar-head model (`ScalarHeadModel`) is shared with the PRM, which reads it at the
+end of every step. No Ray here; model training is single-process (call it on one rank).
+"""
+from __future__ import annotations
+
+import importlib
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+
+import torch
+from omegaconf import OmegaConf
+
+from roles.batch import pad_sequences
+from roles.engines.torch_engine import pick_device
+
+RULE_KINDS = ("exact", "numeric", "format")
+COMPONENT_KINDS = RULE_KINDS + ("custom", "model")
+KINDS = COMPONENT_KINDS + ("combined",)
+# A number as written in answers: optional sign and '$', thousands commas, decimals.
+NUMBER_RE = re.compile(r"[-+]?\$?\d{1,3}(?:,\d{3})+(?:\.\d+)?|[-+]?\$?\d+(?:\.\d+)?|[-+]?\$?\.\d+")
+# File next to the HF weights holding the value head, optimizer and step.
+HEAD_FILE = "value_head.pt"
+
+
+@dataclass
+class ORMConfig:
+    # What scores a completion: exact | numeric | format | custom | model | combined.
+    kind: str = "numeric"
+    # Weight of each kind when kind=combined, e.g. {numeric: 1.0, format: 0.1}; the score
+    # is the weighted sum (not normalised).
+    weights: Dict[str, float] = field(default_factory=dict)
+    # exact: compare case-insensitively.
+    exact_ignore_case: bool = True
+    # numeric: without '####' in the completion, use its last number instead of scoring 0.
+    numeric_fallback_last_number: bool = False
+    # numeric: largest absolute difference still counted as equal.
+    numeric_tolerance: float = 1e-6
+    # format: regular expression searched in the completion (use ^, $, (?m), (?s) as needed);
+    # the default asks for a last line '#### <number>'.
+    format_pattern: str = r"(?m)^#### [-+]?\$?[\d,]*\.?\d+\.?\s*\Z"
+    # custom: dotted path of fn(prompts, completions, references) -> list[float].
+    reward_fn: Optional[str] = None
+    # model: preset name, local checkpoint directory, or a model config mapping.
+    model: Any = None
+    # model: "auto" (cuda when available), "cpu" or "cuda[:N]".
+    device: str = "auto"
+    # model: seed of the value head's initialisation.
+    seed: int = 0
+    # model: wrap the prompt in the tokenizer's chat template (when it has one).
+    use_chat_template: bool = True
+    # model: sequences per forward pass when scoring or training.
+    micro_batch: int = 16
+    # model: AdamW learning rate of train_pairwise.
+    lr: float = 1e-5
+    # model: AdamW weight decay.
+    weight_decay: float = 0.0
+    # model: gradient-norm clip per optimizer step; 0 disables it.
+    max_grad_norm: float = 1.0
+
+
+def typed_config(cls: type, config: Any, overrides: Mapping[str, Any], key: str):
+    """A `cls` dataclass from None / an instance / a mapping, plus keyword overrides.
+    Unknown keys and wrong types fail here, naming the key."""
+    if isinstance(config, cls) and not overrides:
+        return config
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(cls), config or {}, dict(overrides))
+        return OmegaConf.to_object(merged)
+    except Exception as err:
+        raise ValueError(f"bad {key} config: {err}") from err
+
+
+def load_reward_fn(path: Optional[str], key: str) -> Callable:
+    """Import 'pkg.mod.fn'; a bad path fails with an error naming the config key."""
+    if not path or "." not in path:
+        raise ValueError(f"{key}={path!r}: expected a dotted path 'package.module.function'")
+    module_name, _, attr = path.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise ValueError(f"{key}='{path}': cannot import module '{module_name}' ({err})") from err
+    fn = getattr(module, attr, None)
+    if fn is None:
+        raise ValueError(f"{key}='{path}': module '{module_name}' has no attribute '{attr}'")
+    if not callable(fn):
+        raise ValueError(f"{key}='{path}': '{attr}' is a {type(fn).__name__}, not a function")
+    return fn
+
+
+def _to_number(text: str) -> Optional[float]:
+    try:
+        return float(text.replace(",", "").replace("$", ""))
+    except ValueError:
+        return None
+
+
+def extract_answer(text: str, fallback_last_number: bool = False) -> Optional[float]:
+    """The number after the last '####' (its first number), else optionally the last
+    number of the text; None when there is none."""
+    _, sep, tail = text.rpartition("####")
+    if sep:
+        m = NUMBER_RE.search(tail)
+        return _to_number(m.group()) if m else None
+    if fallback_last_number:
+        found = NUMBER_RE.findall(text)
+        return _to_number(found[-1]) if found else None
+    return None
+
+
+def reference_number(reference: str) -> Optional[float]:
+    """The reference's '#### N', or the reference itself as a plain number."""
+    if "####" in reference:
+        return extract_answer(reference)
+    return _to_number(reference.strip().rstrip("."))
+
+
+def normalize_text(text: str, ignore_case: bool = True) -> str:
+    text = " ".join(text.split())
+    return text.casefold() if ignore_case else text
+
+
+class ScalarHeadModel:
+    """A causal LM backbone with a linear head giving one scalar per token, and its own
+    AdamW. The ORM reads the scalar at the last token, the PRM at each step's end."""
+
+    def __init__(self, model: Any, device: str = "auto", seed: int = 0, use_chat_template: bool = True,
+                 lr: float = 1e-5, weight_decay: float = 0.0, max_grad_norm: float = 1.0, micro_batch: int = 16):
+        # Imported here so that rule-based scoring never pays for transformers.
+        from roles.models import build_model, load_tokenizer
+
+        if model is None:
+            raise ValueError("model-based scoring needs `model` (a preset name, a checkpoint "
+                             "directory or a model config)")
+        self.device = pick_device(device)
+        self.tokenizer = load_tokenizer(model)
+        self.lm = build_model(model).to(self.device)
+        self.use_chat_template = use_chat_template and bool(getattr(self.tokenizer, "chat_template", None))
+        self.max_grad_norm, self.micro_batch = max_grad_norm, micro_batch
+        self.max_length = int(getattr(self.lm.config, "max_position_embeddings", 0) or 0)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.head = torch.nn.Linear(self.lm.config.hidden_size, 1).to(self.device)
+            torch.nn.init.normal_(self.head.weight, std=1.0 / math.sqrt(self.lm.config.hidden_size + 1))
+            torch.nn.init.zeros_(self.head.bias)
+        self.optimizer = torch.optim.AdamW(self.parameters(), lr=lr, weight_decay=weight_decay)
+        self.step = 0
+        self.eval()
+
+    def parameters(self) -> List[torch.nn.Parameter]:
+        return list(self.lm.parameters()) + list(self.head.parameters())
+
+    def train(self) -> None:
+        self.lm.train()
+        self.head.train()
+
+    def eval(self) -> None:
+        self.lm.eval()
+        self.head.eval()
+
+    def text_ids(self, text: str) -> List[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    def prompt_ids(self, prompt: str) -> List[int]:
+        """The prompt as the model sees it before a reply (chat template when it has one)."""
+        if self.use_chat_template:
+            prompt = self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                        add_generation_prompt=True, tokenize=False)
+        return self.text_ids(prompt)
+
+    def values(self, seqs: Sequence[List[int]]) -> torch.Tensor:
+        """[B, T] scalar per token of right-padded `seqs` (float32; graph kept in train mode)."""
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        ids, mask = pad_sequences(list(seqs), pad)
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        hidden = self.lm.base_model(input_ids=ids, attention_mask=mask).last_hidden_state
+        return self.head(hidden.to(self.head.weight.dtype)).squeeze(-1).float()
+
+    def optimizer_step(self) -> float:
+        """Clip, step and zero the gradients; returns the gradient norm before clipping."""
+        params = [p for p in self.parameters() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm if self.max_grad_norm > 0 else float("inf"))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return float(norm)
+
+    def save(self, out_dir: str | os.PathLike) -> Path:
+        """HF-format backbone + tokenizer (loadable with plain transformers) and HEAD_FILE."""
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.lm.save_pretrained(out)
+        self.tokenizer.save_pretrained(out)
+        torch.save({"head": self.head.state_dict(), "optimizer": self.optimizer.state_dict(), "step": self.step},
+                   out / HEAD_FILE)
+        return out
+
+    def load(self, in_dir: str | os.PathLike) -> None:
+        from transformers import AutoModelForCausalLM
+
+        in_dir = Path(in_dir)
+        if not (in_dir / HEAD_FILE).is_file():
+            raise ValueError(f"{in_dir} has no {HEAD_FILE}; expected a directory written by save()")
+        lm = AutoModelForCausalLM.from_pretrained(in_dir, local_files_only=True, dtype=self.lm.dtype)
+        self.lm.load_state_dict(lm.state_dict())
+        state = torch.load(in_dir / HEAD_FILE, map_location=self.device, weights_only=True)
+        self.head.load_state_dict(state["head"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])
+
+
+class ORM:
+    """Outcome scores: `score(prompts, completions, references) -> list[float]`."""
+
+    def __init__(self, config: ORMConfig | Mapping[str, Any] | None = None, **overrides: Any):
+        self.config = cfg = typed_config(ORMConfig, config, overrides, "orm")
+        if cfg.kind not in KINDS:
+            raise ValueError(f"orm.kind='{cfg.kind}'; choose one of {list(KINDS)}")
+        if cfg.kind == "combined":
+            if not cfg.weights:
+                raise ValueError("orm.kind=combined needs orm.weights, e.g. {numeric: 1.0, format: 0.1}")
+            unknown = sorted(set(cfg.weights) - set(COMPONENT_KINDS))
+            if unknown:
+                raise ValueError(f"orm.weights has unknown kinds {unknown}; use {list(COMPONENT_KINDS)}")
+            self.weights = dict(cfg.weights)
+        else:
+            self.weights = {cfg.kind: 1.0}
+        self.reward_fn = load_reward_fn(cfg.reward_fn, "orm.reward_fn") if "custom" in self.weights else None
+        if "format" in self.weights:
+            try:
+                self.format_re = re.compile(cfg.format_pattern)
+            except re.error as err:
+                raise ValueError(f"orm.format_pattern={cfg.format_pattern!r} is not a valid regex: {err}") from err
+        self.model = None
+        if "model" in self.weights:
+            self.model = ScalarHeadModel(cfg.model, cfg.device, cfg.seed, cfg.use_chat_template, cfg.lr,
+                                         cfg.weight_decay, cfg.max_grad_norm, cfg.micro_batch)
+
+    # ------------------------------------------------------------------------- scoring
+
+    def score(self, prompts: Sequence[str], completions: Sequence[str],
+              references: Optional[Sequence[Optional[str]]] = None) -> List[float]:
+        """One score per completion: the weighted sum of the configured kinds."""
+        n = len(completions)
+        references = list(references) if references is not None else [None] * n
+        if len(prompts) != n or len(references) != n:
+            raise ValueError(f"orm.score needs one prompt and one reference per completion; got "
+                             f"{len(prompts)} prompts, {n} completions, {len(references)} references")
+        total = [0.0] * n
+        for kind, weight in self.weights.items():
+            scores = self._score_kind(kind, list(prompts), list(completions), references)
+            total = [t + weight * s for t, s in zip(total, scores)]
+        return total
+
+    def _score_kind(self, kind: str, prompts: List[str], completions: List[str], references: list) -> List[float]:
+        if kind in ("exact", "numeric") and any(r is None for r in references):
+            raise ValueError(f"orm kind '{kind}' needs a reference for every completion")
+        if kind == "exact":
+            ic = self.config.exact_ignore_case
+            return [float(normalize_text(c, ic) == normalize_text(r, ic)) for c, r in zip(completions, references)]
+        if kind == "numeric":
+            return [self._numeric(c, r) for c, r in zip(completions, references)]
+        if kind == "format":
+            return [float(self.format_re.search(c) is not None) for c in completions]
+        if kind == "custom":
+            out = [float(x) for x in self.reward_fn(prompts, completions, references)]
+            if len(out) != len(completions):
+                raise ValueError(f"orm.reward_fn='{self.config.reward_fn}' returned {len(out)} scores "
+                                 f"for {len(completions)} completions")
+            return out
+        return self._model_scores(prompts, completions)
+
+    def _numeric(self, completion: str, reference: str) -> float:
+        got = extract_answer(completion, self.config.numeric_fallback_last_number)
+        want = reference_number(reference)
+        if got is None or want is None:
+            return 0.0
+        return float(abs(got - want) <= self.config.numeric_tolerance)
+
+    # -------------------------------------------------------------------------- model
+
+    def _sequences(self, prompts: Sequence[str], completions: Sequence[str]) -> List[List[int]]:
+        m = self.model
+        eos = [m.tokenizer.eos_token_id] if m.tokenizer.eos_token_id is not None else []
+        seqs = [m.prompt_ids(p) + m.text_ids(c) + eos for p, c in zip(prompts, completions)]
+        # The score is read at the end, so an over-long sequence loses its beginning.
+        return [s[-m.max_length:] if m.max_length else s for s in seqs]
+
+    def _last_values(self, seqs: List[List[int]]) -> torch.Tensor:
+        values = self.model.values(seqs)
+        last = torch.tensor([len(s) - 1 for s in seqs], device=values.device)
+        return values[torch.arange(len(seqs), device=values.device), last]
+
+    @torch.no_grad()
+    def _model_scores(self, prompts: List[str], completions: List[str]) -> List[float]:
+        self.model.eval()
+        seqs, mb = self._sequences(prompts, completions), self.model.micro_batch
+        return [float(v) for i in range(0, len(seqs), mb) for v in self._last_values(seqs[i:i + mb])]
+
+    def _require_model(self, method: str) -> ScalarHeadModel:
+        if self.model is None:
+            raise ValueError(f"orm.{method} needs a model; orm.kind='{self.config.kind}' has none "
+                             "(set orm.kind=model and orm.model)")
+        return self.model
+
+    def train_pairwise(self, chosen: Sequence[str], rejected: Sequence[str],
+                       prompts: Optional[Sequence[str]] = None) -> Dict[str, float]:
+        """One AdamW step on the Bradley-Terry loss -log sigmoid(r(chosen) - r(rejected)),
+        averaged over the pairs. `prompts` (one per pair) default to empty prompts."""
+        m = self._require_model("train_pairwise")
+        if len(chosen) != len(rejected) or (prompts is not None and len(prompts) != len(chosen)):
+            raise ValueError("train_pairwise needs as many rejected completions (and prompts) as chosen ones")
+        if not chosen:
+            raise ValueError("train_pairwise got no pairs")
+        prompts = list(prompts) if prompts is not None else [""] * len(chosen)
+        m.train()
+        n, half = len(chosen), max(1, m.micro_batch // 2)
+        loss_sum = correct = margin_sum = 0.0
+        for i in range(0, n, half):
+            p = prompts[i:i + half]
+            seqs = self._sequences(p, chosen[i:i + half]) + self._sequences(p, rejected[i:i + half])
+            r = self._last_values(seqs)
+            k = len(p)
+            margin = r[:k] - r[k:]
+            loss = -torch.nn.functional.logsigmoid(margin).sum()
+            (loss / n).backward()
+            loss_sum += loss.item()
+            correct += (margin > 0).sum().item()
+            margin_sum += margin.sum().item()
+        grad_norm = m.optimizer_step()
+        m.eval()
+        return {"loss": loss_sum / n, "accuracy": correct / n, "margin": margin_sum / n,
+                "grad_norm": grad_norm, "pairs": float(n), "step": float(m.step)}
+
+    def save(self, out_dir: str | os.PathLike) -> Path:
+        return self._require_model("save").save(out_dir)
+
+    def load(self, in_dir: str | os.PathLike) -> None:
+        self._require_model("load").load(in_dir)
