@@ -1,28 +1,29 @@
 """Loss functions for the Trainer: SFT, GRPO and GKD (pure torch; no Ray, no role imports).
 
-Call contract (what a Trainer does with a loss built by `make_loss`):
-    loss, metrics = loss_fn(logprobs, batch, extras)
-* `logprobs` [B, T]: the current policy's token logprobs with grad, aligned like every
+Call contract (roles.trainer.Trainer): `loss, metrics = loss_fn(logprobs, batch, extras)` once
+per micro-batch; the step loss is the sum of the returned values over all micro-batches of
+all ranks.
+* `logprobs` [b, t]: the current policy's token logprobs with grad, aligned like every
   per-token field of `roles.batch.Batch` (position t = log p(token t | tokens < t)).
-* `extras`: 'logits' [B, T, V] (needed by GKD, `loss_fn.needs_logits` says so) are the raw
-  model outputs for `batch.input_ids`, NOT shifted: logits[:, t] predicts token t+1, the
-  input `roles.engines.torch_engine.token_logprobs` takes. Optional 'entropy' [B, T] (aligned)
-  is only logged.
-* `metrics`: dict of python floats, means over this call's loss tokens (or sequences).
+* `extras`: 'global_tokens' / 'global_sequences' (loss tokens / sequences of the whole step),
+  'temperature' (the trainer's), and what `loss_fn.loss_inputs` asks for: 'logits' [b, t, V]
+  aligned (row t = distribution of token t) and already divided by extras['temperature'];
+  'entropy' [b, t] (only logged).
+* `metrics`: python floats, means over this call's loss tokens; same keys on every call.
 
-Reduction contract: every loss is a ratio numerator / denominator.
-* reduction='sum' (the default of `make_loss`) returns the numerator; `loss_fn.denominator(batch)`
-  gives this micro-batch's denominator (needs no forward pass).
-* A Trainer that splits one optimizer step over micro-batches and ranks uses
-  loss = Σ numerators / Σ denominators (sums over every micro-batch of every rank), e.g.
-  backward(numerator * world_size / global_denominator) under DDP gradient averaging. One
-  micro-batch on one rank then gives exactly reduction='mean'.
-* reduction='mean' returns numerator / denominator of this call alone.
-Per loss: SFT, GKD and GRPO 'dapo' count loss tokens (numerator = token sum); GRPO 'grpo'
-counts sequences (numerator = sum of per-sequence token means); 'dr_grpo' counts sequences
-(numerator = token sum / max_completion_length); 'bnpo' counts micro-batches (numerator =
-this micro-batch's token mean, denominator 1), so 'bnpo' normalises per micro-batch and
-'dapo' by the global token count, as in TRL.
+Reduction: every loss is numerator / denominator, in a unit (loss tokens, sequences, or
+micro-batches for 'bnpo').
+* Pure functions (`sft_loss`, `grpo_loss`, `gkd_loss`): reduction='mean' gives the ratio on
+  the inputs, 'sum' the numerator; `loss_denominator(loss_type, loss_mask)` gives the rest.
+* Callables from `make_loss`: reduction='global' (default) returns numerator / the step's
+  global count of the unit read from extras ('global_tokens', 'global_sequences' or
+  'global_micro_batches'), so Σ over micro-batches and ranks equals one 'mean' over the whole
+  step; 'sum' returns the numerator (the caller divides by Σ `loss_fn.denominator(batch)`);
+  'mean' normalises by this micro-batch alone.
+Units: SFT, GKD and GRPO 'dapo' count loss tokens (numerator = token sum); GRPO 'grpo' counts
+sequences (numerator = sum of per-sequence token means); 'dr_grpo' counts sequences (numerator
+= token sum / max_completion_length); 'bnpo' counts micro-batches (numerator = the micro-batch
+token mean), so 'bnpo' normalises per micro-batch and 'dapo' by the global token count, as in TRL.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ import torch
 from roles.batch import Batch
 
 Reduction = Literal["mean", "sum"]
+StepReduction = Literal["global", "mean", "sum"]
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
 TOPK_MODES = ("renorm", "tail")
 
@@ -57,6 +59,11 @@ def _finish(numerator: torch.Tensor, denominator: float, reduction: str) -> torc
     return numerator if reduction == "sum" else numerator / max(denominator, 1.0)
 
 
+# The unit each loss_type normalises by, and the extras key holding the step's global count of it.
+_UNITS = {"grpo": "global_sequences", "dr_grpo": "global_sequences", "bnpo": "global_micro_batches",
+          "dapo": "global_tokens"}
+
+
 def loss_denominator(loss_type: str, loss_mask: torch.Tensor) -> float:
     """Denominator of one micro-batch for a loss_type (SFT and GKD use 'dapo': tokens)."""
     if loss_type in ("grpo", "dr_grpo"):
@@ -64,8 +71,25 @@ def loss_denominator(loss_type: str, loss_mask: torch.Tensor) -> float:
     if loss_type == "bnpo":
         return 1.0
     if loss_type == "dapo":
-        return float(loss_mask.sum())
+        return float((loss_mask > 0).sum())
     raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
+
+
+def _step_reduce(numerator: torch.Tensor, reduction: str, unit: str, local: float, extras: Optional[dict]):
+    """Scale a numerator per the callables' reduction (see the module docstring)."""
+    if reduction == "sum":
+        return numerator
+    if reduction == "mean":
+        return numerator / max(local, 1.0)
+    if not extras or unit not in extras:
+        raise ValueError(f"reduction='global' needs extras[{unit!r}] (the step's global count); the trainer "
+                         f"must provide it, or build the loss with reduction='sum' or 'mean'")
+    return numerator / max(float(extras[unit]), 1.0)
+
+
+def _check_step_reduction(reduction: str) -> None:
+    if reduction not in ("global", "mean", "sum"):
+        raise ValueError(f"reduction must be 'global', 'mean' or 'sum', got {reduction!r}")
 
 
 # ----------------------------------------------------------------------------- SFT
@@ -250,29 +274,30 @@ def gkd_loss(student_logits: torch.Tensor, teacher_logprobs: torch.Tensor, loss_
 # ----------------------------------------------------------------------------- Trainer callables
 
 class SFTLoss:
-    """NLL over `batch.loss_mask` (denominator: loss tokens)."""
-    needs_logits = False
+    """NLL over `batch.loss_mask` (unit: loss tokens)."""
+    loss_inputs: tuple = ()
 
-    def __init__(self, reduction: Reduction = "sum"):
-        _check_reduction(reduction)
+    def __init__(self, reduction: StepReduction = "global"):
+        _check_step_reduction(reduction)
         self.reduction = reduction
 
     def denominator(self, batch: Batch) -> float:
-        return float(batch.loss_mask.sum())
+        return loss_denominator("dapo", batch.loss_mask)
 
     def __call__(self, logprobs: torch.Tensor, batch: Batch, extras: Optional[dict] = None):
-        return sft_loss(logprobs, batch.loss_mask.to(logprobs.device), reduction=self.reduction)
+        numerator, metrics = sft_loss(logprobs, batch.loss_mask.to(logprobs.device), reduction="sum")
+        return _step_reduce(numerator, self.reduction, "global_tokens", self.denominator(batch), extras), metrics
 
 
 class GRPOLoss:
     """GRPO on a batch with `advantages` ([B] or [B, T]), optional `old_logprobs` (behaviour
     policy; None = on-policy single update) and `ref_logprobs` (needed when beta != 0)."""
-    needs_logits = False
+    loss_inputs: tuple = ()
 
     def __init__(self, epsilon: float = 0.2, epsilon_high: Optional[float] = None, beta: float = 0.04,
                  loss_type: str = "grpo", max_completion_length: Optional[int] = None,
-                 reduction: Reduction = "sum"):
-        _check_reduction(reduction)
+                 reduction: StepReduction = "global"):
+        _check_step_reduction(reduction)
         if loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
         if loss_type == "dr_grpo" and not max_completion_length:
@@ -289,70 +314,75 @@ class GRPOLoss:
         device = logprobs.device
         old = None if batch.old_logprobs is None else batch.old_logprobs.to(device)
         ref = None if batch.ref_logprobs is None else batch.ref_logprobs.to(device)
-        loss, metrics = grpo_loss(
+        numerator, metrics = grpo_loss(
             logprobs, batch.advantages.to(device), batch.loss_mask.to(device), old_logprobs=old, ref_logprobs=ref,
             epsilon=self.epsilon, epsilon_high=self.epsilon_high, beta=self.beta, loss_type=self.loss_type,
-            max_completion_length=self.max_completion_length, reduction=self.reduction)
+            max_completion_length=self.max_completion_length, reduction="sum")
         if extras and extras.get("entropy") is not None:
             metrics["entropy"] = _masked_mean(extras["entropy"], batch.loss_mask.to(device))
+        loss = _step_reduce(numerator, self.reduction, _UNITS[self.loss_type], self.denominator(batch), extras)
         return loss, metrics
 
 
 class GKDLoss:
     """Generalized JSD to the teacher (`batch.teacher_logprobs`, plus `batch.teacher_indices`
-    for top-k) + `sft_alpha` * NLL of the batch tokens (temperature 1), both over loss tokens.
+    for top-k) + `sft_alpha` * NLL of the batch tokens at temperature 1 (unit: loss tokens).
 
-    Needs extras['logits'] (raw model outputs, unshifted). `lmbda` and `seq_kd` are data-side:
-    the driver picks where completions come from (student generations with probability lmbda,
-    else dataset responses, or teacher generations when seq_kd); this loss is the same for all.
-    ms-swift applies the SFT term only to completions the student did not generate: build the
-    loss with sft_alpha=0 for on-policy batches if that is wanted.
+    Needs extras['logits'] (aligned, divided by extras['temperature']; they are rescaled to
+    this loss's `temperature`, so the two may differ). `lmbda` and `seq_kd` are data-side: the
+    driver picks where completions come from (student generations with probability lmbda, else
+    dataset responses, or teacher generations when seq_kd); this loss is the same for all.
+    ms-swift applies the SFT term only to completions the student did not generate: use a loss
+    with sft_alpha=0 for on-policy batches if that is wanted.
     """
-    needs_logits = True
+    loss_inputs: tuple = ("logits",)
 
     def __init__(self, beta: float = 0.5, temperature: float = 0.9, sft_alpha: float = 0.0,
                  topk_mode: str = "renorm", teacher_temperature_applied: bool = False,
-                 reduction: Reduction = "sum"):
-        _check_reduction(reduction)
+                 reduction: StepReduction = "global"):
+        _check_step_reduction(reduction)
         if not 0.0 <= beta <= 1.0:
             raise ValueError(f"GKD beta must be in [0, 1], got {beta}")
         if topk_mode not in TOPK_MODES:
             raise ValueError(f"topk_mode must be one of {TOPK_MODES}, got {topk_mode!r}")
         if sft_alpha < 0:
             raise ValueError(f"sft_alpha must be >= 0, got {sft_alpha}")
+        if temperature <= 0:
+            raise ValueError(f"GKD temperature must be > 0, got {temperature}")
         self.beta, self.temperature, self.sft_alpha = beta, temperature, sft_alpha
         self.topk_mode, self.teacher_temperature_applied, self.reduction = topk_mode, teacher_temperature_applied, reduction
 
     def denominator(self, batch: Batch) -> float:
-        # Position 0 has no prediction in the raw logits; it is never a completion token anyway.
-        return float((batch.loss_mask[:, 1:] > 0).sum())
+        return loss_denominator("dapo", batch.loss_mask)
 
     def __call__(self, logprobs: torch.Tensor, batch: Batch, extras: Optional[dict] = None):
-        logits = (extras or {}).get("logits")
+        extras = extras or {}
+        logits = extras.get("logits")
         if logits is None:
-            raise ValueError("GKD loss needs extras['logits'] (the student's [B, T, V] logits); "
-                             "the trainer passes them when loss_fn.needs_logits is True")
+            raise ValueError("GKD loss needs extras['logits'] (the student's aligned [B, T, V] logits); "
+                             "give the trainer loss_inputs=loss_fn.loss_inputs")
         if batch.teacher_logprobs is None:
             raise ValueError("GKD loss needs batch.teacher_logprobs (from Teacher.logits)")
-        if logits.shape[:2] != batch.input_ids.shape:
-            raise ValueError(f"extras['logits'] {tuple(logits.shape)} must be the raw model outputs for "
-                             f"input_ids {tuple(batch.input_ids.shape)}")
+        if logits.shape[:2] != batch.loss_mask.shape:
+            raise ValueError(f"extras['logits'] {tuple(logits.shape)} must be aligned with the batch "
+                             f"{tuple(batch.loss_mask.shape)}")
         device = logits.device
-        # Raw logits[:, t] predict token t+1, which the aligned teacher fields hold at t+1.
-        mask = batch.loss_mask[:, 1:].to(device)
-        indices = None if batch.teacher_indices is None else batch.teacher_indices[:, 1:].to(device)
-        loss, metrics = gkd_loss(
-            logits[:, :-1], batch.teacher_logprobs[:, 1:].to(device), mask, teacher_indices=indices,
-            beta=self.beta, temperature=self.temperature, topk_mode=self.topk_mode,
+        mask = batch.loss_mask.to(device)
+        # Back to temperature-1 logits; gkd_loss applies this loss's temperature.
+        logits = logits * float(extras.get("temperature", 1.0))
+        indices = None if batch.teacher_indices is None else batch.teacher_indices.to(device)
+        numerator, metrics = gkd_loss(
+            logits, batch.teacher_logprobs.to(device), mask, teacher_indices=indices, beta=self.beta,
+            temperature=self.temperature, topk_mode=self.topk_mode,
             teacher_temperature_applied=self.teacher_temperature_applied, reduction="sum")
         if self.sft_alpha > 0:
             active = mask > 0
-            rows = logits[:, :-1][active].float()
-            target = batch.input_ids[:, 1:].to(device)[active].unsqueeze(-1)
+            rows = logits[active].float()
+            target = batch.input_ids.to(device)[active].unsqueeze(-1)
             nll = torch.logsumexp(rows, dim=-1) - rows.gather(-1, target).squeeze(-1)
-            loss = loss + self.sft_alpha * nll.sum()
+            numerator = numerator + self.sft_alpha * nll.sum()
             metrics["sft_nll"] = float(nll.detach().mean()) if nll.numel() else 0.0
-        return _finish(loss, float((mask > 0).sum()), self.reduction), metrics
+        return _step_reduce(numerator, self.reduction, "global_tokens", self.denominator(batch), extras), metrics
 
 
 _LOSSES = {"sft": SFTLoss, "grpo": GRPOLoss, "gkd": GKDLoss}

@@ -173,8 +173,13 @@ def test_sft_loss():
     close(float(loss), 3.5)
     batch = Batch(input_ids=torch.zeros(2, 4, dtype=torch.long), attention_mask=torch.ones(2, 4), loss_mask=mask)
     fn = make_loss("sft")
-    assert fn.denominator(batch) == 3.0 and not fn.needs_logits
-    close(float(fn(logprobs, batch, {})[0]), 3.5)
+    assert fn.denominator(batch) == 3.0 and fn.loss_inputs == ()
+    # Default 'global': this micro-batch's share of a step with 7 loss tokens.
+    close(fn(logprobs, batch, {"global_tokens": 7.0})[0], 3.5 / 7)
+    close(make_loss("sft", reduction="sum")(logprobs, batch, {})[0], 3.5)
+    close(make_loss("sft", reduction="mean")(logprobs, batch, {})[0], 3.5 / 3)
+    with pytest.raises(ValueError, match="global_tokens"):
+        fn(logprobs, batch, {})
 
 
 # ----------------------------------------------------------------------------- GKD: independent reference
@@ -323,58 +328,81 @@ def _gkd_batch(V=9, topk=None):
     loss_mask = torch.tensor([[0.0, 0, 1, 1, 1, 0], [0.0, 0, 0, 1, 1, 1]])
     student_raw = torch.randn(B, T, V, generator=g, dtype=torch.float64)
     teacher_raw = torch.randn(B, T, V, generator=g, dtype=torch.float64)
-    # Aligned teacher field: position t holds the distribution over token t (from raw output t-1).
+    # Aligned fields: position t holds the distribution over token t (from raw output t-1).
     aligned = torch.zeros(B, T, V, dtype=torch.float64)
     aligned[:, 1:] = torch.log_softmax(teacher_raw[:, :-1], dim=-1)
     values, indices = (aligned, None) if topk is None else torch.topk(aligned, k=topk, dim=-1)
     batch = Batch(input_ids=ids, attention_mask=torch.ones(B, T, dtype=torch.long), loss_mask=loss_mask,
                   teacher_logprobs=values, teacher_indices=indices)
-    return batch, student_raw, teacher_raw
+    student_aligned = torch.zeros_like(student_raw)
+    student_aligned[:, 1:] = student_raw[:, :-1]
+    return batch, student_raw, teacher_raw, student_aligned
 
 
-def test_gkd_callable_shifts_raw_logits_and_adds_sft():
-    batch, student_raw, teacher_raw = _gkd_batch()
+def test_gkd_callable_rescales_trainer_temperature_and_adds_sft():
+    batch, student_raw, teacher_raw, student_aligned = _gkd_batch()
     mask = batch.loss_mask[:, 1:]
     jsd = reference_jsd(student_raw[:, :-1], teacher_raw[:, :-1], mask, 0.5, 0.9)
     # NLL of the batch tokens at temperature 1, written out: -log softmax(raw[t-1])[ids[t]].
     p = _softmax(student_raw[:, :-1])
     nll = -torch.log(p.gather(-1, batch.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1))
     nll_mean = float(nll[mask > 0].mean())
+    # The trainer hands over logits divided by its own temperature (here 0.5).
+    extras = {"logits": student_aligned / 0.5, "temperature": 0.5, "global_tokens": 12.0}
     fn = make_loss("gkd", beta=0.5, temperature=0.9, sft_alpha=0.3, reduction="mean")
-    assert fn.needs_logits
-    loss, m = fn(torch.zeros(2, 6), batch, {"logits": student_raw})
-    close(float(loss), jsd + 0.3 * nll_mean)
+    assert fn.loss_inputs == ("logits",)
+    loss, m = fn(torch.zeros(2, 6), batch, extras)
+    close(loss, jsd + 0.3 * nll_mean)
     close(m["sft_nll"], nll_mean)
-    fn_sum = pickle.loads(pickle.dumps(make_loss("gkd", beta=0.5, temperature=0.9, sft_alpha=0.3)))
-    total, _ = fn_sum(torch.zeros(2, 6), batch, {"logits": student_raw})
-    assert fn_sum.denominator(batch) == 6.0
-    close(float(total) / fn_sum.denominator(batch), float(loss))
+    fn_global = pickle.loads(pickle.dumps(make_loss("gkd", beta=0.5, temperature=0.9, sft_alpha=0.3)))
+    share, _ = fn_global(torch.zeros(2, 6), batch, extras)
+    assert fn_global.denominator(batch) == 6.0
+    close(share, float(loss) * 6 / 12)
     with pytest.raises(ValueError, match="logits"):
         fn(torch.zeros(2, 6), batch, {})
 
 
 def test_gkd_callable_topk():
-    batch, student_raw, teacher_raw = _gkd_batch(topk=4)
+    batch, student_raw, teacher_raw, student_aligned = _gkd_batch(topk=4)
     idx = batch.teacher_indices[:, 1:]
     expected = reference_topk(student_raw[:, :-1], teacher_raw[:, :-1], batch.loss_mask[:, 1:], idx, 1.0, 1.0,
                               "tail")
     fn = GKDLoss(beta=1.0, temperature=1.0, topk_mode="tail", reduction="mean")
-    close(float(fn(torch.zeros(2, 6), batch, {"logits": student_raw})[0]), expected)
+    close(fn(torch.zeros(2, 6), batch, {"logits": student_aligned})[0], expected)
+
+
+def _grpo_batch(rows=slice(None)):
+    logprobs, adv, mask, old = _grpo_inputs()
+    batch = Batch(input_ids=torch.zeros(2, 4, dtype=torch.long)[rows], attention_mask=torch.ones(2, 4)[rows],
+                  loss_mask=mask[rows], old_logprobs=old[rows], advantages=adv[rows])
+    return logprobs[rows], batch
 
 
 def test_grpo_callable_and_factory():
-    logprobs, adv, mask, old = _grpo_inputs()
-    batch = Batch(input_ids=torch.zeros(2, 4, dtype=torch.long), attention_mask=torch.ones(2, 4),
-                  loss_mask=mask, old_logprobs=old, advantages=adv)
-    fn = pickle.loads(pickle.dumps(make_loss("grpo", epsilon=0.2, beta=0.0, loss_type="dapo")))
+    logprobs, batch = _grpo_batch()
+    fn = pickle.loads(pickle.dumps(make_loss("grpo", epsilon=0.2, beta=0.0, loss_type="dapo", reduction="mean")))
     assert isinstance(fn, GRPOLoss) and fn.denominator(batch) == 5.0
     loss, m = fn(logprobs, batch, {"entropy": torch.ones(2, 4)})
-    close(float(loss), -0.4)
+    close(loss, -0.4 / 5)
     close(m["entropy"], 1.0)
     with pytest.raises(ValueError, match="advantages"):
-        fn(logprobs, Batch(input_ids=batch.input_ids, attention_mask=batch.attention_mask, loss_mask=mask), {})
+        fn(logprobs, Batch(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                           loss_mask=batch.loss_mask), {})
     with pytest.raises(ValueError, match="unknown loss"):
         make_loss("ppo")
     with pytest.raises(ValueError, match="does not take"):
         make_loss("grpo", lmbda=0.5)
+    with pytest.raises(ValueError, match="global_micro_batches"):
+        make_loss("grpo", beta=0.0, loss_type="bnpo")(logprobs, batch, {"global_tokens": 5.0, "global_sequences": 2.0})
     assert isinstance(make_loss("sft"), SFTLoss)
+
+
+@pytest.mark.parametrize("loss_type, expected", [
+    ("grpo", (-0.9 + 1.15) / 2), ("dr_grpo", -0.4 / 8), ("dapo", -0.4 / 5), ("bnpo", (-0.9 + 1.15) / 2),
+])
+def test_grpo_global_reduction_over_micro_batches(loss_type, expected):
+    # Each sequence its own micro-batch (as on two ranks); the shares sum to the step loss.
+    extras = {"global_tokens": 5.0, "global_sequences": 2.0, "global_micro_batches": 2.0}
+    fn = make_loss("grpo", epsilon=0.2, beta=0.0, loss_type=loss_type, max_completion_length=4)
+    shares = [fn(*_grpo_batch(slice(i, i + 1)), extras)[0] for i in range(2)]
+    close(float(sum(shares)), expected)
