@@ -1,0 +1,276 @@
+"""Torch training engine behind the Trainer role: one process per data-parallel rank.
+
+The engine owns the model, AdamW, the learning-rate schedule, the process group and
+the host copies of offloaded tensors; the role above it owns micro-batching, the loss
+and the checkpoint layout. A DeepSpeed or Megatron engine replaces this class behind
+the same methods.
+
+Data parallel is plain torch.distributed (gloo on CPU, NCCL on CUDA) without DDP hooks:
+the loss of each micro-batch is already normalised by the step's global token count, so
+gradients are summed across ranks once per step, and ranks may run different numbers of
+micro-batches.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import random
+import time
+from datetime import timedelta
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from roles.engines.torch_engine import pick_device
+
+# Gradients are all-reduced in flat buckets of about this size.
+GRAD_BUCKET_BYTES = 32 * 2**20
+# How long ranks wait for each other in a collective before the step fails.
+DIST_TIMEOUT = timedelta(minutes=30)
+AUTOCAST_DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def rank_device(preference: str) -> torch.device:
+    """The compute device of this rank: `pick_device`, with CUDA pinned to LOCAL_RANK
+    among the visible GPUs (Ray shows an actor only its own; torchrun shows all)."""
+    device = pick_device(preference)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+    return device
+
+
+def lr_multiplier(step: int, warmup_steps: int, total_steps: int, schedule: str) -> float:
+    """Factor on the peak lr for update number `step` (0-based): linear warmup reaching 1.0
+    at step warmup_steps - 1, then constant or a cosine decay reaching 0 at total_steps."""
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
+    """Parameters then buffers, each tensor once (tied weights are one Parameter)."""
+    seen, out = set(), []
+    for t in list(module.parameters()) + list(module.buffers()):
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+
+
+def to_host(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor, torch.device]]:
+    """Copy each tensor into a host buffer (pinned when it lives on CUDA), then swap its
+    storage for an empty one so the device memory is released while every reference to
+    the tensor object (module, optimizer state) stays valid. Returns what `to_device` needs."""
+    saved = []
+    for t in tensors:
+        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
+        host.copy_(t.data, non_blocking=t.is_cuda)
+        saved.append((t, host, t.device))
+    if any(dev.type == "cuda" for _, _, dev in saved):
+        torch.cuda.synchronize()
+    for t, _, dev in saved:
+        t.data = torch.empty(0, dtype=t.dtype, device=dev)
+    return saved
+
+
+def to_device(saved: list[tuple[torch.Tensor, torch.Tensor, torch.device]]) -> int:
+    """Put host buffers back where `to_host` found them; returns the bytes moved."""
+    for t, host, dev in saved:
+        t.data = host.to(dev, non_blocking=True)
+    if any(dev.type == "cuda" for _, _, dev in saved):
+        torch.cuda.synchronize()
+    return sum(host.numel() * host.element_size() for _, host, _ in saved)
+
+
+def host_bytes(saved) -> int:
+    return sum(host.numel() * host.element_size() for _, host, _ in saved)
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class TorchTrainEngine:
+    def __init__(self, model: torch.nn.Module, *, device: torch.device, dtype: str, lr: float,
+                 weight_decay: float, betas: tuple[float, float], warmup_steps: int, total_steps: int,
+                 schedule: str, seed: int):
+        self.rank, self.world_size = init_data_parallel(device)
+        self.device = device
+        torch.manual_seed(seed + self.rank)
+        # Master weights stay fp32; a lower `dtype` is the autocast compute precision.
+        self.model = model.to(device=device, dtype=torch.float32)
+        self.autocast_dtype = AUTOCAST_DTYPES[dtype]
+        if self.world_size > 1:
+            for t in module_tensors(self.model):
+                dist.broadcast(t.data, src=0)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        # Norm weights and biases (1-d) are not decayed.
+        groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+        self.params = params
+        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=tuple(betas))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_multiplier(s, warmup_steps, total_steps, schedule))
+        self.step = 0
+        self._host_model: Optional[list] = None
+        self._host_optimizer: Optional[list] = None
+
+    # ------------------------------------------------------------------ compute
+    def autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Logits [B, T, V] of the model (HF layout: row t predicts token t + 1)."""
+        with self.autocast():
+            out = self.model(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
+                             use_cache=False)
+        return out.logits
+
+    def current_lr(self) -> float:
+        return float(self.optimizer.param_groups[0]["lr"])
+
+    def reduce_gradients(self) -> None:
+        """Sum gradients over the data-parallel ranks (in flat buckets)."""
+        if self.world_size == 1:
+            return
+        for p in self.params:  # a parameter unused on one rank must still join the collective
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        bucket, size = [], 0
+        for p in self.params:
+            if bucket and (size + p.grad.numel() * p.grad.element_size() > GRAD_BUCKET_BYTES
+                           or p.grad.dtype != bucket[0].dtype):
+                _all_reduce_flat(bucket)
+                bucket, size = [], 0
+            bucket.append(p.grad)
+            size += p.grad.numel() * p.grad.element_size()
+        if bucket:
+            _all_reduce_flat(bucket)
+
+    def optimizer_step(self, grad_clip: float) -> tuple[float, bool]:
+        """Clip, step AdamW and the schedule, clear gradients. Returns (grad norm before
+        clipping, whether the update was applied: a non-finite norm skips it)."""
+        max_norm = grad_clip if grad_clip > 0 else float("inf")
+        norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        applied = math.isfinite(norm)
+        if applied:
+            self.optimizer.step()
+            self.scheduler.step()
+            self.step += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        return norm, applied
+
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        if self.world_size == 1:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+    # ------------------------------------------------------------------ memory
+    @property
+    def model_offloaded(self) -> bool:
+        return self._host_model is not None
+
+    def offload(self, model: bool, optimizer: bool) -> dict:
+        start, moved = time.perf_counter(), {"model_bytes": 0, "optimizer_bytes": 0}
+        if model and self._host_model is None:
+            self._host_model = to_host(module_tensors(self.model))
+            moved["model_bytes"] = host_bytes(self._host_model)
+        if optimizer and self._host_optimizer is None:
+            self._host_optimizer = to_host(optimizer_tensors(self.optimizer))
+            moved["optimizer_bytes"] = host_bytes(self._host_optimizer)
+        return {**moved, "seconds": time.perf_counter() - start}
+
+    def onload(self) -> dict:
+        start, moved = time.perf_counter(), {"model_bytes": 0, "optimizer_bytes": 0}
+        if self._host_model is not None:
+            moved["model_bytes"] = to_device(self._host_model)
+            self._host_model = None
+        if self._host_optimizer is not None:
+            moved["optimizer_bytes"] = to_device(self._host_optimizer)
+            self._host_optimizer = None
+        return {**moved, "seconds": time.perf_counter() - start}
+
+    def check_live(self, what: str, optimizer: bool = True) -> None:
+        if self._host_model is not None or (optimizer and self._host_optimizer is not None):
+            part = "model" if self._host_model is not None else "optimizer"
+            raise RuntimeError(f"trainer {part} is offloaded; call onload() before {what}()")
+
+    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """HF-named weights in state_dict order, each tensor once (tied copies skipped),
+        read from the host buffers while the model is offloaded."""
+        host = {id(t): h for t, h, _ in self._host_model or []}
+        seen = set()
+        for name, t in self.model.state_dict(keep_vars=True).items():
+            if id(t) in seen:
+                continue
+            seen.add(id(t))
+            yield name, host.get(id(t), t.detach())
+
+    # ------------------------------------------------------------------ state
+    def state_dict(self) -> dict:
+        return {"step": self.step, "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = int(state["step"])
+
+
+def _all_reduce_flat(grads: list[torch.Tensor]) -> None:
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def init_data_parallel(device: torch.device) -> tuple[int, int]:
+    """(rank, world size) from RANK/WORLD_SIZE; joins the process group when WORLD_SIZE > 1."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world <= 1:
+        return 0, 1
+    if not os.environ.get("MASTER_ADDR") or not os.environ.get("MASTER_PORT"):
+        raise RuntimeError(f"WORLD_SIZE={world} but MASTER_ADDR/MASTER_PORT are not set: data parallel needs "
+                           "one process per rank (a Ray worker group); the local backend runs ranks in one "
+                           "process, so give the trainer one rank there")
+    if dist.is_initialized():
+        if dist.get_world_size() != world or dist.get_rank() != rank:
+            raise RuntimeError(f"a process group of world size {dist.get_world_size()} (rank {dist.get_rank()}) "
+                               f"is already running, but this rank is {rank} of {world}")
+        return rank, world
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+                            rank=rank, world_size=world, timeout=DIST_TIMEOUT)
+    return rank, world

@@ -1,0 +1,111 @@
+"""Teacher role: next-token distributions of a frozen model for distillation (DESIGN §4).
+
+    teacher = Teacher("small_qwen2")
+    values, indices = teacher.logits(batch, topk=64)            # [B, T, k] logprobs, token ids
+    values, indices, tail = teacher.logits(batch, topk=64, tail=True)
+    full = teacher.logits(batch, topk=None)                     # [B, T, V] logprobs
+
+Outputs are aligned with `batch.input_ids` like every per-token field: position t is the
+distribution of token t given tokens < t; position 0 and padding hold 0. Values are
+log-softmax of the model's logits (divided by `temperature`) in fp32, on CPU, equal to
+what a direct `transformers` forward of the same rows gives. The model runs in the dtype
+of its model config, without autocast. No Ray here.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Union
+
+import torch
+from omegaconf import OmegaConf
+
+from roles.batch import Batch
+from roles.engines.torch_trainer import host_bytes, module_tensors, rank_device, to_device, to_host
+from roles.models import ModelSpec, build_model, load_tokenizer, resolve_config
+
+
+@dataclass
+class TeacherConfig:
+    # Compute device: 'auto' (CUDA if torch can use it, else CPU), 'cpu', 'cuda' or 'cuda:N'.
+    device: str = "auto"
+    # Sequences per forward pass; bounds the [micro-batch, T, V] logits held at once.
+    # 0: the whole batch at once.
+    micro_batch_per_device: int = 8
+
+
+class Teacher:
+    def __init__(self, model: ModelSpec = "small_qwen2", config: Union[TeacherConfig, Mapping[str, Any], None] = None):
+        if config is None:
+            config = TeacherConfig()
+        elif not isinstance(config, TeacherConfig):
+            config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TeacherConfig), config))
+        if config.micro_batch_per_device < 0:
+            raise ValueError(f"teacher micro_batch_per_device={config.micro_batch_per_device} must be >= 0")
+        self.config = config
+        self.model_config = resolve_config(model)
+        self.tokenizer = load_tokenizer(self.model_config)
+        self.device = rank_device(config.device)
+        self.model = build_model(self.model_config).to(self.device).eval()
+        self.model.requires_grad_(False)
+        self._host: Optional[list] = None
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    @torch.no_grad()
+    def logits(self, batch: Batch, topk: Optional[int] = None, tail: bool = False, temperature: float = 1.0):
+        """Top-k `(logprobs [B, T, k], indices [B, T, k])`, plus the tail mass
+        `log(1 - sum of the top-k probabilities)` [B, T] as a third tensor when `tail`;
+        or, with `topk=None`, the full-vocabulary logprobs [B, T, V]."""
+        if self._host is not None:
+            raise RuntimeError("teacher is offloaded; call onload() before logits()")
+        V = self.vocab_size
+        if topk is not None and not 1 <= topk <= V:
+            raise ValueError(f"topk={topk} must lie in 1..{V} (the vocabulary size), or be None for full logits")
+        if topk is None and tail:
+            raise ValueError("tail=True needs topk; the full distribution has no tail")
+        if temperature <= 0:
+            raise ValueError(f"temperature={temperature} must be > 0")
+        B, T = batch.input_ids.shape
+        width = V if topk is None else topk
+        values = torch.zeros(B, T, width)
+        indices = torch.zeros(B, T, width, dtype=torch.long) if topk is not None else None
+        tails = torch.zeros(B, T) if tail else None
+        size = self.config.micro_batch_per_device or B
+        for start in range(0, B, size):
+            rows = slice(start, min(start + size, B))
+            ids = batch.input_ids[rows].to(self.device)
+            mask = batch.attention_mask[rows].to(self.device)
+            out = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            # Row t of the output predicts token t + 1: it becomes aligned position t + 1.
+            logprobs = torch.log_softmax(out[:, :-1].float() / temperature, dim=-1)
+            keep = mask[:, 1:].bool().unsqueeze(-1)
+            if topk is None:
+                values[rows, 1:] = torch.where(keep, logprobs, 0.0).cpu()
+                continue
+            top_values, top_indices = torch.topk(logprobs, topk, dim=-1)
+            values[rows, 1:] = torch.where(keep, top_values, 0.0).cpu()
+            indices[rows, 1:] = torch.where(keep, top_indices, 0).cpu()
+            if tail:
+                # Log-sum-exp of the tokens outside the top k: exact where 1 - sum(p) would cancel.
+                rest = logprobs.scatter(-1, top_indices, float("-inf")).logsumexp(-1)
+                tails[rows, 1:] = torch.where(keep.squeeze(-1), rest, 0.0).cpu()
+        if topk is None:
+            return values
+        return (values, indices, tails) if tail else (values, indices)
+
+    def offload(self) -> dict[str, float]:
+        """Move the weights into host buffers, releasing device memory; returns bytes moved."""
+        if self._host is None:
+            self._host = to_host(module_tensors(self.model))
+            return {"model_bytes": host_bytes(self._host)}
+        return {"model_bytes": 0}
+
+    def onload(self) -> dict[str, float]:
+        """Bring the weights back, bit-identical."""
+        if self._host is None:
+            return {"model_bytes": 0}
+        moved = to_device(self._host)
+        self._host = None
+        return {"model_bytes": moved}

@@ -1,0 +1,285 @@
+"""Trainer role: optimises a causal LM with a pluggable per-token loss (DESIGN §4).
+
+    trainer = Trainer("tiny_qwen2", TrainerConfig(lr=1e-3), loss_fn=my_loss)
+    metrics = trainer.train_step(batch)          # loss, grad_norm, lr, tokens, sequences, step
+    logprobs = trainer.logprobs(batch)           # [B, T], aligned like every per-token field
+
+A loss function is `loss_fn(logprobs, batch, extras) -> (loss, metrics)`. It is called
+once per micro-batch with that micro-batch (`logprobs` [b, t] carries gradients and is
+aligned with `batch.input_ids`, 0 at position 0 and on padding) and returns *its share*
+of the step loss: the step loss is the sum of the returned values over all micro-batches
+of all data-parallel ranks. `extras` holds the counts of the whole step (every micro-batch
+of every rank) to normalise by: `global_tokens` (loss tokens), `global_sequences` and
+`global_micro_batches`; the `temperature` the logprobs were computed at; and
+the per-token tensors named in `loss_inputs`: `"logits"` ([b, t, V], aligned: row t is
+the temperature-scaled distribution of token t) and `"entropy"` ([b, t]). The returned
+metrics are averaged over micro-batches and ranks, weighted by loss tokens; every call
+must return the same keys.
+
+Data parallel: with WORLD_SIZE > 1 (a worker group of several ranks) each rank gets a
+slice of the batch, gradients are summed across ranks once per step and every rank
+returns the same global metrics. No Ray here.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+from roles.batch import Batch
+from roles.engines.torch_engine import token_entropy, token_logprobs
+from roles.engines.torch_trainer import TorchTrainEngine, rank_device, rng_state, set_rng_state
+from roles.models import ModelConfig, ModelSpec, build_model, load_tokenizer, resolve_config, save_checkpoint
+
+LossFn = Callable[[torch.Tensor, Batch, dict], Tuple[torch.Tensor, dict]]
+SCHEDULES = ("cosine", "constant")
+COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
+LOSS_INPUTS = ("logits", "entropy")
+STATE_FILE = "trainer_state.pt"
+
+
+@dataclass
+class TrainerConfig:
+    # Peak learning rate of AdamW, reached at the end of warmup.
+    lr: float = 1e-5
+    # Decoupled AdamW weight decay, applied to matrices only (not to norm weights or biases).
+    weight_decay: float = 0.0
+    # AdamW moment decay rates (beta1, beta2).
+    betas: Tuple[float, float] = (0.9, 0.999)
+    # Optimizer updates of linear warmup from lr / warmup_steps up to lr; 0 starts at lr.
+    warmup_steps: int = 0
+    # Update at which the cosine schedule reaches 0 (the lr stays 0 after it); unused by 'constant'.
+    total_steps: int = 1000
+    # Learning rate after warmup: 'cosine' (decays to 0 at total_steps) or 'constant'.
+    schedule: str = "cosine"
+    # Clip the global gradient norm to this value; 0 disables clipping (the norm is still reported).
+    grad_clip: float = 1.0
+    # Sequences per forward/backward on one device; a rank's share of a step is split into
+    # micro-batches of this size and their gradients accumulated. 0: the whole share at once.
+    micro_batch_per_device: int = 8
+    # Seed of torch's global RNG (dropout), offset by the data-parallel rank.
+    seed: int = 0
+    # Compute device: 'auto' (CUDA if torch can use it, else CPU), 'cpu', 'cuda' or 'cuda:N'.
+    device: str = "auto"
+    # Compute precision over fp32 master weights: 'float32', 'bfloat16', 'float16' (autocast),
+    # or 'auto' (bfloat16 on CUDA, float32 on CPU).
+    dtype: str = "auto"
+
+
+def resolve_trainer_config(config: Union[TrainerConfig, Mapping[str, Any], None]) -> TrainerConfig:
+    """A validated TrainerConfig from a TrainerConfig, a mapping/DictConfig of its fields, or None."""
+    if config is None:
+        cfg = TrainerConfig()
+    elif isinstance(config, TrainerConfig):
+        cfg = config
+    else:  # unknown keys and wrong types fail here, naming the key
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TrainerConfig), config))
+    problems = []
+    if cfg.schedule not in SCHEDULES:
+        problems.append(f"schedule='{cfg.schedule}' (choose one of {SCHEDULES})")
+    if cfg.dtype not in COMPUTE_DTYPES:
+        problems.append(f"dtype='{cfg.dtype}' (choose one of {COMPUTE_DTYPES})")
+    if cfg.micro_batch_per_device < 0 or cfg.warmup_steps < 0 or cfg.grad_clip < 0:
+        problems.append("micro_batch_per_device, warmup_steps and grad_clip must be >= 0")
+    if cfg.schedule == "cosine" and cfg.total_steps <= cfg.warmup_steps:
+        problems.append(f"total_steps={cfg.total_steps} must exceed warmup_steps={cfg.warmup_steps} "
+                        "for the cosine schedule")
+    if len(cfg.betas) != 2:
+        problems.append(f"betas={cfg.betas} must hold two values")
+    if problems:
+        raise ValueError("trainer config: " + "; ".join(problems))
+    cfg.betas = tuple(float(b) for b in cfg.betas)
+    return cfg
+
+
+def sft_loss(logprobs: torch.Tensor, batch: Batch, extras: dict) -> tuple[torch.Tensor, dict]:
+    """Token-level negative log-likelihood over `loss_mask`, normalised by the loss tokens
+    of the whole step (so micro-batching and data parallel do not change it)."""
+    mask = batch.loss_mask.to(logprobs.device, logprobs.dtype)
+    return -(logprobs * mask).sum() / max(extras["global_tokens"], 1.0), {}
+
+
+def slice_batch(batch: Batch, start: int, stop: int, width: Optional[int] = None) -> Batch:
+    """Rows [start, stop) of every per-sample field; per-token fields ([B, T, ...]) cut to
+    the first `width` positions (right padding only, so nothing real is cut)."""
+    T = batch.input_ids.shape[1]
+    fields = {}
+    for f in dataclasses.fields(batch):
+        v = getattr(batch, f.name)
+        if isinstance(v, torch.Tensor) and v.ndim >= 1:
+            v = v[start:stop]
+            if width is not None and v.ndim >= 2 and v.shape[1] == T:
+                v = v[:, :width]
+        elif isinstance(v, list):
+            v = v[start:stop]
+        fields[f.name] = v
+    return dataclasses.replace(batch, **fields)
+
+
+class Trainer:
+    def __init__(self, model: ModelSpec = "tiny_qwen2", config: Union[TrainerConfig, Mapping, None] = None,
+                 loss_fn: Optional[LossFn] = None, loss_inputs: Sequence[str] = ()):
+        self.config = resolve_trainer_config(config)
+        unknown = sorted(set(loss_inputs) - set(LOSS_INPUTS))
+        if unknown:
+            raise ValueError(f"loss_inputs {unknown} unknown; choose from {LOSS_INPUTS}")
+        self.loss_fn = loss_fn or sft_loss
+        self.loss_inputs = tuple(loss_inputs)
+        self.model_config: ModelConfig = resolve_config(model)
+        self.tokenizer = load_tokenizer(self.model_config)
+        device = rank_device(self.config.device)
+        dtype = self.config.dtype
+        if dtype == "auto":
+            dtype = "bfloat16" if device.type == "cuda" else "float32"
+        c = self.config
+        self.engine = TorchTrainEngine(
+            build_model(self.model_config), device=device, dtype=dtype, lr=c.lr, weight_decay=c.weight_decay,
+            betas=c.betas, warmup_steps=c.warmup_steps, total_steps=c.total_steps, schedule=c.schedule,
+            seed=c.seed)
+        self.model, self.device = self.engine.model, device
+        self.rank, self.world_size = self.engine.rank, self.engine.world_size
+
+    @property
+    def step(self) -> int:
+        """Optimizer updates applied so far."""
+        return self.engine.step
+
+    # ------------------------------------------------------------------ compute
+    def _micro_batches(self, batch: Batch):
+        n = len(batch)
+        size = self.config.micro_batch_per_device or n
+        for start in range(0, n, size):
+            stop = min(start + size, n)
+            # Trailing positions that are padding in every row of the micro-batch are cut.
+            used = batch.attention_mask[start:stop].any(0).nonzero()
+            width = int(used.max()) + 1 if len(used) else 1
+            yield start, stop, slice_batch(batch, start, stop, width)
+
+    def _forward(self, mb: Batch, temperature: float, inputs: Sequence[str]) -> tuple[torch.Tensor, dict]:
+        """Aligned logprobs [b, t] (0 at position 0 and on padding) and the requested extras."""
+        logits = self.engine.forward(mb.input_ids, mb.attention_mask)
+        ids, valid = mb.input_ids.to(self.device), mb.attention_mask.to(self.device).bool()
+        zero = torch.zeros((), device=self.device)
+        out = {}
+        logprobs = torch.where(valid, token_logprobs(logits, ids, temperature), zero)
+        if "entropy" in inputs:
+            out["entropy"] = torch.where(valid, token_entropy(logits, temperature), zero)
+        if "logits" in inputs:
+            # Row t holds the distribution of token t: HF's row t - 1, shifted down by one.
+            out["logits"] = F.pad(logits[:, :-1].float() / temperature, (0, 0, 1, 0))
+        return logprobs, out
+
+    def train_step(self, batch: Batch, temperature: float = 1.0) -> dict[str, float]:
+        """One optimizer update on `batch` (this rank's share); returns global metrics."""
+        self.engine.check_live("train_step")
+        size = self.config.micro_batch_per_device or len(batch)
+        local = [float(batch.loss_mask.sum()), float(len(batch)), float(-(-len(batch) // size))]
+        global_tokens, global_sequences, global_micro_batches = self.engine.all_reduce_sum(local)
+        base = {"global_tokens": global_tokens, "global_sequences": global_sequences,
+                "global_micro_batches": global_micro_batches, "temperature": temperature}
+        lr = self.engine.current_lr()
+        self.model.train()
+        loss_sum, weighted = 0.0, {}
+        try:
+            for _, _, mb in self._micro_batches(batch):
+                logprobs, extras = self._forward(mb, temperature, self.loss_inputs)
+                loss, metrics = self.loss_fn(logprobs, mb, {**base, **extras})
+                loss.backward()
+                loss_sum += float(loss.detach())
+                w = float(mb.loss_mask.sum())
+                for k, v in metrics.items():
+                    weighted[k] = weighted.get(k, 0.0) + float(v) * w
+        finally:
+            self.model.eval()
+        self.engine.reduce_gradients()
+        keys = sorted(weighted)
+        totals = self.engine.all_reduce_sum([loss_sum] + [weighted[k] for k in keys])
+        grad_norm, _ = self.engine.optimizer_step(self.config.grad_clip)
+        out = {"loss": totals[0], "grad_norm": grad_norm, "lr": lr, "tokens": global_tokens,
+               "sequences": global_sequences, "step": float(self.engine.step)}
+        out.update({k: v / max(global_tokens, 1.0) for k, v in zip(keys, totals[1:])})
+        return out
+
+    @torch.no_grad()
+    def logprobs(self, batch: Batch, temperature: float = 1.0,
+                 entropy: bool = False) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Per-token logprobs [B, T] of `batch.input_ids` under the current weights (CPU, fp32),
+        aligned like every per-token field; with `entropy`, also the entropy [B, T]."""
+        self.engine.check_live("logprobs", optimizer=False)
+        B, T = batch.input_ids.shape
+        lp, ent = torch.zeros(B, T), torch.zeros(B, T)
+        for start, stop, mb in self._micro_batches(batch):
+            out, extras = self._forward(mb, temperature, ("entropy",) if entropy else ())
+            width = out.shape[1]
+            lp[start:stop, :width] = out.float().cpu()
+            if entropy:
+                ent[start:stop, :width] = extras["entropy"].float().cpu()
+        return (lp, ent) if entropy else lp
+
+    # ------------------------------------------------------------------ weights
+    def state_dict_buckets(self, bucket_mb: float = 64, dtype: Optional[str] = None,
+                           to_cpu: bool = True) -> list[list[tuple[str, torch.Tensor]]]:
+        """All weights as [(HF name, tensor)] lists of at most `bucket_mb` MiB each (a larger
+        tensor gets a bucket of its own), in the model's state_dict order; a tied weight
+        appears once. `dtype` casts (e.g. 'bfloat16' for the rollout); `to_cpu` returns
+        host copies that can cross processes and are not changed by later steps."""
+        limit = bucket_mb * 2**20
+        cast = getattr(torch, dtype) if dtype else None
+        buckets, current, size = [], [], 0
+        for name, t in self.engine.named_weights():
+            t = t.detach()
+            if cast is not None:
+                t = t.to(cast)
+            if to_cpu:
+                t = t.to("cpu", copy=True)
+            nbytes = t.numel() * t.element_size()
+            if current and size + nbytes > limit:
+                buckets.append(current)
+                current, size = [], 0
+            current.append((name, t))
+            size += nbytes
+        if current:
+            buckets.append(current)
+        return buckets
+
+    def offload(self, model: bool = True, optimizer: bool = True) -> dict[str, float]:
+        """Move the weights and/or optimizer state into host buffers, releasing device
+        memory; returns bytes moved and seconds."""
+        return self.engine.offload(model, optimizer)
+
+    def onload(self) -> dict[str, float]:
+        """Bring back whatever `offload` moved; state is bit-identical to before."""
+        return self.engine.onload()
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, out_dir: Union[str, os.PathLike]) -> Path:
+        """HF-format weights + tokenizer (loadable by plain transformers), optimizer,
+        scheduler and step (rank 0), and each rank's RNG state."""
+        self.engine.check_live("save")
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        if self.rank == 0:
+            save_checkpoint(self.model, self.tokenizer, out)
+            torch.save({**self.engine.state_dict(), "config": dataclasses.asdict(self.config),
+                        "world_size": self.world_size}, out / STATE_FILE)
+        self.engine.barrier()
+        torch.save(rng_state(), out / f"rng_state_rank{self.rank}.pt")
+        self.engine.barrier()
+        return out
+
+    def load(self, in_dir: Union[str, os.PathLike]) -> None:
+        """Restore what `save` wrote (weights, optimizer, scheduler, step, this rank's RNG)."""
+        self.engine.check_live("load")
+        src = Path(in_dir)
+        saved = build_model(ModelConfig(name=src.name, path=str(src), dtype="float32"))
+        self.model.load_state_dict(saved.state_dict())
+        self.engine.load_state_dict(torch.load(src / STATE_FILE, map_location="cpu", weights_only=True))
+        rng_file = src / f"rng_state_rank{self.rank}.pt"
+        if rng_file.is_file():
+            set_rng_state(torch.load(rng_file, weights_only=True))
