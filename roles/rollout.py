@@ -1,0 +1,306 @@
+"""Rollout role: batched generation with a KV cache over a torch/transformers model.
+
+`generate(prompts, sampling)` returns `Completions` (token ids, text, per-token sampling
+logprobs, finish reasons, weight version), n consecutive samples per prompt. Weights come
+from the trainer with `update_weights(buckets, version)` (or a saved directory), and a
+colocated rollout hands its memory back between generations with `sleep(level)`:
+
+* level 1: weights are kept in host memory and the device copies released; `wake_up()`
+  restores them bit for bit.
+* level 2: weights are discarded; after `wake_up()` they must be loaded again with
+  `update_weights` before the rollout generates.
+
+The KV cache lives only for one `generate` call. The engine behind this role is
+`roles.engines.torch_generate`; a vLLM engine plugs in behind the same methods.
+No Ray here: orchestration hosts this class in its worker groups.
+"""
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+
+import torch
+from omegaconf import OmegaConf
+
+from roles.batch import Completions, SamplingParams
+from roles.engines.torch_engine import pick_device
+from roles.engines.torch_generate import generate_batch
+from roles.models import DTYPES, ModelSpec, build_model, load_tokenizer
+
+# A prompt: text, a chat conversation (list of {"role", "content"} dicts) or token ids.
+Prompt = Union[str, Sequence[Mapping[str, str]], Sequence[int]]
+
+
+@dataclass
+class RolloutConfig:
+    # Device: "auto" (cuda when torch can use it, else cpu), "cpu", "cuda" or "cuda:N".
+    device: str = "auto"
+    # Weight dtype for generation ("float32", "bfloat16", "float16"); None keeps the model's.
+    dtype: Optional[str] = None
+    # Most sequences (prompts x n) decoded together; larger requests run in chunks of this size.
+    max_batch_size: int = 64
+    # Seed of the rollout's own generator, which seeds requests whose SamplingParams.seed is None.
+    seed: int = 0
+    # Render string prompts with the tokenizer's chat template (one user turn and the
+    # generation prompt); False tokenizes them as raw text.
+    chat: bool = True
+
+
+def resolve_rollout_config(config: Union[RolloutConfig, Mapping[str, Any], None]) -> RolloutConfig:
+    """A RolloutConfig from None (defaults), itself, or a mapping/DictConfig of its fields."""
+    if config is None:
+        return RolloutConfig()
+    if isinstance(config, RolloutConfig):
+        return config
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RolloutConfig), config))
+
+
+def as_sampling_params(sampling: Union[SamplingParams, Mapping[str, Any], None]) -> SamplingParams:
+    """SamplingParams from itself, a mapping of its fields, or None (defaults); checked."""
+    if sampling is None:
+        sampling = SamplingParams()
+    elif not isinstance(sampling, SamplingParams):
+        unknown = set(sampling) - {f.name for f in dataclasses.fields(SamplingParams)}
+        if unknown:
+            raise ValueError(f"unknown sampling fields {sorted(unknown)}; SamplingParams has "
+                             f"{[f.name for f in dataclasses.fields(SamplingParams)]}")
+        sampling = SamplingParams(**sampling)
+    problems = []
+    if sampling.temperature < 0:
+        problems.append(f"temperature={sampling.temperature} must be >= 0 (0 is greedy)")
+    if not 0 < sampling.top_p <= 1:
+        problems.append(f"top_p={sampling.top_p} must be in (0, 1]")
+    if sampling.top_k < 0:
+        problems.append(f"top_k={sampling.top_k} must be >= 0 (0 disables it)")
+    if sampling.n < 1:
+        problems.append(f"n={sampling.n} must be >= 1")
+    if sampling.max_new_tokens < 0:
+        problems.append(f"max_new_tokens={sampling.max_new_tokens} must be >= 0")
+    if problems:
+        raise ValueError("bad sampling parameters: " + "; ".join(problems))
+    return sampling
+
+
+def _row_seed(base: int, row: int) -> int:
+    """Seed of completion `row` of a request: depends on the request seed and the row only."""
+    return (base * 0x9E3779B97F4A7C15 + row * 0xBF58476D1CE4E5B9 + 1) % (2**63 - 1)
+
+
+def _named_tensors(buckets) -> list[tuple[str, torch.Tensor]]:
+    """Flatten buckets (lists/dicts of name -> tensor), a single bucket, or a dict into pairs."""
+    if isinstance(buckets, Mapping):
+        return list(buckets.items())
+    pairs = []
+    for item in buckets:
+        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+            pairs.append(item)
+        elif isinstance(item, Mapping):
+            pairs.extend(item.items())
+        else:
+            pairs.extend(_named_tensors(item))
+    return pairs
+
+
+class Rollout:
+    def __init__(self, model: ModelSpec, tokenizer: Any = None,
+                 config: Union[RolloutConfig, Mapping[str, Any], None] = None):
+        self.config = resolve_rollout_config(config)
+        if self.config.max_batch_size < 1:
+            raise ValueError(f"rollout.max_batch_size={self.config.max_batch_size} must be >= 1")
+        self.device = pick_device(self.config.device)
+        # A tokenizer object is used as given; a spec (or None: the model's) is loaded.
+        self.tokenizer = tokenizer if hasattr(tokenizer, "decode") else load_tokenizer(
+            model if tokenizer is None else tokenizer)
+        net = build_model(model)
+        if self.config.dtype is not None:
+            if self.config.dtype not in DTYPES:
+                raise ValueError(f"rollout.dtype='{self.config.dtype}'; choose one of {sorted(DTYPES)} or null")
+            net = net.to(DTYPES[self.config.dtype])
+        self.model = net.to(self.device).eval().requires_grad_(False)
+        self.weight_version = 0
+        tok = self.tokenizer
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        eos = self.model.generation_config.eos_token_id
+        self.eos_ids = ({tok.eos_token_id} | set(eos if isinstance(eos, (list, tuple)) else [eos])) - {None}
+        self._rng = torch.Generator().manual_seed(self.config.seed)
+        # Parameters by canonical name; every state_dict name (tied aliases, persistent
+        # buffers) maps to the tensor it loads into.
+        self._params: dict[str, torch.nn.Parameter] = dict(self.model.named_parameters())
+        canonical = {id(p): n for n, p in self._params.items()}
+        self._alias = {n: canonical[id(p)] for n, p in self.model.named_parameters(remove_duplicate=False)}
+        saved = set(self.model.state_dict())
+        self._buffers = {n: b for n, b in self.model.named_buffers() if n in saved}
+        self._alias.update({n: n for n in self._buffers})
+        self._meta = {n: (tuple(t.shape), t.dtype) for n, t in {**self._params, **self._buffers}.items()}
+        self._sleep_level = 0  # 0: awake
+        self._host: Optional[dict[str, torch.Tensor]] = None  # weights held in host memory while asleep
+        self._weights_valid = True  # False from sleep(2) until the next update_weights
+
+    # ---- generation -------------------------------------------------------------------
+
+    def generate(self, prompts: Sequence[Prompt], sampling: Union[SamplingParams, Mapping[str, Any], None] = None,
+                 chat: Optional[bool] = None) -> Completions:
+        """n completions per prompt, consecutive; see the module docstring."""
+        self._check_ready()
+        sampling = as_sampling_params(sampling)
+        if isinstance(prompts, (str, bytes)):
+            raise TypeError("prompts must be a list of prompts, not a single string; wrap it in a list")
+        prompt_ids = [self._encode(p, self.config.chat if chat is None else chat) for p in prompts]
+        limit = self.model.config.max_position_embeddings
+        too_long = [i for i, p in enumerate(prompt_ids) if len(p) + sampling.max_new_tokens > limit]
+        if too_long:
+            raise ValueError(f"prompts {too_long[:5]} plus max_new_tokens={sampling.max_new_tokens} exceed the "
+                             f"model's max_position_embeddings={limit}; shorten them or lower max_new_tokens")
+        rows = [i for i in range(len(prompt_ids)) for _ in range(sampling.n)]
+        base_seed = sampling.seed if sampling.seed is not None else int(
+            torch.randint(0, 2**62, (1,), generator=self._rng))
+        stop_ids = self.eos_ids | set(sampling.stop_token_ids)
+        out = Completions([], [], [], [], [], [], [])
+        step = self.config.max_batch_size
+        for start in range(0, len(rows), step):
+            chunk = rows[start:start + step]
+            generators = None
+            if sampling.temperature > 0:
+                generators = [torch.Generator(self.device).manual_seed(_row_seed(base_seed, start + j))
+                              for j in range(len(chunk))]
+            result = generate_batch(
+                self.model, [prompt_ids[i] for i in chunk], temperature=sampling.temperature,
+                top_k=sampling.top_k, top_p=sampling.top_p, max_new_tokens=sampling.max_new_tokens,
+                stop_ids=sorted(stop_ids), pad_id=self.pad_id, generators=generators)
+            out.prompt_index.extend(chunk)
+            out.prompt_ids.extend(list(prompt_ids[i]) for i in chunk)
+            out.completion_ids.extend(result.tokens)
+            out.logprobs.extend(result.logprobs)
+            out.finish_reasons.extend(result.finish_reasons)
+        out.texts = self.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True) if rows else []
+        out.weight_version = [self.weight_version] * len(rows)
+        return out
+
+    def _encode(self, prompt: Prompt, chat: bool) -> list[int]:
+        tok = self.tokenizer
+        if isinstance(prompt, str) and not chat:
+            ids = tok(prompt)["input_ids"]
+        elif isinstance(prompt, str) or (len(prompt) and isinstance(prompt[0], Mapping)):
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+            if not tok.chat_template:
+                raise ValueError("the tokenizer has no chat template; pass chat=False (rollout.chat=false) "
+                                 "to use prompts as raw text, or give token ids")
+            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            ids = tok(text, add_special_tokens=False)["input_ids"]
+        else:
+            ids = [int(t) for t in prompt]
+        if not ids:
+            raise ValueError(f"prompt {prompt!r} has no tokens; a prompt needs at least one")
+        return ids
+
+    def _check_ready(self) -> None:
+        if self._sleep_level:
+            fix = "call wake_up() before generate"
+            if self._host is None:
+                fix += ", then update_weights(...) since sleep(level=2) discarded the weights"
+            raise RuntimeError(f"Rollout is asleep (sleep(level={self._sleep_level})); {fix}")
+        if not self._weights_valid:
+            raise RuntimeError("Rollout weights were discarded by sleep(level=2); call update_weights(buckets, "
+                               "version) or update_weights_from_path(dir, version) before generate")
+
+    # ---- weights ----------------------------------------------------------------------
+
+    def update_weights(self, buckets: Union[Iterable, str, os.PathLike], version: int) -> None:
+        """Load every weight from buckets of (name, tensor) pairs (a trainer's
+        state_dict_buckets) and set weight_version. Names and shapes must match the model
+        exactly and cover all its weights; on a mismatch nothing is loaded. Asleep, the
+        weights go to host memory and reach the device on wake_up(). A path is passed on
+        to update_weights_from_path."""
+        if isinstance(buckets, (str, os.PathLike)):
+            return self.update_weights_from_path(buckets, version)
+        pairs = _named_tensors(buckets)
+        unknown = [n for n, _ in pairs if n not in self._alias]
+        wrong = [f"{n}: got {tuple(t.shape)}, model has {self._meta[self._alias[n]][0]}"
+                 for n, t in pairs if n in self._alias and tuple(t.shape) != self._meta[self._alias[n]][0]]
+        missing = sorted(set(self._meta) - {self._alias[n] for n, _ in pairs if n in self._alias})
+        if unknown or wrong or missing:
+            parts = [f"{len(unknown)} unknown names {unknown[:5]}" if unknown else "",
+                     f"{len(wrong)} wrong shapes {wrong[:5]}" if wrong else "",
+                     f"{len(missing)} weights missing {missing[:5]}" if missing else ""]
+            raise ValueError(f"update_weights(version={version}) does not match the rollout's model "
+                             f"({type(self.model).__name__}): " + "; ".join(p for p in parts if p)
+                             + ". Buckets must hold the model's state_dict names with their shapes, all of them.")
+        with torch.no_grad():
+            for name, tensor in pairs:
+                self._destination(self._alias[name]).copy_(tensor)
+        self._weights_valid = True
+        self.weight_version = int(version)
+
+    def update_weights_from_path(self, path: Union[str, os.PathLike], version: int) -> None:
+        """Load weights from a safetensors file or a directory of them (save_pretrained output)."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+        if not files or not all(f.is_file() and f.suffix == ".safetensors" for f in files):
+            raise ValueError(f"no safetensors weights at {path}; give a directory written by save_pretrained "
+                             "or a .safetensors file")
+        state: dict[str, torch.Tensor] = {}
+        for f in files:
+            state.update(load_file(str(f), device="cpu"))
+        self.update_weights([state], version)
+
+    def _destination(self, name: str) -> torch.Tensor:
+        """Where weight `name` is written now: the live tensor, or its host copy while asleep."""
+        if name in self._buffers or not self._sleep_level:
+            return self._buffers[name] if name in self._buffers else self._params[name].data
+        if self._host is None:
+            self._host = {}
+        if name not in self._host:
+            shape, dtype = self._meta[name]
+            self._host[name] = torch.empty(shape, dtype=dtype, pin_memory=self.device.type == "cuda")
+        return self._host[name]
+
+    # ---- sleep / wake -----------------------------------------------------------------
+
+    @property
+    def sleep_level(self) -> int:
+        """0 when awake, else the level of the last sleep()."""
+        return self._sleep_level
+
+    def sleep(self, level: int = 1) -> None:
+        """Release the device memory of the weights (the KV cache never outlives a generate call).
+        1: keep the weights in host memory; 2: discard them."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (weights to host memory) or 2 (weights discarded), got {level}")
+        if self._sleep_level:
+            if level == 2:  # deeper sleep: drop what level 1 kept
+                self._host, self._weights_valid = None, False
+            self._sleep_level = max(self._sleep_level, level)
+            return
+        host = {} if level == 1 else None
+        for name, p in self._params.items():
+            if host is not None:
+                # On CPU the live tensor already is host memory: keep it as is, no copy.
+                host[name] = p.data if p.device.type == "cpu" else \
+                    torch.empty_like(p.data, device="cpu", pin_memory=True).copy_(p.data)
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+        self._host, self._sleep_level = host, level
+        if level == 2:
+            self._weights_valid = False
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def wake_up(self) -> None:
+        """Bring the weights back to the device (level 2 without an update since: allocated, unset)."""
+        if not self._sleep_level:
+            return
+        for name, p in self._params.items():
+            if self._host is not None and name in self._host:
+                p.data = self._host[name].to(self.device, non_blocking=True)
+            else:
+                shape, dtype = self._meta[name]
+                p.data = torch.empty(shape, dtype=dtype, device=self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self._host, self._sleep_level = None, 0
