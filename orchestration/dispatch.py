@@ -1,7 +1,7 @@
 """Dispatch semantics shared by the Ray and the local worker groups (DESIGN §5).
 
 dispatch: 'slice' splits every sequence-like argument (list, tuple, tensor, array, batch
-          dataclass) along its first axis, first workers taking the remainder (10 over 4 ->
+          dataclass: one that defines __len__) along its first axis, first workers taking the remainder (10 over 4 ->
           3,3,2,2); scalars, strings and dicts go whole; workers with an empty slice are
           skipped. 'all' sends the same arguments. A callable f(n, i, *args, **kw) returns
           (args, kwargs) for worker i of n.
@@ -37,7 +37,8 @@ def _length(x: Any) -> int | None:
         return len(x)
     if _is_tensor(x) or isinstance(x, np.ndarray):
         return x.shape[0] if x.ndim > 0 else None
-    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+    if dataclasses.is_dataclass(x) and not isinstance(x, type) and hasattr(x, "__len__"):
+        # A batch dataclass declares __len__; other dataclasses (options) go whole.
         lengths = {_length(getattr(x, f.name)) for f in dataclasses.fields(x)} - {None}
         if len(lengths) > 1:
             raise ValueError(f"{type(x).__name__} has fields of different lengths {sorted(lengths)}; "
@@ -47,7 +48,7 @@ def _length(x: Any) -> int | None:
 
 
 def _take(x: Any, start: int, stop: int) -> Any:
-    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+    if dataclasses.is_dataclass(x) and not isinstance(x, type) and hasattr(x, "__len__"):
         return dataclasses.replace(x, **{
             f.name: _take(getattr(x, f.name), start, stop)
             for f in dataclasses.fields(x) if f.init and _length(getattr(x, f.name)) is not None})

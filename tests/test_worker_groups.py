@@ -21,6 +21,16 @@ class Batch:
     texts: list
     temperature: float = 1.0
 
+    def __len__(self):
+        return len(self.texts)
+
+
+@dataclasses.dataclass
+class Options:
+    """A dataclass without __len__ is an option bundle: sent whole, never sliced."""
+    stop_ids: tuple = ()
+    names: list = dataclasses.field(default_factory=list)
+
 
 @pytest.fixture(scope="module")
 def ray_groups(ray_cluster):
@@ -105,6 +115,10 @@ def test_dispatch_semantics_identical_on_both_backends(name, ray_groups, local_g
     results = [g.call(method, *args, **kwargs) for g in (ray_groups["train"], local_group)]
     assert same(results[0], expected), results[0]
     assert same(results[1], expected), results[1]
+
+
+def test_option_dataclass_is_sent_whole(group):
+    assert group.call("echo", Options((1, 2), ["a"]), dispatch="slice") == [Options((1, 2), ["a"])] * 4
 
 
 def test_async_call_returns_future(group):
