@@ -14,6 +14,14 @@ def quiet_ray_env() -> None:
         os.environ.setdefault(k, v)
 
 
+def _torch_sees_gpu() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
 def init_cluster(cfg: ClusterConfig, demand: dict[str, float] | None = None):
     """Join `cfg.address` if set, else start a local cluster sized for `demand`.
 
@@ -30,9 +38,14 @@ def init_cluster(cfg: ClusterConfig, demand: dict[str, float] | None = None):
         ray.init(address=cfg.address, log_to_driver=cfg.log_to_driver)
         return ray
     demand = demand or {}
+    num_gpus = cfg.simulate_gpus
+    if num_gpus is None and cfg.simulate_missing_gpus and demand.get("GPU") and not _torch_sees_gpu():
+        num_gpus = int(demand["GPU"])
+        print(f"cluster: no GPU visible to torch; simulating {num_gpus} GPU(s) for the plan "
+              "(engines compute on the CPU)")
     num_cpus = cfg.num_cpus or max(os.cpu_count() or 1, int(demand.get("CPU", 0)) + 1)
     # address="local": always a new cluster, never one found running on this machine.
-    ray.init(address="local", num_cpus=num_cpus, num_gpus=cfg.simulate_gpus, include_dashboard=cfg.dashboard,
+    ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=cfg.dashboard,
              object_store_memory=cfg.object_store_mb * 2**20 if cfg.object_store_mb else None,
              _node_ip_address=cfg.node_ip, log_to_driver=cfg.log_to_driver,
              configure_logging=True, logging_level="WARNING")

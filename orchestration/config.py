@@ -68,6 +68,9 @@ class ClusterConfig:
     address: Optional[str] = None
     # Fake GPUs for a local cluster on a CPU machine: actors reserve GPU ids, compute on CPU.
     simulate_gpus: Optional[int] = None
+    # On a machine where torch sees no GPU, give a local cluster as many simulated GPUs as
+    # the plan needs (unless simulate_gpus is set), so GPU layouts run on a laptop.
+    simulate_missing_gpus: bool = True
     # Logical CPUs of a local cluster; None: max(cores, CPU processes the plan needs + 1).
     num_cpus: Optional[int] = None
     # Start Ray's dashboard with a local cluster.
@@ -110,6 +113,21 @@ class PlanConfig:
     config_file: Optional[str] = None
     # Output options of the plan CLI.
     plan: PlanCliConfig = field(default_factory=PlanCliConfig)
+    # Sections the drivers read; the planner accepts and ignores them, so any driver
+    # experiment can be planned.
+    model: Any = None
+    # Driver section (ignored by the planner).
+    trainer: Any = None
+    # Driver section (ignored by the planner).
+    rollout: Any = None
+    # Driver section (ignored by the planner).
+    teacher: Any = None
+    # Driver section (ignored by the planner).
+    data: Any = None
+    # Driver section (ignored by the planner).
+    run: Any = None
+    # Driver section (ignored by the planner).
+    algorithm: Any = None
 
 
 def register_schema(schema: type) -> None:

@@ -36,6 +36,14 @@ class Roles:
         self._closed = True
 
 
+def driver_group(role_cls: type, init_kwargs: dict, role: str = "driver") -> LocalWorkerGroup:
+    """One rank of a role inside the driver process (e.g. an evaluator beside remote trainers)."""
+    from orchestration.planner import RolePlan
+
+    entry = RolePlan(role=role, device="CPU", ranks=(0,), nodes=(0,), local_devices=(0,), group="driver")
+    return LocalWorkerGroup(role_cls, entry, init_kwargs)
+
+
 def start_roles(cfg: Any, plan: Plan, roles: dict[str, tuple[type, dict]]) -> Roles:
     """Build a worker group per role named in `roles` ({role: (class, init kwargs)}).
 

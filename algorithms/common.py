@@ -1,0 +1,96 @@
+"""Pieces every driver uses: encoding examples into batches, weight sync, eval accuracy,
+checkpoints, and the Hydra entry-point wrapper that turns config errors into one line."""
+from __future__ import annotations
+
+import functools
+import random
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from algorithms.tasks import Example
+from roles.batch import Batch, Completions, batch_from_completions
+from roles.batch import SamplingParams
+from roles.orm import ORM
+
+
+def encode_examples(tokenizer: Any, examples: list[Example], pretrain: bool = False) -> Completions:
+    """Dataset responses as completions: chat-rendered prompt ids + response ids + eos."""
+    prompt_ids, completion_ids = [], []
+    for ex in examples:
+        prompt = tokenizer.apply_chat_template(ex.prompt_messages(), add_generation_prompt=True, tokenize=False)
+        full = tokenizer.apply_chat_template(ex.messages(), tokenize=False)
+        p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        f = tokenizer(full, add_special_tokens=False)["input_ids"]
+        if f[:len(p)] != p:  # the template must extend the prompt; else train on the whole text
+            p = []
+        if pretrain:
+            p, f = f[:1], f
+        prompt_ids.append(p)
+        completion_ids.append(f[len(p):])
+    n = len(examples)
+    return Completions(list(range(n)), prompt_ids, completion_ids, [""] * n, [], ["stop"] * n, [0] * n)
+
+
+def batch_of(tokenizer: Any, completions: Completions) -> Batch:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    return batch_from_completions(completions, pad)
+
+
+def prompt_stream(examples: list[Example], per_step: int, seed: int) -> Iterator[list[Example]]:
+    """Endless shuffled epochs of `per_step` examples."""
+    rng = random.Random(seed)
+    order: list[int] = []
+    while True:
+        if len(order) < per_step:
+            fresh = list(range(len(examples)))
+            rng.shuffle(fresh)
+            order += fresh
+        yield [examples[i] for i in order[:per_step]]
+        del order[:per_step]
+
+
+def sync_weights(trainer: Any, targets: list[Any], bucket_mb: float, version: int) -> None:
+    """Trainer rank 0's weights, in buckets, into every rank of each target group."""
+    buckets = trainer.call("state_dict_buckets", bucket_mb, execute="first")
+    for group in targets:
+        group.call("update_weights", buckets, version)
+
+
+_NUMERIC = ORM(kind="numeric")
+
+
+def accuracy(rollout: Any, examples: list[Example], max_new_tokens: int) -> float:
+    """Greedy accuracy on `examples`: the completion's '#### N' equals the reference answer."""
+    prompts = [ex.prompt_messages() for ex in examples]
+    comps = rollout.call("generate", prompts, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens),
+                         dispatch="slice", collect="flatten")
+    scores = _NUMERIC.score([ex.prompt for ex in examples], comps.texts, [ex.answer for ex in examples])
+    return sum(scores) / max(len(scores), 1)
+
+
+def first(results: list) -> Any:
+    """collect= for calls whose ranks all return the same (already all-reduced) value."""
+    return results[0]
+
+
+def checkpoint(trainer: Any, out_dir: Path, step: int) -> Path:
+    path = out_dir / "checkpoints" / f"step_{step}"
+    trainer.call("save", str(path))
+    return path
+
+
+def friendly_errors(main: Callable) -> Callable:
+    """Config/plan/placement errors exit with one line naming the key and the fix."""
+    from orchestration.config import ConfigError
+    from orchestration.planner import PlanError
+
+    @functools.wraps(main)
+    def wrapper(*args, **kwargs):
+        try:
+            return main(*args, **kwargs)
+        except (ConfigError, PlanError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+
+    return wrapper

@@ -1,0 +1,91 @@
+"""SFT / pretraining on a data-parallel Trainer group.
+
+    python -m algorithms.sft +experiment=sft_quickstart
+    python -m algorithms.sft +experiment=sft_quickstart placement.train.gpus=2 cluster.simulate_gpus=2
+
+Each step draws `run.prompts_per_step` examples, trains on their responses (every token
+with algorithm.pretrain=true), and logs loss/grad norm; eval/accuracy is the greedy
+accuracy of the current weights on held-out prompts (step 0, every run.eval_every steps,
+and the end). Writes metrics.jsonl, resolved_config.yaml and checkpoints to the Hydra run
+directory. The placement needs a `train` role (Megatron form) or `default` (device_groups).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig
+
+from algorithms import common
+from algorithms.config import SFTRunConfig, SWIFT_COMMON_KEYS, as_dict, prepare
+from algorithms.data import load_task
+from algorithms.losses import make_loss
+from algorithms.runlog import RunLog, run_dir
+from orchestration.config import register_schema
+from orchestration.launch import driver_group, start_roles
+from roles.models import load_tokenizer
+from roles.rollout import Rollout
+from roles.trainer import Trainer
+
+
+def train(cfg: SFTRunConfig, trainer: Any, evaluator: Any, train_set: list, eval_set: list,
+          tokenizer: Any, log: RunLog) -> dict:
+    """The SFT loop; roles are worker groups (or fakes in tests). Returns the last record."""
+    steps, every = cfg.run.steps, cfg.run.eval_every
+    stream = common.prompt_stream(train_set, cfg.run.prompts_per_step, cfg.run.seed)
+    record: dict = {}
+    for step in range(0, steps + 1):
+        metrics: dict = {}
+        if step > 0:
+            # Train: one optimizer update on this step's examples, split over the ranks.
+            with log.phase("train"):
+                batch = common.batch_of(tokenizer, common.encode_examples(tokenizer, next(stream), cfg.algorithm.pretrain))
+                metrics.update({f"train/{k}": v for k, v in
+                                trainer.call("train_step", batch, dispatch="slice", collect=common.first).items()})
+        if step == 0 or step == steps or (every and step % every == 0):
+            # Eval: greedy accuracy of the current weights on held-out prompts.
+            with log.phase("sync_weights"):
+                common.sync_weights(trainer, [evaluator], cfg.run.sync_bucket_mb, version=step)
+            with log.phase("eval"):
+                metrics["eval/accuracy"] = common.accuracy(evaluator, eval_set, cfg.run.eval_max_new_tokens)
+        if step > 0 and cfg.run.save_every and step % cfg.run.save_every == 0:
+            with log.phase("save"):
+                common.checkpoint(trainer, log.dir, step)
+        record = log.step(step, metrics)
+    if cfg.run.save_final:
+        record["checkpoint"] = str(common.checkpoint(trainer, log.dir, steps))
+    return record
+
+
+def run(cfg: SFTRunConfig, plan: Any, out_dir: Path, resolved: Any = None) -> dict:
+    """Start the roles of `plan`, train, shut down. Returns the last metrics record."""
+    train_set, eval_set, stats = load_task(cfg.data)
+    role = "train" if "train" in plan.roles else "default"
+    loss = make_loss("sft")
+    roles = start_roles(cfg, plan, {role: (Trainer, {"model": as_dict(cfg.model), "config": as_dict(cfg.trainer),
+                                                     "loss_fn": loss, "loss_inputs": loss.loss_inputs})})
+    evaluator = driver_group(Rollout, {"model": as_dict(cfg.model), "config": as_dict(cfg.rollout)}, "evaluator")
+    log = RunLog(out_dir, cfg.run.steps, resolved_config=resolved)
+    print(f"sft: {len(train_set)} train / {len(eval_set)} held-out examples ({stats['data/skipped_rows']} rows "
+          f"skipped); {cfg.run.steps} steps x {cfg.run.prompts_per_step} sequences over "
+          f"{plan[role].world_size} {role} rank(s); output {log.dir}")
+    try:
+        return train(cfg, roles[role], evaluator, train_set, eval_set, load_tokenizer(as_dict(cfg.model)), log)
+    finally:
+        log.close()
+        roles.shutdown()
+
+
+register_schema(SFTRunConfig)
+
+
+@hydra.main(config_path="pkg://conf", config_name="config", version_base=None)
+@common.friendly_errors
+def main(cfg: DictConfig) -> None:
+    typed, plan = prepare(cfg, SFTRunConfig, SWIFT_COMMON_KEYS)
+    run(typed, plan, run_dir(), resolved=cfg)
+
+
+if __name__ == "__main__":
+    main()
