@@ -235,7 +235,7 @@ def test_worker_groups_match_the_direct_object(ray_cluster, rollout):
     from orchestration.placement import create_placement
     from orchestration.worker_group import WorkerGroup
 
-    sampling = dataclasses.asdict(GREEDY)  # options as a mapping: sent whole to every worker
+    sampling = GREEDY  # an options dataclass (no __len__): sent whole to every worker
     direct = rollout.generate(PROMPTS, sampling)
     plan = make_plan({"device_groups": {"nproc_per_node": 1,
                                         "gen": {"device": "CPU", "ranks": 2, "workers": ["rollout"]}}})
