@@ -1,0 +1,202 @@
+"""GKD: on-policy distillation of a student from a teacher's token distributions.
+
+    python -m algorithms.gkd +experiment=gkd_quickstart
+    python -m algorithms.gkd +experiment=gkd_quickstart placement.gkd_logits_topk=8 algorithm.beta=0
+    python -m algorithms.gkd --multirun +experiment=gkd_quickstart algorithm.beta=0,0.5,1
+
+Each step draws prompts; with probability `lmbda` the student (rollout) generates the
+completions, else the dataset's responses are used. The teacher scores every position
+(top-k logprobs when `placement.gkd_logits_topk` is set, else the full vocabulary), the
+trainer minimises the generalized JSD (`beta`, `temperature`, `sft_alpha`), and the new
+weights go to the rollout. The teacher is colocated with the trainer (placement
+`teacher_model`) or in its own group (`placement.teacher`). With `teacher.warmup_steps`,
+the teacher is first trained by SFT on the task and cached. eval/accuracy (greedy, held-out)
+of the student is logged at step 0, every run.eval_every steps and at the end, beside the
+teacher's own accuracy.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import shutil
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import hydra
+from omegaconf import DictConfig
+
+from algorithms import common, sft
+from algorithms.config import (GKDRunConfig, LoopConfig, SFTRunConfig, SWIFT_GKD_KEYS, as_dict, prepare)
+from algorithms.data import load_task
+from algorithms.losses import make_loss
+from algorithms.runlog import RunLog, run_dir
+from orchestration.cluster import init_cluster
+from orchestration.config import ConfigError, register_schema
+from orchestration.launch import driver_group, start_roles
+from orchestration.planner import Plan, make_plan
+from roles.batch import SamplingParams
+from roles.models import load_tokenizer, resolve_config
+from roles.rollout import Rollout
+from roles.teacher import Teacher
+from roles.trainer import Trainer, TrainerConfig
+
+
+def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: Any, train_set: list,
+          eval_set: list, tokenizer: Any, log: RunLog, step0: dict | None = None) -> dict:
+    """The GKD loop; roles are worker groups (or fakes in tests). Returns the last record.
+    `step0` holds extra metrics for the step-0 record (the teacher's accuracy)."""
+    algo, steps, every = cfg.algorithm, cfg.run.steps, cfg.run.eval_every
+    topk = plan.gkd_logits_topk
+    offload_train = plan["train"].offload_model or plan["train"].offload_optimizer
+    offload_teacher = plan["teacher"].offload_model
+    sleep_level = plan["rollout"].sleep_level
+    sampling = SamplingParams(temperature=algo.temperature, max_new_tokens=algo.max_new_tokens)
+    stream = common.prompt_stream(train_set, cfg.run.prompts_per_step, cfg.run.seed)
+    coin = random.Random(cfg.run.seed)
+    if offload_teacher:
+        teacher.call("offload")
+    record: dict = {}
+    for step in range(0, steps + 1):
+        metrics: dict = dict(step0 or {}) if step == 0 else {}
+        if step > 0:
+            examples = next(stream)
+            on_policy = coin.random() < algo.lmbda
+            metrics["gkd/on_policy"] = float(on_policy)
+            # Generate: the student writes the completions (on-policy), else dataset responses.
+            with log.phase("generate"):
+                if on_policy:
+                    if sleep_level:
+                        rollout.call("wake_up")
+                    comps = rollout.call("generate", [ex.prompt_messages() for ex in examples], sampling,
+                                         dispatch="slice", collect="flatten")
+                    if sleep_level:
+                        rollout.call("sleep", sleep_level)
+                else:
+                    comps = common.encode_examples(tokenizer, examples)
+                batch = common.batch_of(tokenizer, comps)
+            # Teacher: logprobs at every position (top-k or full vocabulary).
+            with log.phase("teacher"):
+                if offload_teacher:
+                    teacher.call("onload")
+                out = teacher.call("logits", batch, topk, dispatch="slice", collect="flatten")
+                if offload_teacher:
+                    teacher.call("offload")
+                batch.teacher_logprobs, batch.teacher_indices = out if topk else (out, None)
+            # Train: one update of the student on the generalized JSD.
+            with log.phase("train"):
+                if offload_train:
+                    trainer.call("onload")
+                result = trainer.call("train_step", batch, dispatch="slice", collect=common.first)
+                metrics.update({f"train/{k}": v for k, v in result.items()})
+            # Sync weights: the rollout generates with the updated student from now on.
+            with log.phase("sync_weights"):
+                common.sync_weights(trainer, [rollout], cfg.run.sync_bucket_mb, version=step)
+                if offload_train:
+                    trainer.call("offload", plan["train"].offload_model, plan["train"].offload_optimizer)
+        if step == 0 or step == steps or (every and step % every == 0):
+            # Eval: greedy accuracy of the student on held-out prompts.
+            with log.phase("eval"):
+                if sleep_level:
+                    rollout.call("wake_up")
+                metrics["eval/accuracy"] = common.accuracy(rollout, eval_set, cfg.run.eval_max_new_tokens)
+                if sleep_level:
+                    rollout.call("sleep", sleep_level)
+        if step > 0 and cfg.run.save_every and step % cfg.run.save_every == 0:
+            with log.phase("save"):
+                common.checkpoint(trainer, log.dir, step)
+        record = log.step(step, metrics)
+    if cfg.run.save_final:
+        record["checkpoint"] = str(common.checkpoint(trainer, log.dir, steps))
+    return record
+
+
+def warm_teacher(cfg: GKDRunConfig, out_dir: Path) -> str:
+    """Train the teacher by SFT on the task once; cached by everything that shapes it."""
+    t = cfg.teacher
+    key = json.dumps({"model": t.model, "steps": t.warmup_steps, "lr": t.warmup_lr, "batch": t.warmup_batch,
+                      "data": as_dict(cfg.data)}, sort_keys=True)
+    name = Path(str(t.model)).name
+    path = Path(t.cache_dir).expanduser() / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
+    if (path / "config.json").is_file():
+        print(f"gkd: teacher from cache {path}")
+        return str(path)
+    print(f"gkd: training the teacher ({t.model}) by SFT for {t.warmup_steps} steps; cached at {path}")
+    warm = SFTRunConfig(placement=cfg.placement, cluster=cfg.cluster, backend=cfg.backend,
+                        model=resolve_config(t.model),
+                        trainer=TrainerConfig(lr=t.warmup_lr, warmup_steps=min(20, t.warmup_steps // 10),
+                                              total_steps=t.warmup_steps, micro_batch_per_device=t.warmup_batch),
+                        rollout=cfg.rollout, data=cfg.data,
+                        run=LoopConfig(steps=t.warmup_steps, prompts_per_step=t.warmup_batch,
+                                       eval_max_new_tokens=cfg.run.eval_max_new_tokens, save_final=True))
+    plan = make_plan({"train": {"gpus": 1}})
+    record = sft.run(warm, plan, out_dir / "teacher_warmup")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f"{path.name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(record["checkpoint"], tmp, ignore=shutil.ignore_patterns("rng_state_*", "trainer_state.pt"))
+    tmp.rename(path)
+    return str(path)
+
+
+def run(cfg: GKDRunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> dict:
+    if cfg.backend.workers == "ray":  # sized for this plan before the teacher warm-up uses it
+        init_cluster(cfg.cluster, plan.demand())
+    train_set, eval_set, stats = load_task(cfg.data)
+    teacher_model = plan["teacher"].model or cfg.teacher.model
+    if cfg.teacher.warmup_steps:
+        teacher_model = warm_teacher(replace(cfg, teacher=replace(cfg.teacher, model=teacher_model)), out_dir)
+    student = as_dict(cfg.model)
+    loss = make_loss("gkd", beta=cfg.algorithm.beta, temperature=cfg.algorithm.temperature,
+                     sft_alpha=cfg.algorithm.sft_alpha, topk_mode=cfg.algorithm.topk_mode)
+    # The teacher's accuracy, for reference (the gap the student closes).
+    judge = driver_group(Rollout, {"model": teacher_model, "config": as_dict(cfg.rollout)}, "teacher_eval")
+    teacher_accuracy = common.accuracy(judge, eval_set, cfg.run.eval_max_new_tokens)
+    judge.shutdown()
+    roles = start_roles(cfg, plan, {
+        "train": (Trainer, {"model": student, "config": as_dict(cfg.trainer), "loss_fn": loss,
+                            "loss_inputs": loss.loss_inputs}),
+        "rollout": (Rollout, {"model": student, "config": as_dict(cfg.rollout)}),
+        "teacher": (Teacher, {"model": teacher_model, "config": as_dict(cfg.teacher.engine)})})
+    log = RunLog(out_dir, cfg.run.steps, resolved_config=resolved)
+    topk = plan.gkd_logits_topk
+    print(f"gkd: {len(train_set)} train / {len(eval_set)} held-out examples; {cfg.run.steps} steps x "
+          f"{cfg.run.prompts_per_step} prompts; teacher {teacher_model} (accuracy {teacher_accuracy:.3f}, "
+          f"{'top-%d %s' % (topk, cfg.algorithm.topk_mode) if topk else 'full vocabulary'}); output {log.dir}")
+    try:
+        record = train(cfg, plan, roles["train"], roles["rollout"], roles["teacher"], train_set, eval_set,
+                       load_tokenizer(student), log, step0={"teacher/eval_accuracy": teacher_accuracy})
+        record["teacher/eval_accuracy"] = teacher_accuracy
+        return record
+    finally:
+        log.close()
+        roles.shutdown()
+
+
+def check(cfg: GKDRunConfig, plan: Plan) -> None:
+    missing = [r for r in ("train", "rollout", "teacher") if r not in plan.roles]
+    if missing:
+        raise ConfigError(f"GKD needs train, rollout and teacher roles; the placement lacks {missing}. Fix: add "
+                          "them (teacher: placement.teacher_model for a colocated one, or placement.teacher.gpus)")
+    if cfg.algorithm.seq_kd:
+        raise ConfigError("config key 'algorithm.seq_kd': teacher generations are not supported yet. "
+                          "Fix: set algorithm.seq_kd=false")
+    if not 0.0 <= cfg.algorithm.lmbda <= 1.0:
+        raise ConfigError(f"config key 'algorithm.lmbda'={cfg.algorithm.lmbda} must lie in [0, 1]")
+
+
+register_schema(GKDRunConfig)
+
+
+@hydra.main(config_path="pkg://conf", config_name="config", version_base=None)
+@common.friendly_errors
+def main(cfg: DictConfig) -> None:
+    typed, plan = prepare(cfg, GKDRunConfig, SWIFT_GKD_KEYS)
+    check(typed, plan)
+    record = run(typed, plan, run_dir(), resolved=cfg)
+    print(json.dumps({k: v for k, v in record.items() if k.startswith(("eval/", "teacher/"))}))
+
+
+if __name__ == "__main__":
+    main()
