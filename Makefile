@@ -16,6 +16,9 @@ $(STAMP): setup.py constraints.txt
 	touch $(STAMP)
 
 quickstart: $(STAMP)
+	$(BIN)/python -m algorithms.gkd +experiment=gkd_quickstart
+
+plan: $(STAMP)
 	$(BIN)/python -m orchestration.plan +experiment=grpo_colocate
 	$(BIN)/python -m orchestration.plan +experiment=grpo_colocate plan.launch=true
 

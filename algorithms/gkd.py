@@ -105,11 +105,21 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
                     rollout.call("sleep", sleep_level)
         if step > 0 and cfg.run.save_every and step % cfg.run.save_every == 0:
             with log.phase("save"):
-                common.checkpoint(trainer, log.dir, step)
+                save(trainer, log.dir, step, plan if offload_train else None)
         record = log.step(step, metrics)
     if cfg.run.save_final:
-        record["checkpoint"] = str(common.checkpoint(trainer, log.dir, steps))
+        record["checkpoint"] = str(save(trainer, log.dir, steps, plan if offload_train else None))
     return record
+
+
+def save(trainer: Any, out_dir: Path, step: int, offloaded: Plan | None) -> Path:
+    """Checkpoint the student; an offloaded trainer is brought back for it and offloaded again."""
+    if offloaded is not None:
+        trainer.call("onload")
+    path = common.checkpoint(trainer, out_dir, step)
+    if offloaded is not None:
+        trainer.call("offload", offloaded["train"].offload_model, offloaded["train"].offload_optimizer)
+    return path
 
 
 def warm_teacher(cfg: GKDRunConfig, out_dir: Path) -> str:
