@@ -22,6 +22,16 @@ def _torch_sees_gpu() -> bool:
     return torch.cuda.is_available()
 
 
+def _loopback_only() -> None:
+    """Keep a local cluster on 127.0.0.1. Ray otherwise swaps a loopback node address for
+    the host's IP (its multi-node default); this is the switch it uses on macOS/Windows,
+    set for this process and inherited by the cluster's processes."""
+    import ray._private.ray_constants as ray_constants
+
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
 def init_cluster(cfg: ClusterConfig, demand: dict[str, float] | None = None):
     """Join `cfg.address` if set, else start a local cluster sized for `demand`.
 
@@ -44,6 +54,8 @@ def init_cluster(cfg: ClusterConfig, demand: dict[str, float] | None = None):
         print(f"cluster: no GPU visible to torch; simulating {num_gpus} GPU(s) for the plan "
               "(engines compute on the CPU)")
     num_cpus = cfg.num_cpus or max(os.cpu_count() or 1, int(demand.get("CPU", 0)) + 1)
+    if cfg.node_ip in ("127.0.0.1", "localhost"):
+        _loopback_only()
     # address="local": always a new cluster, never one found running on this machine.
     ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=cfg.dashboard,
              object_store_memory=cfg.object_store_mb * 2**20 if cfg.object_store_mb else None,

@@ -52,12 +52,12 @@ def launch_report(cfg: DictConfig, plan: Plan) -> str:
     started = start_roles(cfg, plan, {r: (_Idle, {}) for r in plan.roles})
     try:
         nodes = {}
-        lines = ["placed on the cluster:", "role     rank  node  node_id   visible_devices  pid"]
+        lines = ["placed on the cluster:", "role     rank  node  node_id   visible_devices  pid     ip"]
         for role, group in started.groups.items():
             for rank, info in enumerate(group.infos):
                 node = nodes.setdefault(info["node_id"], len(nodes))
                 lines.append(f"{role:<8} {rank:<5} {node:<5} {info['node_id'][:8]}  "
-                             f"{info['cuda_visible_devices'] or '-':<16} {info['pid']}")
+                             f"{info['cuda_visible_devices'] or '-':<16} {info['pid']:<7} {info['ip']}")
         return "\n".join(lines)
     finally:
         started.shutdown()

@@ -277,7 +277,7 @@ def test_driver_joins_an_existing_cluster_and_spans_its_nodes(ray_cluster):
         capture_output=True, text=True, timeout=240, cwd=Path(__file__).resolve().parent.parent)
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [line.split() for line in out.stdout.splitlines() if line.split()[:1] in (["train"], ["rollout"])]
-    rows = [r for r in rows if len(r) == 6]
-    nodes = {role: {node_id for r, _, _, node_id, _, _ in rows if r == role} for role in ("train", "rollout")}
+    rows = [r for r in rows if len(r) == 7]
+    nodes = {role: {node_id for r, _, _, node_id, _, _, _ in rows if r == role} for role in ("train", "rollout")}
     assert len(rows) == 8 and len(nodes["train"]) == 1 and len(nodes["rollout"]) == 1
     assert nodes["train"] != nodes["rollout"]
