@@ -1,0 +1,71 @@
+"""A checkpoint saved by plain transformers (not by this project) works in every role."""
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from algorithms import common
+from algorithms.tasks import ArithmeticConfig, arithmetic_examples
+from orchestration.local import LocalWorkerGroup
+from orchestration.planner import make_plan
+from roles.batch import SamplingParams
+from roles.orm import ORM
+from roles.prm import PRM
+from roles.rollout import Rollout
+from roles.sampler import Sampler
+from roles.teacher import Teacher
+from roles.tokenizers import build_char_tokenizer
+from roles.trainer import Trainer
+
+
+@pytest.fixture(scope="module")
+def user_ckpt(tmp_path_factory):
+    path = tmp_path_factory.mktemp("user") / "llama"
+    tok = build_char_tokenizer()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128,
+                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                         max_position_embeddings=256, tie_word_embeddings=True))
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return str(path)
+
+
+def test_every_role_loads_and_runs_a_user_checkpoint(user_ckpt):
+    tok = build_char_tokenizer()
+    examples = arithmetic_examples(4, seed=0, config=ArithmeticConfig(2, 2, 1, 1, "+"))
+    batch = common.batch_of(tok, common.encode_examples(tok, examples))
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
+
+    trainer = Trainer(user_ckpt, {"device": "cpu", "lr": 1e-3, "schedule": "constant"})
+    metrics = trainer.train_step(batch)
+    assert metrics["tokens"] == batch.loss_mask.sum().item() and torch.isfinite(torch.tensor(metrics["loss"]))
+
+    rollout = Rollout(user_ckpt, config={"device": "cpu"})
+    out = rollout.generate([ex.prompt for ex in examples], greedy)
+    assert len(out) == 4 and all(len(ids) >= 1 for ids in out.completion_ids)
+    # The trained weights move into the rollout and change what it generates with.
+    rollout.update_weights(trainer.state_dict_buckets(1.0), version=1)
+    assert rollout.weight_version == 1
+
+    teacher = Teacher(user_ckpt, {"device": "cpu"})
+    values, indices = teacher.logits(batch, topk=4)
+    assert values.shape == (*batch.input_ids.shape, 4) and indices.shape == values.shape
+
+    sampler = Sampler(user_ckpt, config={"device": "cpu"})
+    cands = sampler.sample([ex.prompt for ex in examples[:2]], n=3, sampling=SamplingParams(max_new_tokens=6))
+    assert len(cands) == 6
+
+    texts = [ex.solution for ex in examples]
+    prompts = [ex.prompt for ex in examples]
+    assert ORM(kind="model", model=user_ckpt, device="cpu").score(prompts, texts) is not None
+    assert len(PRM(kind="model", model=user_ckpt, device="cpu").score_steps(prompts, texts)) == 4
+
+
+def test_user_checkpoint_rollout_in_a_local_group_equals_direct(user_ckpt):
+    prompts = ["1+2", "3+4", "5+6"]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
+    direct = Rollout(user_ckpt, config={"device": "cpu"}).generate(prompts, greedy)
+    group = LocalWorkerGroup(Rollout, make_plan({"rollout": {"gpus": 2}})["rollout"],
+                             {"model": user_ckpt, "config": {"device": "cpu"}})
+    grouped = group.call("generate", prompts, greedy, dispatch="slice", collect="flatten")
+    assert grouped.completion_ids == direct.completion_ids and grouped.texts == direct.texts
