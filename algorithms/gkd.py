@@ -80,7 +80,10 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
             with log.phase("teacher"):
                 if offload_teacher:
                     teacher.call("onload")
-                out = teacher.call("logits", batch, topk, dispatch="slice", collect="flatten")
+                # Top-k is taken from the tempered distribution (the loss then leaves it as is);
+                # full-vocabulary logprobs come at temperature 1 and the loss tempers them.
+                out = teacher.call("logits", batch, topk, temperature=algo.temperature if topk else 1.0,
+                                   dispatch="slice", collect="flatten")
                 if offload_teacher:
                     teacher.call("offload")
                 batch.teacher_logprobs, batch.teacher_indices = out if topk else (out, None)
@@ -159,7 +162,8 @@ def run(cfg: GKDRunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> d
         teacher_model = warm_teacher(replace(cfg, teacher=replace(cfg.teacher, model=teacher_model)), out_dir)
     student = as_dict(cfg.model)
     loss = make_loss("gkd", beta=cfg.algorithm.beta, temperature=cfg.algorithm.temperature,
-                     sft_alpha=cfg.algorithm.sft_alpha, topk_mode=cfg.algorithm.topk_mode)
+                     sft_alpha=cfg.algorithm.sft_alpha, topk_mode=cfg.algorithm.topk_mode,
+                     teacher_temperature_applied=plan.gkd_logits_topk is not None)
     # The teacher's accuracy, for reference (the gap the student closes).
     judge = driver_group(Rollout, {"model": teacher_model, "config": as_dict(cfg.rollout)}, "teacher_eval")
     teacher_accuracy = common.accuracy(judge, eval_set, cfg.run.eval_max_new_tokens)

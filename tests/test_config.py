@@ -181,3 +181,27 @@ def test_plan_cli_launch_places_on_a_fresh_local_cluster():
         by_role.setdefault(role, {})[int(rank)] = devices
         assert ip == "127.0.0.1"  # a driver's local cluster stays on loopback
     assert by_role["train"] == by_role["rollout"] == by_role["teacher"] == {0: "0", 1: "1"}
+
+
+DRIVER_SCHEMAS = {"sft": ("algorithms.sft", "SFTRunConfig"), "gkd": ("algorithms.gkd", "GKDRunConfig"),
+                  "grpo": ("algorithms.grpo", "GRPORunConfig"), "distill": ("algorithms.distill", "DistillRunConfig")}
+
+
+@pytest.mark.parametrize("name", EXPERIMENTS)
+def test_every_experiment_validates_against_its_driver(name):
+    """Driver experiments (<driver>_quickstart, ...) pass the driver's own checks; layout-only
+    experiments pass the common run schema."""
+    import importlib
+
+    from algorithms.config import RunConfig, prepare
+
+    prefix = name.split("_")[0]
+    schema = RunConfig
+    if prefix in DRIVER_SCHEMAS and not name.endswith(("_colocate", "_separate", "_two_nodes")):
+        module, cls = DRIVER_SCHEMAS[prefix]
+        schema = getattr(importlib.import_module(module), cls)
+    register_schema(schema)
+    with initialize_config_module(config_module="conf", version_base=None):
+        cfg = compose(config_name="config", overrides=[f"+experiment={name}"])
+    typed, plan = prepare(cfg, schema, {})
+    assert plan.roles and typed.run.steps >= 1
