@@ -17,7 +17,7 @@ from algorithms import gkd, sft
 from algorithms.config import GKDRunConfig, SFTRunConfig, SWIFT_COMMON_KEYS, SWIFT_GKD_KEYS, as_dict, prepare
 from algorithms.data import load_task
 from algorithms.runlog import RunLog, read_metrics
-from orchestration.base_group import BaseWorkerGroup, WorkerError
+from orchestration.base_group import BaseWorkerGroup
 from orchestration.config import register_schema
 from orchestration.planner import make_plan
 from roles.batch import Completions
@@ -124,7 +124,7 @@ class FakeTeacher:
     def __init__(self):
         self.offloaded = False
 
-    def logits(self, batch, topk=None):
+    def logits(self, batch, topk=None, tail=False, temperature=1.0):
         if self.offloaded:
             raise RuntimeError("fake teacher is offloaded; call onload() before logits()")
         B, T = batch.input_ids.shape
@@ -517,13 +517,8 @@ def test_gkd_main_rejects_bad_options_before_run(monkeypatch, capsys, override, 
     assert len(err.splitlines()) == 1 and f"'{key}" in err, err
 
 
-@pytest.mark.xfail(strict=True, raises=WorkerError, reason=(
-    "algorithm.topk_mode=tail needs the teacher's top-k at the loss temperature, but gkd.train asks the teacher "
-    "for temperature-1 logprobs and run() builds the loss with teacher_temperature_applied=False, so the first "
-    "train_step raises for any temperature != 1 (default 0.9). Fix: pass algo.temperature to "
-    "teacher.call('logits', batch, topk, False, algo.temperature, ...) and make_loss(..., "
-    "teacher_temperature_applied=True)"))
 def test_gkd_topk_tail_mode_runs(tmp_path):
+    """The tail bucket needs the teacher's top-k at the loss temperature (0.9 here)."""
     _, typed, plan = prepared(GKDRunConfig, ["+experiment=gkd_quickstart", *TINY_GKD, "backend=local",
                                              "teacher.warmup_steps=0", "run.steps=1", "trainer.warmup_steps=0",
                                              "run.save_final=false", "placement.gkd_logits_topk=4",
