@@ -30,7 +30,7 @@ from omegaconf import DictConfig
 from algorithms import common, sft
 from algorithms.config import (GKDRunConfig, LoopConfig, SFTRunConfig, SWIFT_GKD_KEYS, as_dict, prepare)
 from algorithms.data import load_task
-from algorithms.losses import make_loss
+from algorithms.losses import TOPK_MODES, make_loss
 from algorithms.runlog import RunLog, run_dir
 from orchestration.cluster import init_cluster
 from orchestration.config import ConfigError, register_schema
@@ -67,8 +67,7 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
             # Generate: the student writes the completions (on-policy), else dataset responses.
             with log.phase("generate"):
                 if on_policy:
-                    if sleep_level:
-                        rollout.call("wake_up")
+                    wake(trainer, rollout, sleep_level, cfg.run.sync_bucket_mb, version=step - 1)
                     comps = rollout.call("generate", [ex.prompt_messages() for ex in examples], sampling,
                                          dispatch="slice", collect="flatten")
                     if sleep_level:
@@ -101,8 +100,7 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
         if step == 0 or step == steps or (every and step % every == 0):
             # Eval: greedy accuracy of the student on held-out prompts.
             with log.phase("eval"):
-                if sleep_level:
-                    rollout.call("wake_up")
+                wake(trainer, rollout, sleep_level, cfg.run.sync_bucket_mb, version=step)
                 metrics["eval/accuracy"] = common.accuracy(rollout, eval_set, cfg.run.eval_max_new_tokens)
                 if sleep_level:
                     rollout.call("sleep", sleep_level)
@@ -113,6 +111,15 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
     if cfg.run.save_final:
         record["checkpoint"] = str(save(trainer, log.dir, steps, plan if offload_train else None))
     return record
+
+
+def wake(trainer: Any, rollout: Any, sleep_level: int, bucket_mb: float, version: int) -> None:
+    """Wake a sleeping rollout; sleep level 2 discarded its weights, so they are sent again
+    (a trainer's buckets can be read while it is offloaded)."""
+    if sleep_level == 2:
+        common.sync_weights(trainer, [rollout], bucket_mb, version)
+    if sleep_level:
+        rollout.call("wake_up")
 
 
 def save(trainer: Any, out_dir: Path, step: int, offloaded: Plan | None) -> Path:
@@ -161,9 +168,7 @@ def run(cfg: GKDRunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> d
     if cfg.teacher.warmup_steps:
         teacher_model = warm_teacher(replace(cfg, teacher=replace(cfg.teacher, model=teacher_model)), out_dir)
     student = as_dict(cfg.model)
-    loss = make_loss("gkd", beta=cfg.algorithm.beta, temperature=cfg.algorithm.temperature,
-                     sft_alpha=cfg.algorithm.sft_alpha, topk_mode=cfg.algorithm.topk_mode,
-                     teacher_temperature_applied=plan.gkd_logits_topk is not None)
+    loss = gkd_loss(cfg, plan)
     # The teacher's accuracy, for reference (the gap the student closes).
     judge = driver_group(Rollout, {"model": teacher_model, "config": as_dict(cfg.rollout)}, "teacher_eval")
     teacher_accuracy = common.accuracy(judge, eval_set, cfg.run.eval_max_new_tokens)
@@ -198,6 +203,20 @@ def check(cfg: GKDRunConfig, plan: Plan) -> None:
                           "Fix: set algorithm.seq_kd=false")
     if not 0.0 <= cfg.algorithm.lmbda <= 1.0:
         raise ConfigError(f"config key 'algorithm.lmbda'={cfg.algorithm.lmbda} must lie in [0, 1]")
+    a = cfg.algorithm
+    for key, ok, want in (("beta", 0.0 <= a.beta <= 1.0, "a value in [0, 1]"),
+                          ("temperature", a.temperature > 0, "a value > 0"),
+                          ("sft_alpha", a.sft_alpha >= 0, "a value >= 0"),
+                          ("topk_mode", a.topk_mode in TOPK_MODES, f"one of {list(TOPK_MODES)}")):
+        if not ok:
+            raise ConfigError(f"config key 'algorithm.{key}'={getattr(a, key)!r} is invalid. Fix: use {want}")
+    gkd_loss(cfg, plan)
+
+
+def gkd_loss(cfg: GKDRunConfig, plan: Plan):
+    a = cfg.algorithm
+    return make_loss("gkd", beta=a.beta, temperature=a.temperature, sft_alpha=a.sft_alpha, topk_mode=a.topk_mode,
+                     teacher_temperature_applied=plan.gkd_logits_topk is not None)
 
 
 register_schema(GKDRunConfig)

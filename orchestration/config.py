@@ -149,12 +149,13 @@ def validate(cfg: DictConfig | Mapping, schema: type, sections: list[str] | None
     cfg = cfg if isinstance(cfg, DictConfig) else OmegaConf.create(dict(cfg))
     if sections is not None:
         cfg = OmegaConf.masked_copy(cfg, [s for s in sections if s in cfg])
-    try:
-        typed = OmegaConf.merge(OmegaConf.structured(schema), cfg)
+    try:  # a plain copy, so keys Hydra let in with '+key=' are checked too
+        typed = OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.create(OmegaConf.to_container(cfg)))
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "?"
-        raise ConfigError(f"config key '{key}': {e.msg if hasattr(e, 'msg') else e}. "
-                          f"Fix: use a key and type of {schema.__name__} (see conf/)") from None
+        first = str(getattr(e, "msg", e)).splitlines()[0]
+        raise ConfigError(f"config key '{key}': {first}. Fix: use a key and type of {schema.__name__} "
+                          "(python -m <driver> --cfg job lists them)") from None
     if typed.backend.workers not in ("ray", "local"):
         raise ConfigError(f"config key 'backend.workers': unknown value {typed.backend.workers!r}. "
                           "Fix: use backend=ray or backend=local")
