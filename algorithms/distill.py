@@ -1,0 +1,305 @@
+"""Distill / sample: best-of-N candidates scored by a PRM and an ORM, kept as a dataset.
+
+    python -m algorithms.distill +experiment=distill_quickstart
+    python -m algorithms.distill +experiment=distill_quickstart algorithm.prm_threshold=0 algorithm.sft_steps=0
+    python -m algorithms.distill +experiment=distill_quickstart config_file=my_swift_sampling.yaml
+
+The placement names three roles (ms-swift's `device_groups` form with workers `sampler`,
+`prm`, `orm`; CPU groups work). Each step draws `run.prompts_per_step` training prompts;
+the sampler group (the policy, `model`) writes `num_return_sequences` candidates per
+prompt, the PRM group scores their steps (aggregated to one score) and the ORM group their
+outcome. Per prompt the candidates rank by score = PRM + orm_weight * ORM; the best
+`n_best_to_keep` with a PRM score >= `prm_threshold` become rows of `output_file`
+(sampled.jsonl) in the Hydra run directory: `messages` [user, assistant],
+`rejected_response` (the worst candidate), the scores, prompt and answer. metrics.jsonl gets, per step, candidates, kept
+rows, mean scores and the accuracy (numeric '#### N' check) of all candidates and of the
+kept ones, with run totals on the last line; step 0 holds the policy's greedy held-out
+eval/accuracy. Optional SFT phases run algorithms.sft on the sampler's device kind:
+`warmup_sft_steps` (at `warmup_lr`) first trains the policy on the task's reference
+solutions, so that sampling yields a mix of right and wrong answers; `sft_steps` (at
+trainer.lr) afterwards trains it on the kept rows, with the task's held-out prompts as its
+eval set (accuracy before and after in the `sft/` subfolder's metrics.jsonl).
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Optional
+
+import hydra
+from omegaconf import DictConfig
+
+from algorithms import common, sft
+from algorithms.config import LoopConfig, RunConfig, SFTRunConfig, as_dict, prepare
+from algorithms.data import DataConfig, load_task
+from algorithms.runlog import RunLog, run_dir
+from algorithms.tasks import Example
+from orchestration.cluster import init_cluster
+from orchestration.config import ConfigError, register_schema
+from orchestration.launch import start_roles
+from orchestration.planner import Plan, make_plan
+from roles.batch import SamplingParams
+from roles.models import resolve_config
+from roles.orm import ORM, ORMConfig
+from roles.prm import PRM, PRMConfig
+from roles.sampler import Sampler
+
+
+@dataclass
+class DistillAlgorithm:
+    # Candidates sampled per prompt.
+    num_return_sequences: int = 8
+    # Best candidates kept per prompt (fewer than num_return_sequences: the worst one is
+    # the rejected response).
+    n_best_to_keep: int = 1
+    # A candidate is kept only with a PRM score (aggregated over its steps) >= this.
+    prm_threshold: float = 0.0
+    # Weight of the ORM score in the ranking score = PRM + orm_weight * ORM.
+    orm_weight: float = 1.0
+    # Drop a prompt when more than this fraction of its candidates is right by the ORM
+    # (score > 0): too easy to teach anything; None keeps every prompt.
+    easy_query_threshold: Optional[float] = None
+    # ms-swift's sampler type: "sample" or "distill" (both sample the local `model`, a
+    # bigger teacher when distilling); "mcts" is not supported.
+    sampler_type: str = "sample"
+    # Sampling temperature of the candidates.
+    temperature: float = 1.0
+    # Nucleus sampling mass of the candidates; 1.0 disables it.
+    top_p: float = 1.0
+    # Longest candidate in tokens.
+    max_new_tokens: int = 48
+    # File name of the dataset in the run directory.
+    output_file: str = "sampled.jsonl"
+    # SFT steps training the policy on the task's reference solutions before sampling; 0: sample from it as given.
+    warmup_sft_steps: int = 0
+    # Peak learning rate of that warm-up SFT (the SFT on the kept rows uses trainer.lr).
+    warmup_lr: float = 3e-3
+    # SFT steps training the policy on the kept rows after sampling; 0: no SFT.
+    sft_steps: int = 0
+    # Sequences per step of both SFT phases. Their optimizer is the trainer section's, with
+    # the schedule spanning the phase and a linear warmup over its first tenth.
+    sft_batch: int = 64
+
+
+@dataclass
+class DistillRunConfig(RunConfig):
+    # Sampling and selection options.
+    algorithm: DistillAlgorithm = field(default_factory=DistillAlgorithm)
+    # Process reward model (rule-based arithmetic step verifier by default).
+    prm: PRMConfig = field(default_factory=PRMConfig)
+    # Outcome reward model (numeric '#### N' check by default).
+    orm: ORMConfig = field(default_factory=ORMConfig)
+
+
+# ms-swift sampling keys a config_file may carry, mapped onto ours. Not mapped, so refused:
+# prm_model/orm_model (their values are hub models or ms-swift built-ins; set prm./orm.),
+# sampler_engine, dataset, system, num_sampling_per_gpu_batch_size (per-GPU batching).
+SWIFT_DISTILL_KEYS = {"model": "model.path", "seed": "run.seed",
+                      **{k: f"algorithm.{k}" for k in ("num_return_sequences", "n_best_to_keep", "prm_threshold",
+                                                       "easy_query_threshold", "sampler_type", "temperature",
+                                                       "top_p", "max_new_tokens", "output_file")}}
+
+_NUMERIC = ORM(kind="numeric")
+
+
+def sample(cfg: DistillRunConfig, sampler: Any, prm: Any, orm: Any, train_set: list, eval_set: list,
+           out_path: Path, log: RunLog) -> dict:
+    """The sampling loop; roles are worker groups (or fakes in tests). Writes the kept rows
+    to `out_path` and returns the last metrics record (with the run's totals)."""
+    algo, steps, n = cfg.algorithm, cfg.run.steps, cfg.algorithm.num_return_sequences
+    sampling = SamplingParams(temperature=algo.temperature, top_p=algo.top_p, max_new_tokens=algo.max_new_tokens)
+    stream = common.prompt_stream(train_set, cfg.run.prompts_per_step, cfg.run.seed)
+    totals: Counter = Counter()
+    record: dict = {}
+    with open(out_path, "w") as out:
+        for step in range(0, steps + 1):
+            metrics: dict = {}
+            if step == 0:
+                # Eval: greedy held-out accuracy of the policy that samples.
+                with log.phase("eval"):
+                    metrics["eval/accuracy"] = greedy_accuracy(sampler, eval_set, cfg.run.eval_max_new_tokens)
+            else:
+                examples = next(stream)
+                # Generate: n candidates per prompt, prompts split over the sampler ranks.
+                with log.phase("generate"):
+                    comps = sampler.call("sample", [ex.prompt_messages() for ex in examples], n, sampling,
+                                         dispatch="slice", collect="flatten")
+                texts = list(comps.texts)
+                if len(texts) != n * len(examples):
+                    raise RuntimeError(f"the sampler returned {len(texts)} candidates for {len(examples)} x {n}")
+                # Score: PRM (step scores aggregated) and ORM, candidates split over each group's ranks.
+                # References: the final answer when known (numeric ORM), else the reference solution.
+                prompts = [ex.prompt for ex in examples for _ in range(n)]
+                refs = [ex.answer or ex.solution for ex in examples for _ in range(n)]
+                with log.phase("score"):
+                    prm_scores = prm.call("score", prompts, texts, refs, dispatch="slice", collect="flatten")
+                    orm_scores = orm.call("score", prompts, texts, refs, dispatch="slice", collect="flatten")
+                # Select: best n_best_to_keep per prompt with PRM >= prm_threshold, the worst as rejected.
+                with log.phase("select"):
+                    correct = _NUMERIC.score(prompts, texts, [ex.answer for ex in examples for _ in range(n)])
+                    rows, counts = select(examples, texts, prm_scores, orm_scores, correct, algo)
+                    out.writelines(json.dumps(row) + "\n" for row in rows)
+                    out.flush()
+                totals.update(counts)
+                metrics.update(summarize(counts, "sample/"))
+                if step == steps:
+                    metrics.update(summarize(totals, "total/"))
+            record = log.step(step, metrics)
+    return record
+
+
+def select(examples: list[Example], texts: list[str], prm_scores: list[float], orm_scores: list[float],
+           correct: list[float], algo: DistillAlgorithm) -> tuple[list[dict], Counter]:
+    """Dataset rows of one batch (candidates of prompt i at i*n .. i*n+n-1) and the sums
+    behind its metrics. `correct` is the numeric check of each candidate (metrics only)."""
+    n, rows, c = algo.num_return_sequences, [], Counter()
+    for i, ex in enumerate(examples):
+        idx = range(i * n, (i + 1) * n)
+        score = {j: prm_scores[j] + algo.orm_weight * orm_scores[j] for j in idx}
+        ranked = sorted(idx, key=lambda j: -score[j])  # stable: ties keep sampling order
+        worst = ranked[-1]
+        c.update(prompts=1, candidates=n, correct=sum(correct[j] for j in idx),
+                 solved=float(any(correct[j] > 0 for j in idx)),
+                 prm=sum(prm_scores[j] for j in idx), orm=sum(orm_scores[j] for j in idx))
+        easy = sum(orm_scores[j] > 0 for j in idx) / n
+        if algo.easy_query_threshold is not None and easy > algo.easy_query_threshold:
+            c.update(easy_skipped=1)
+            continue
+        keep = [j for j in ranked[:algo.n_best_to_keep] if prm_scores[j] >= algo.prm_threshold]
+        c.update(kept=len(keep), prompts_kept=float(bool(keep)), kept_correct=sum(correct[j] for j in keep),
+                 kept_prm=sum(prm_scores[j] for j in keep), kept_orm=sum(orm_scores[j] for j in keep))
+        for j in keep:
+            rows.append({"messages": ex.prompt_messages() + [{"role": "assistant", "content": texts[j]}],
+                         "rejected_response": texts[worst], "prm_score": prm_scores[j], "orm_score": orm_scores[j],
+                         "score": score[j], "rejected_score": score[worst], "prompt": ex.prompt, "answer": ex.answer})
+    return rows, c
+
+
+def summarize(c: Counter, prefix: str) -> dict:
+    """Metrics from the sums of `select`; kept-row means only when something was kept."""
+    out = {f"{prefix}kept": int(c["kept"]), f"{prefix}accuracy_all": c["correct"] / max(c["candidates"], 1)}
+    if c["kept"]:
+        out[f"{prefix}accuracy_kept"] = c["kept_correct"] / c["kept"]
+    out.update({f"{prefix}pass_at_n": c["solved"] / max(c["prompts"], 1),
+                f"{prefix}prm_mean": c["prm"] / max(c["candidates"], 1),
+                f"{prefix}orm_mean": c["orm"] / max(c["candidates"], 1),
+                f"{prefix}prompts_kept": int(c["prompts_kept"]), f"{prefix}candidates": int(c["candidates"]),
+                f"{prefix}easy_skipped": int(c["easy_skipped"])})
+    if c["kept"]:
+        out[f"{prefix}kept_prm_mean"] = c["kept_prm"] / c["kept"]
+        out[f"{prefix}kept_orm_mean"] = c["kept_orm"] / c["kept"]
+    return out
+
+
+def greedy_accuracy(sampler: Any, examples: list[Example], max_new_tokens: int) -> float:
+    """Held-out accuracy of one greedy sample per prompt (numeric '#### N' check)."""
+    comps = sampler.call("sample", [ex.prompt_messages() for ex in examples], 1,
+                         SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens),
+                         dispatch="slice", collect="flatten")
+    scores = _NUMERIC.score([ex.prompt for ex in examples], comps.texts, [ex.answer for ex in examples])
+    return sum(scores) / max(len(scores), 1)
+
+
+def run_sft(cfg: DistillRunConfig, plan: Plan, model: Any, data: DataConfig, steps: int, lr: float,
+            out_dir: Path) -> dict:
+    """algorithms.sft on the sampler's device kind (as many ranks on Ray, one locally)."""
+    s = plan["sampler"]
+    ranks = s.world_size if cfg.backend.workers == "ray" else 1
+    sft_plan = make_plan({"train": {"gpus": ranks}} if s.device == "GPU" else
+                         {"device_groups": {"nproc_per_node": 1, "sft": {"device": "CPU", "ranks": ranks,
+                                                                          "workers": ["train"]}}})
+    trainer = replace(cfg.trainer, lr=lr, total_steps=steps, warmup_steps=steps // 10)
+    run = LoopConfig(steps=steps, prompts_per_step=cfg.algorithm.sft_batch, seed=cfg.run.seed,
+                     eval_max_new_tokens=cfg.run.eval_max_new_tokens, sync_bucket_mb=cfg.run.sync_bucket_mb)
+    sft_cfg = SFTRunConfig(placement=cfg.placement, cluster=cfg.cluster, backend=cfg.backend,
+                           model=resolve_config(model), trainer=trainer, rollout=cfg.rollout, data=data, run=run)
+    return sft.run(sft_cfg, sft_plan, out_dir)
+
+
+def write_heldout(examples: list[Example], path: Path) -> Path:
+    """Held-out examples as JSONL rows, appended after the kept rows for SFT's eval."""
+    with open(path, "w") as f:
+        f.writelines(json.dumps({"messages": ex.messages(), "answer": ex.answer}) + "\n" for ex in examples)
+    return path
+
+
+def run(cfg: DistillRunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> dict:
+    """Optional warm-up SFT, sampling with the planned roles, optional SFT on the kept rows.
+    Returns the sampling's last metrics record, plus the SFT results under sft/."""
+    if cfg.backend.workers == "ray":  # sized for this plan before any SFT phase uses it
+        init_cluster(cfg.cluster, plan.demand())
+    train_set, eval_set, stats = load_task(cfg.data)
+    algo, policy = cfg.algorithm, cfg.model
+    if algo.warmup_sft_steps:
+        print(f"distill: warm-up SFT of the policy for {algo.warmup_sft_steps} steps")
+        policy = run_sft(cfg, plan, policy, cfg.data, algo.warmup_sft_steps, algo.warmup_lr,
+                         out_dir / "warmup_sft")["checkpoint"]
+    roles = start_roles(cfg, plan, {"sampler": (Sampler, {"model": as_dict(resolve_config(policy)),
+                                                          "config": as_dict(cfg.rollout)}),
+                                    "prm": (PRM, {"config": as_dict(cfg.prm)}),
+                                    "orm": (ORM, {"config": as_dict(cfg.orm)})})
+    log = RunLog(out_dir, cfg.run.steps, resolved_config=resolved)
+    path = log.dir / algo.output_file
+    print(f"distill: {cfg.run.steps} steps x {cfg.run.prompts_per_step} prompts x {algo.num_return_sequences} "
+          f"candidates from {len(train_set)} train examples ({stats['data/skipped_rows']} rows skipped) over "
+          f"{plan['sampler'].world_size} sampler / {plan['prm'].world_size} prm / {plan['orm'].world_size} orm "
+          f"rank(s); keep {algo.n_best_to_keep} per prompt with PRM >= {algo.prm_threshold}; output {path}")
+    try:
+        record = sample(cfg, roles["sampler"], roles["prm"], roles["orm"], train_set, eval_set, path, log)
+    finally:
+        log.close()
+        roles.shutdown()
+    record["dataset"] = str(path)
+    if algo.sft_steps and not record.get("total/kept"):
+        print("distill: no rows kept, so no SFT on them")
+    elif algo.sft_steps:
+        # SFT on the kept rows; held-out task examples go last so that SFT evaluates on them.
+        data = DataConfig(task="files", paths=[str(path), str(write_heldout(eval_set, log.dir / "heldout.jsonl"))],
+                          train_size=record["total/kept"], eval_size=len(eval_set), cache_dir=cfg.data.cache_dir)
+        tuned = run_sft(cfg, plan, policy, data, algo.sft_steps, cfg.trainer.lr, out_dir / "sft")
+        record.update({"sft/eval_accuracy": tuned["eval/accuracy"], "sft/checkpoint": tuned.get("checkpoint")})
+    return record
+
+
+def check(cfg: DistillRunConfig, plan: Plan) -> None:
+    missing = [r for r in ("sampler", "prm", "orm") if r not in plan.roles]
+    if missing:
+        raise ConfigError(f"distill needs sampler, prm and orm roles; the placement lacks {missing}. Fix: use "
+                          "+experiment=distill_quickstart or placement.device_groups with workers "
+                          "[sampler] and [prm, orm]")
+    algo = cfg.algorithm
+    if algo.num_return_sequences < 2 or not 1 <= algo.n_best_to_keep < algo.num_return_sequences:
+        raise ConfigError(f"config keys 'algorithm.num_return_sequences'={algo.num_return_sequences} and "
+                          f"'algorithm.n_best_to_keep'={algo.n_best_to_keep}: need 1 <= n_best_to_keep < "
+                          "num_return_sequences (the worst candidate is the rejected response)")
+    if algo.sampler_type not in ("sample", "distill"):
+        raise ConfigError(f"config key 'algorithm.sampler_type'={algo.sampler_type!r}: only 'sample' and "
+                          "'distill' (both sample the local model) are supported. Fix: sampler_type=sample")
+    if not algo.output_file or "/" in algo.output_file or "\\" in algo.output_file:
+        raise ConfigError(f"config key 'algorithm.output_file'={algo.output_file!r}: give a file name; it is "
+                          "written to the run directory")
+    if cfg.trainer.warmup_steps:
+        raise ConfigError(f"config key 'trainer.warmup_steps'={cfg.trainer.warmup_steps}: distill's SFT phases "
+                          "warm the learning rate up over their first tenth. Fix: leave it at 0")
+    ranks = plan["sampler"].world_size if cfg.backend.workers == "ray" else 1
+    if (algo.sft_steps or algo.warmup_sft_steps) and algo.sft_batch < ranks:
+        raise ConfigError(f"config key 'algorithm.sft_batch'={algo.sft_batch} is below the {ranks} SFT ranks "
+                          f"(the sampler's). Fix: raise it to at least {ranks}")
+
+
+register_schema(DistillRunConfig)
+
+
+@hydra.main(config_path="pkg://conf", config_name="config", version_base=None)
+@common.friendly_errors
+def main(cfg: DictConfig) -> None:
+    typed, plan = prepare(cfg, DistillRunConfig, SWIFT_DISTILL_KEYS)
+    check(typed, plan)
+    record = run(typed, plan, run_dir(), resolved=cfg)
+    print(json.dumps({k: v for k, v in record.items() if k.startswith(("eval/", "total/", "sft/", "dataset"))}))
+
+
+if __name__ == "__main__":
+    main()
