@@ -13,6 +13,7 @@ Everything written with `save_checkpoint` loads back with `AutoModelForCausalLM`
 """
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from importlib import resources
@@ -21,7 +22,8 @@ from typing import Any, List, Mapping, Optional, Union
 
 import torch
 from omegaconf import OmegaConf
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedModel, Qwen2Config
+from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedModel,
+                          PreTrainedTokenizerFast, Qwen2Config)
 
 from roles.tokenizers import BUILDERS, build_tokenizer
 
@@ -126,6 +128,16 @@ def _has_tokenizer_files(directory: str) -> bool:
     return any(os.path.isfile(os.path.join(directory, f)) for f in TOKENIZER_FILES)
 
 
+def _plain_fast_tokenizer(directory: str) -> bool:
+    """A tokenizer.json saved from a generic fast tokenizer (as this project's tokenizers are)."""
+    config = os.path.join(directory, "tokenizer_config.json")
+    if not (os.path.isfile(config) and os.path.isfile(os.path.join(directory, "tokenizer.json"))):
+        return False
+    with open(config) as f:
+        cls = json.load(f).get("tokenizer_class")
+    return cls in ("TokenizersBackend", "PreTrainedTokenizerFast")
+
+
 def load_tokenizer(spec: ModelSpec):
     """The tokenizer of a model spec: a checkpoint's own (it matches the embeddings, so it
     wins even over a preset's `tokenizer` field), else `ModelConfig.tokenizer`."""
@@ -146,6 +158,10 @@ def load_tokenizer(spec: ModelSpec):
         raise ValueError(f"no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {kind}; save one "
                          f"there or set model.tokenizer to one of {sorted(BUILDERS)}")
     try:
+        if _plain_fast_tokenizer(kind):
+            # AutoTokenizer would pick the class of config.json's model type (Qwen2Tokenizer),
+            # which rebuilds the pre-tokenizer and drops spaces/newlines of the char tokenizer.
+            return PreTrainedTokenizerFast.from_pretrained(kind, local_files_only=True)
         return AutoTokenizer.from_pretrained(kind, local_files_only=True)
     except (OSError, ValueError) as err:
         raise ValueError(f"no tokenizer could be loaded from {kind} ({err}); save one there "

@@ -143,3 +143,12 @@ def test_unknown_spec_and_unknown_key_are_refused(tmp_path):
         resolve_config({"hidden_sise": 3})
     with pytest.raises(ValueError, match="no config.json"):
         build_model(ModelConfig(path=str(tmp_path)))
+
+
+@pytest.mark.parametrize("preset", ["tiny_qwen2", "tiny_llama"])
+def test_saved_char_tokenizer_keeps_spaces_and_newlines(preset, tmp_path):
+    """A checkpoint's config.json must not make AutoTokenizer swap in its model type's
+    tokenizer class, which drops the char tokenizer's whitespace."""
+    save_checkpoint(build_model(preset), load_tokenizer(preset), tmp_path / "ckpt")
+    text = "a\nb c\n#### 12"
+    assert load_tokenizer(str(tmp_path / "ckpt"))(text)["input_ids"] == build_char_tokenizer()(text)["input_ids"]
