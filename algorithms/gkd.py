@@ -104,7 +104,8 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
                 metrics["eval/accuracy"] = common.accuracy(rollout, eval_set, cfg.run.eval_max_new_tokens)
                 if sleep_level:
                     rollout.call("sleep", sleep_level)
-        if step > 0 and cfg.run.save_every and step % cfg.run.save_every == 0:
+        if step > 0 and cfg.run.save_every and step % cfg.run.save_every == 0 and not (
+                step == steps and cfg.run.save_final):
             with log.phase("save"):
                 save(trainer, log.dir, step, plan if offload_train else None)
         record = log.step(step, metrics)

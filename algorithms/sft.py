@@ -49,7 +49,8 @@ def train(cfg: SFTRunConfig, trainer: Any, evaluator: Any, train_set: list, eval
                 common.sync_weights(trainer, [evaluator], cfg.run.sync_bucket_mb, version=step)
             with log.phase("eval"):
                 metrics["eval/accuracy"] = common.accuracy(evaluator, eval_set, cfg.run.eval_max_new_tokens)
-        if step > 0 and cfg.run.save_every and step % cfg.run.save_every == 0:
+        if step > 0 and cfg.run.save_every and step % cfg.run.save_every == 0 and not (
+                step == steps and cfg.run.save_final):
             with log.phase("save"):
                 common.checkpoint(trainer, log.dir, step)
         record = log.step(step, metrics)

@@ -339,6 +339,20 @@ def test_sft_call_order(tmp_path):
     assert [r["train/loss"] for r in records[1:]] == [1.0, 0.5, round(1 / 3, 6), 0.25]
 
 
+def test_sft_last_checkpoint_is_written_once(tmp_path):
+    """save_every dividing run.steps with save_final: the last step is saved once, not twice."""
+    _, typed, plan = prepared(SFTRunConfig, ["+experiment=sft_quickstart", *TINY, "run.steps=4",
+                                             "run.eval_every=0", "run.save_every=2"])
+    calls = []
+    trainer = FakeGroup("train", [FakeTrainer()], calls)
+    evaluator = FakeGroup("evaluator", [FakeRollout()], calls)
+    train_set, eval_set, _ = load_task(typed.data)
+    log = MarkedLog(tmp_path, typed.run.steps, calls)
+    sft.train(typed, trainer, evaluator, train_set, eval_set, load_tokenizer(as_dict(typed.model)), log)
+    log.close()
+    assert [c[2] for c in calls if c[1] == "save"] == ["step_2", "step_4"]
+
+
 # ----------------------------------------------------------------------------- end to end
 
 def check_outputs(out: Path, steps: int, phases: set[str], resolved: bool = True) -> list[dict]:
