@@ -1,0 +1,425 @@
+"""GRPO: group-relative policy optimisation of a policy against rule-based rewards.
+
+    python -m algorithms.grpo +experiment=grpo_quickstart
+    python -m algorithms.grpo +experiment=grpo_quickstart algorithm.beta=0.04 algorithm.loss_type=dapo
+    python -m algorithms.grpo --multirun +experiment=grpo_quickstart algorithm.scale_rewards=group,none
+
+Each step draws `run.prompts_per_step` prompts; the rollout samples `num_generations`
+completions of each, and the reward functions (`reward_funcs` with `reward_weights`:
+numeric accuracy, format regex, the rule-based arithmetic PRM, or a dotted path) score
+them. Advantages are relative to the prompt's group (`scale_rewards`, `leave_one_out`);
+with `dynamic_sample`, groups whose rewards are all equal are dropped and fresh prompts
+generated. The trainer takes `steps_per_generation` clipped-ratio updates on the batch
+(ratios against the rollout's own sampling logprobs, so stale weights stay correct), with
+a k3 KL penalty to the initial weights when `beta` > 0, and the new weights go to the
+rollout. With `warmup_sft_steps`, the policy is first trained by SFT on the task's
+reference solutions and GRPO starts from that checkpoint. eval/accuracy (greedy, held-out)
+is logged at step 0, every run.eval_every steps and at the end.
+
+Rewards run in this process, or on the `orm`/`prm` roles when the placement plans them
+(device_groups form). The reference policy for `beta` lives in this process (fine for tiny
+models); a planned reference role on its own devices is future work.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, List, Optional
+
+import hydra
+import torch
+from omegaconf import DictConfig
+
+from algorithms import common, sft
+from algorithms.advantages import group_advantages, zero_variance_groups
+from algorithms.config import LoopConfig, RunConfig, SFTRunConfig, SWIFT_COMMON_KEYS, as_dict, prepare
+from algorithms.data import load_task
+from algorithms.losses import LOSS_TYPES, make_loss
+from algorithms.runlog import RunLog, run_dir
+from orchestration.cluster import init_cluster
+from orchestration.config import ConfigError, register_schema
+from orchestration.dispatch import flatten, slice_bounds
+from orchestration.launch import driver_group, start_roles
+from orchestration.planner import Plan, make_plan
+from roles.batch import Completions, SamplingParams
+from roles.models import load_tokenizer
+from roles.orm import ORM
+from roles.prm import AGGREGATES, PRM
+from roles.rollout import Rollout
+from roles.trainer import Trainer, slice_batch
+
+
+@dataclass
+class GRPOAlgorithm:
+    # Completions sampled per prompt (a group); a step trains on run.prompts_per_step * num_generations.
+    num_generations: int = 8
+    # Advantage scale: "group" (std of the prompt's group), "batch" (std of the whole step) or "none".
+    scale_rewards: str = "group"
+    # Baseline of a completion: the mean of the other num_generations - 1 rewards (RLOO) instead of the group mean.
+    leave_one_out: bool = False
+    # Lower clip of the importance ratio: 1 - epsilon.
+    epsilon: float = 0.2
+    # Upper clip: 1 + epsilon_high; None: epsilon (DAPO's clip-higher uses e.g. 0.28).
+    epsilon_high: Optional[float] = None
+    # Weight of the k3 KL penalty to the reference policy (the initial weights); 0 skips the reference.
+    beta: float = 0.0
+    # Loss aggregation: grpo (mean of per-sequence token means), bnpo (token mean per micro-batch),
+    # dr_grpo (token sum / max_new_tokens), dapo (token mean over the whole step).
+    loss_type: str = "grpo"
+    # Optimizer updates per generated batch: the batch is split into this many parts, one update each.
+    steps_per_generation: int = 1
+    # Drop groups whose rewards are all equal (zero advantage) and generate for fresh prompts instead.
+    dynamic_sample: bool = False
+    # Extra generation rounds per step for dynamic_sample; still short after them, the step is
+    # topped up with zero-variance groups.
+    max_resample_times: int = 3
+    # Sampling temperature; the trainer's logprobs use it too, so ratios compare like with like.
+    temperature: float = 1.0
+    # Longest completion in tokens.
+    max_new_tokens: int = 48
+    # Reward functions: accuracy (numeric '#### N' against the reference), format (regex
+    # format_pattern), prm (rule-based arithmetic step verifier, the '#### N' line counted as
+    # the last step, aggregated by prm_aggregate: with min, 1 only for a fully right derivation),
+    # or a dotted path 'pkg.mod.fn' to fn(prompts, completions, references) -> list[float].
+    reward_funcs: List[str] = field(default_factory=lambda: ["accuracy"])
+    # Weight of each reward function, in order; empty: 1.0 each. The reward is the weighted sum.
+    reward_weights: List[float] = field(default_factory=list)
+    # Regular expression of the format reward; None: the ORM's default (a last line '#### <number>').
+    format_pattern: Optional[str] = None
+    # prm reward: one score per completion from its step scores (min, product or last).
+    prm_aggregate: str = "min"
+    # SFT steps on the task's reference solutions before GRPO (a warm start); 0 starts from the model as given.
+    warmup_sft_steps: int = 0
+    # Learning rate of that SFT.
+    warmup_sft_lr: float = 5e-3
+    # Sequences per SFT step.
+    warmup_sft_batch: int = 64
+
+
+@dataclass
+class GRPORunConfig(RunConfig):
+    # GRPO options.
+    algorithm: GRPOAlgorithm = field(default_factory=GRPOAlgorithm)
+
+
+# ms-swift GRPO keys in a config_file, mapped onto ours. ms-swift's own 'format' reward checks
+# <think>/<answer> tags; ours checks this project's '#### N' answer line.
+SWIFT_GRPO_KEYS = {**SWIFT_COMMON_KEYS, "num_generations": "algorithm.num_generations",
+                   "scale_rewards": "algorithm.scale_rewards", "epsilon": "algorithm.epsilon",
+                   "epsilon_high": "algorithm.epsilon_high", "beta": "algorithm.beta",
+                   "loss_type": "algorithm.loss_type", "steps_per_generation": "algorithm.steps_per_generation",
+                   "dynamic_sample": "algorithm.dynamic_sample", "max_resample_times": "algorithm.max_resample_times",
+                   "temperature": "algorithm.temperature", "max_completion_length": "algorithm.max_new_tokens",
+                   "reward_funcs": "algorithm.reward_funcs", "reward_weights": "algorithm.reward_weights"}
+
+
+# ----------------------------------------------------------------------------- rewards
+
+def reward_specs(algo: GRPOAlgorithm) -> list[tuple[str, float, type, dict]]:
+    """(label, weight, role class, role config) per reward function."""
+    weights = list(algo.reward_weights) or [1.0] * len(algo.reward_funcs)
+    specs = []
+    for name, weight in zip(algo.reward_funcs, weights):
+        if name == "accuracy":
+            specs.append((name, weight, ORM, {"kind": "numeric"}))
+        elif name == "format":
+            pattern = {"format_pattern": algo.format_pattern} if algo.format_pattern else {}
+            specs.append((name, weight, ORM, {"kind": "format", **pattern}))
+        elif name == "prm":
+            specs.append((name, weight, PRM, {"kind": "arithmetic", "aggregate": algo.prm_aggregate,
+                                              "answer_as_step": True}))
+        else:
+            specs.append((name.rpartition(".")[2], weight, ORM, {"kind": "custom", "reward_fn": name}))
+    return specs
+
+
+def planned_reward_configs(specs: list, plan: Plan) -> dict[str, dict]:
+    """Role configs of the planned orm/prm roles: every ORM function in one combined config."""
+    out = {}
+    orm = [s for s in specs if s[2] is ORM]
+    if "orm" in plan.roles and orm:
+        if len(orm) == 1:
+            out["orm"] = orm[0][3]
+        else:
+            merged = {k: v for _, _, _, c in orm for k, v in c.items() if k != "kind"}
+            out["orm"] = {**merged, "kind": "combined", "weights": {c["kind"]: w for _, w, _, c in orm}}
+    prm = [s for s in specs if s[2] is PRM]
+    if "prm" in plan.roles and prm:
+        out["prm"] = prm[0][3]
+    return out
+
+
+class Rewards:
+    """Scores completions with the reward functions: reward = Σ weight * score. Each function
+    runs in its own driver-local group, or the ORM ones together on a planned `orm` group
+    (reported as reward/orm, weights applied there) and the PRM on a planned `prm` group."""
+
+    def __init__(self, specs: list, planned: dict[str, Any]):
+        role_of = {ORM: "orm", PRM: "prm"}
+        self._local = [(label, weight, driver_group(cls, {"config": config}, f"reward_{label}"))
+                       for label, weight, cls, config in specs if role_of[cls] not in planned]
+        self.parts: list[tuple[str, float, Any]] = list(self._local)  # (label, weight, group)
+        orm = [s for s in specs if s[2] is ORM]
+        if "orm" in planned:
+            self.parts.append((orm[0][0], orm[0][1], planned["orm"]) if len(orm) == 1 else ("orm", 1.0, planned["orm"]))
+        if "prm" in planned:
+            label, weight, _, _ = next(s for s in specs if s[2] is PRM)
+            self.parts.append((label, weight, planned["prm"]))
+
+    def score(self, prompts: list[str], texts: list[str], references: list[str]) -> tuple[torch.Tensor, dict]:
+        """(rewards [N], {label: mean score}) for N completions."""
+        total, means = torch.zeros(len(texts)), {}
+        for label, weight, group in self.parts:
+            scores = torch.tensor(group.call("score", prompts, texts, references, dispatch="slice",
+                                             collect="flatten"), dtype=torch.float32)
+            total += weight * scores
+            means[label] = float(scores.mean()) if len(scores) else 0.0
+        return total, means
+
+    def shutdown(self) -> None:
+        for _, _, group in self._local:  # planned groups belong to the run's roles
+            group.shutdown()
+
+
+_NUMERIC = ORM(kind="numeric")
+
+
+# ----------------------------------------------------------------------------- the loop
+
+def train(cfg: GRPORunConfig, plan: Plan, trainer: Any, rollout: Any, reference: Any, rewards: Rewards,
+          train_set: list, eval_set: list, tokenizer: Any, log: RunLog) -> dict:
+    """The GRPO loop; roles are worker groups (or fakes in tests), `reference` is None when
+    beta = 0. Returns the last record."""
+    algo, steps, every, G = cfg.algorithm, cfg.run.steps, cfg.run.eval_every, cfg.algorithm.num_generations
+    offload_train = plan["train"].offload_model or plan["train"].offload_optimizer
+    sleep_level = plan["rollout"].sleep_level
+    sampling = SamplingParams(temperature=algo.temperature, max_new_tokens=algo.max_new_tokens, n=G)
+    stream = common.prompt_stream(train_set, cfg.run.prompts_per_step, cfg.run.seed)
+    rounds_per_step = 1 + (algo.max_resample_times if algo.dynamic_sample else 0)
+    record: dict = {}
+    for step in range(0, steps + 1):
+        metrics: dict = {}
+        if step > 0:
+            # Generate + score: G completions per prompt and their rewards; with dynamic_sample,
+            # rounds of fresh prompts until prompts_per_step groups have reward variance.
+            rounds, varied = [], 0
+            if sleep_level:
+                rollout.call("wake_up")
+            for _ in range(rounds_per_step):
+                examples = next(stream)
+                with log.phase("generate"):
+                    comps = rollout.call("generate", [ex.prompt_messages() for ex in examples], sampling,
+                                         dispatch="slice", collect="flatten")
+                with log.phase("score"):
+                    scores, means = rewards.score([ex.prompt for ex in examples for _ in range(G)], comps.texts,
+                                                  [ex.answer for ex in examples for _ in range(G)])
+                zero = zero_variance_groups(scores, G)
+                rounds.append((comps, scores, zero))
+                varied += int((~zero).sum())
+                if len(rounds) == 1:  # the policy's samples as drawn, before any filtering
+                    metrics.update(_sample_metrics(comps, scores, means, zero, examples, G))
+                if not algo.dynamic_sample or varied >= cfg.run.prompts_per_step:
+                    break
+            if sleep_level:
+                rollout.call("sleep", sleep_level)
+            comps, scores = _pick_groups(rounds, cfg.run.prompts_per_step, G, algo.dynamic_sample)
+            metrics["grpo/generation_rounds"] = len(rounds)
+            # Advantages: each reward against its prompt's group.
+            advantages = group_advantages(scores, G, algo.scale_rewards, algo.leave_one_out)
+            batch = common.batch_of(tokenizer, comps)
+            batch.advantages, batch.rewards = advantages, scores
+            metrics.update({"advantages/mean": float(advantages.mean()), "advantages/std": float(advantages.std()),
+                            "advantages/min": float(advantages.min()), "advantages/max": float(advantages.max())})
+            # Reference logprobs: the initial policy's, for the KL penalty.
+            if reference is not None:
+                with log.phase("ref_logprobs"):
+                    batch.ref_logprobs = reference.call("logprobs", batch, algo.temperature, execute="first")
+            # Train: steps_per_generation updates, each on its part of the batch.
+            with log.phase("train"):
+                if offload_train:
+                    trainer.call("onload")
+                results = [trainer.call("train_step", part, algo.temperature, dispatch="slice", collect=common.first)
+                           for part in _parts(batch, algo.steps_per_generation)]
+                metrics.update({f"train/{k}": sum(r[k] for r in results) / len(results) for k in results[0]})
+                metrics["train/step"] = results[-1]["step"]
+            # Sync weights: the next generation samples from the updated policy.
+            with log.phase("sync_weights"):
+                common.sync_weights(trainer, [rollout], cfg.run.sync_bucket_mb, version=step)
+                if offload_train:
+                    trainer.call("offload", plan["train"].offload_model, plan["train"].offload_optimizer)
+        if step == 0 or step == steps or (every and step % every == 0):
+            # Eval: greedy accuracy of the policy on held-out prompts.
+            with log.phase("eval"):
+                if sleep_level:
+                    rollout.call("wake_up")
+                metrics["eval/accuracy"] = common.accuracy(rollout, eval_set, cfg.run.eval_max_new_tokens)
+                if sleep_level:
+                    rollout.call("sleep", sleep_level)
+        if step > 0 and cfg.run.save_every and step % cfg.run.save_every == 0:
+            with log.phase("save"):
+                if offload_train:
+                    trainer.call("onload")
+                common.checkpoint(trainer, log.dir, step)
+                if offload_train:
+                    trainer.call("offload", plan["train"].offload_model, plan["train"].offload_optimizer)
+        record = log.step(step, metrics)
+    if cfg.run.save_final:
+        if offload_train:
+            trainer.call("onload")
+        record["checkpoint"] = str(common.checkpoint(trainer, log.dir, steps))
+    return record
+
+
+def _sample_metrics(comps: Completions, scores: torch.Tensor, means: dict, zero: torch.Tensor,
+                    examples: list, G: int) -> dict:
+    """What the current policy's samples look like: rewards, accuracy, length, flat groups."""
+    correct = _NUMERIC.score([ex.prompt for ex in examples for _ in range(G)], comps.texts,
+                             [ex.answer for ex in examples for _ in range(G)])
+    lengths = [len(c) for c in comps.completion_ids]
+    return {"reward/mean": float(scores.mean()), "rollout/accuracy": sum(correct) / len(correct),
+            "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
+            **{f"reward/{k}": v for k, v in means.items()},
+            "rollout/completion_length": sum(lengths) / len(lengths),
+            "rollout/truncated": sum(r == "length" for r in comps.finish_reasons) / len(lengths),
+            "grpo/zero_std_groups": float(zero.float().mean())}
+
+
+def _group(comps: Completions, g: int, G: int) -> Completions:
+    """Completions of group g (rows g*G .. g*G+G-1: completion j belongs to prompt j // G)."""
+    return replace(comps, **{f.name: getattr(comps, f.name)[g * G:(g + 1) * G] for f in dataclasses.fields(comps)})
+
+
+def _pick_groups(rounds: list, want: int, G: int, dynamic: bool) -> tuple[Completions, torch.Tensor]:
+    """The training groups: all of the single round, or with dynamic sampling the first `want`
+    groups with reward variance over the rounds, topped up with zero-variance ones."""
+    if not dynamic:
+        comps, scores, _ = rounds[0]
+        return comps, scores
+    varied, flat = [], []
+    for comps, scores, zero in rounds:
+        for g in range(len(zero)):
+            (flat if zero[g] else varied).append((_group(comps, g, G), scores[g * G:(g + 1) * G]))
+    picked = (varied + flat)[:want]
+    return flatten([c for c, _ in picked]), torch.cat([s for _, s in picked])
+
+
+def _parts(batch: Any, n: int) -> list:
+    """`batch` split into n consecutive parts (the first take the remainder)."""
+    return [slice_batch(batch, start, stop) for start, stop in slice_bounds(len(batch), n) if stop > start]
+
+
+# ----------------------------------------------------------------------------- run
+
+def warm_start(cfg: GRPORunConfig, out_dir: Path) -> str:
+    """SFT on the task's reference solutions; returns the checkpoint GRPO starts from."""
+    a = cfg.algorithm
+    warm = SFTRunConfig(placement=cfg.placement, cluster=cfg.cluster, backend=cfg.backend, model=cfg.model,
+                        trainer=replace(cfg.trainer, lr=a.warmup_sft_lr, warmup_steps=min(20, a.warmup_sft_steps // 10),
+                                        total_steps=a.warmup_sft_steps, schedule="cosine",
+                                        micro_batch_per_device=a.warmup_sft_batch),
+                        rollout=cfg.rollout, data=cfg.data,
+                        run=LoopConfig(steps=a.warmup_sft_steps, prompts_per_step=a.warmup_sft_batch,
+                                       eval_max_new_tokens=cfg.run.eval_max_new_tokens, save_final=True,
+                                       seed=cfg.run.seed))
+    print(f"grpo: SFT warm start of {cfg.model.name} for {a.warmup_sft_steps} steps")
+    record = sft.run(warm, make_plan({"train": {"gpus": 1}}), out_dir / "sft_warmup")
+    return record["checkpoint"]
+
+
+def run(cfg: GRPORunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> dict:
+    """Warm start (optional), start the roles of `plan`, train, shut down. Returns the last record."""
+    out_dir = Path(out_dir)
+    if cfg.backend.workers == "ray":  # sized for this plan before the warm start uses it
+        init_cluster(cfg.cluster, plan.demand())
+    train_set, eval_set, stats = load_task(cfg.data)
+    a = cfg.algorithm
+    model = as_dict(cfg.model)
+    if a.warmup_sft_steps:
+        model["path"] = warm_start(cfg, out_dir)
+    loss = make_loss("grpo", epsilon=a.epsilon, epsilon_high=a.epsilon_high, beta=a.beta, loss_type=a.loss_type,
+                     max_completion_length=a.max_new_tokens)
+    # The learning-rate schedule spans every optimizer update of the run.
+    trainer_cfg = {**as_dict(cfg.trainer), "total_steps": cfg.run.steps * a.steps_per_generation}
+    specs = reward_specs(a)
+    planned = planned_reward_configs(specs, plan)
+    roles = start_roles(cfg, plan, {
+        "train": (Trainer, {"model": model, "config": trainer_cfg, "loss_fn": loss, "loss_inputs": ("entropy",)}),
+        "rollout": (Rollout, {"model": model, "config": as_dict(cfg.rollout)}),
+        **{role: ({"orm": ORM, "prm": PRM}[role], {"config": c}) for role, c in planned.items()}})
+    rewards = Rewards(specs, {role: roles[role] for role in planned})
+    reference = driver_group(Trainer, {"model": model, "config": trainer_cfg}, "reference") if a.beta else None
+    log = RunLog(out_dir, cfg.run.steps, resolved_config=resolved)
+    print(f"grpo: {len(train_set)} train / {len(eval_set)} held-out examples; {cfg.run.steps} steps x "
+          f"{cfg.run.prompts_per_step} prompts x {a.num_generations} completions = "
+          f"{cfg.run.prompts_per_step * a.num_generations} sequences in {a.steps_per_generation} update(s); "
+          f"rewards {[(label, w) for label, w, _ in rewards.parts]}; output {log.dir}")
+    try:
+        return train(cfg, plan, roles["train"], roles["rollout"], reference, rewards, train_set, eval_set,
+                     load_tokenizer(model), log)
+    finally:
+        log.close()
+        rewards.shutdown()
+        if reference is not None:
+            reference.shutdown()
+        roles.shutdown()
+
+
+def check(cfg: GRPORunConfig, plan: Plan) -> None:
+    a = cfg.algorithm
+    missing = [r for r in ("train", "rollout") if r not in plan.roles]
+    if missing:
+        raise ConfigError(f"GRPO needs train and rollout roles; the placement lacks {missing}. Fix: add them")
+    if a.num_generations < 2:
+        raise ConfigError(f"config key 'algorithm.num_generations'={a.num_generations}: a group needs at least 2 "
+                          "completions to compare. Fix: set it to 2 or more")
+    if a.scale_rewards not in ("group", "batch", "none"):
+        raise ConfigError(f"config key 'algorithm.scale_rewards'={a.scale_rewards!r}. Fix: use group, batch or none")
+    if a.loss_type not in LOSS_TYPES:
+        raise ConfigError(f"config key 'algorithm.loss_type'={a.loss_type!r}. Fix: use one of {list(LOSS_TYPES)}")
+    if a.prm_aggregate not in AGGREGATES:
+        raise ConfigError(f"config key 'algorithm.prm_aggregate'={a.prm_aggregate!r}. Fix: use one of {list(AGGREGATES)}")
+    if not a.reward_funcs:
+        raise ConfigError("config key 'algorithm.reward_funcs' is empty. Fix: e.g. algorithm.reward_funcs=[accuracy]")
+    if a.reward_weights and len(a.reward_weights) != len(a.reward_funcs):
+        raise ConfigError(f"config key 'algorithm.reward_weights' has {len(a.reward_weights)} weights for "
+                          f"{len(a.reward_funcs)} reward_funcs. Fix: one weight per function, or [] for 1.0 each")
+    bad = [f for f in a.reward_funcs if f not in ("accuracy", "format", "prm") and "." not in f]
+    if bad:
+        raise ConfigError(f"config key 'algorithm.reward_funcs': unknown {bad}. Fix: use accuracy, format, prm "
+                          "or a dotted path 'pkg.mod.fn'")
+    kinds = [c["kind"] for _, _, cls, c in reward_specs(a) if cls is ORM]
+    if "orm" in plan.roles and len(set(kinds)) < len(kinds):
+        raise ConfigError("config key 'algorithm.reward_funcs': a planned orm role combines the ORM functions "
+                          "by kind, so each kind (and at most one dotted path) may appear once. Fix: drop the "
+                          "repeats or remove orm from the placement")
+    if sum(f == "prm" for f in a.reward_funcs) > 1:
+        raise ConfigError("config key 'algorithm.reward_funcs' lists prm twice. Fix: list it once")
+    for role, used in (("orm", bool(kinds)), ("prm", "prm" in a.reward_funcs)):
+        if role in plan.roles and not used:
+            raise ConfigError(f"the placement plans an {role} role but algorithm.reward_funcs uses none. "
+                              f"Fix: add a reward function it serves, or remove {role} from the placement")
+    per_update = cfg.run.prompts_per_step * a.num_generations // max(a.steps_per_generation, 1)
+    if a.steps_per_generation < 1 or per_update < plan["train"].world_size:
+        raise ConfigError(f"config key 'algorithm.steps_per_generation'={a.steps_per_generation}: each update needs "
+                          f"at least one sequence per trainer rank ({plan['train'].world_size}). Fix: use 1 to "
+                          f"{cfg.run.prompts_per_step * a.num_generations // plan['train'].world_size}")
+    if a.dynamic_sample and a.max_resample_times < 0:
+        raise ConfigError("config key 'algorithm.max_resample_times' must be >= 0")
+
+
+register_schema(GRPORunConfig)
+
+
+@hydra.main(config_path="pkg://conf", config_name="config", version_base=None)
+@common.friendly_errors
+def main(cfg: DictConfig) -> None:
+    typed, plan = prepare(cfg, GRPORunConfig, SWIFT_GRPO_KEYS)
+    check(typed, plan)
+    record = run(typed, plan, run_dir(), resolved=cfg)
+    print(json.dumps({k: v for k, v in record.items() if k.startswith("eval/")}))
+
+
+if __name__ == "__main__":
+    main()
