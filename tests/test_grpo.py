@@ -1,0 +1,203 @@
+"""GRPO driver: call order and grouping with fake roles, and one real tiny run on Ray."""
+import io
+import json
+
+import pytest
+import torch
+
+from algorithms import grpo
+from algorithms.advantages import group_advantages
+from algorithms.config import LoopConfig, prepare
+from algorithms.runlog import RunLog
+from algorithms.tasks import Example
+from orchestration.config import ConfigError, register_schema
+from orchestration.planner import make_plan
+from roles.batch import Completions
+
+G = 4
+COLOCATED = {"train": {"gpus": 1}, "rollout": {"gpus": 1}, "colocate_groups": [["train", "rollout"]],
+             "offload_model": True, "offload_optimizer": True, "sleep_level": 1}
+
+
+class Tokenizer:
+    pad_token_id, eos_token_id = 0, 0
+
+
+class FakeGroup:
+    """Records every call as (role, method, args) in a shared log; answers like the real role."""
+
+    def __init__(self, role, log, correct=None):
+        # correct(question, position in the request, training round) -> right samples of its group
+        self.role, self.log, self.correct, self.rounds = role, log, correct, 0
+
+    def call(self, method, *args, **kwargs):
+        self.log.append((self.role, method, args))
+        if method == "generate":
+            prompts, sampling = args
+            self.rounds += sampling.n > 1
+            texts = []
+            for i, messages in enumerate(prompts):
+                q = messages[-1]["content"]
+                k = self.correct(q, i, self.rounds) if sampling.n > 1 else 1  # eval (greedy) is always right
+                texts += [f"#### {ANSWERS[q] if j < k else 999}" for j in range(sampling.n)]
+            n = len(texts)
+            ids = [[1, 2, 3][: 1 + i % 3] for i in range(n)]
+            return Completions(list(range(n)), [[5, 6]] * n, ids, texts, [[-0.5] * len(c) for c in ids],
+                               ["stop"] * n, [0] * n)
+        if method == "train_step":
+            return {"loss": 0.0, "step": float(sum(1 for e in self.log if e[1] == "train_step"))}
+        if method == "state_dict_buckets":
+            return []
+        if method == "logprobs":
+            return torch.zeros(args[0].input_ids.shape)
+        return None
+
+
+ANSWERS = {f"q{i}": str(i) for i in range(40)}
+EXAMPLES = [Example(prompt=q, solution=f"#### {a}", answer=a) for q, a in ANSWERS.items()]
+
+
+def fake_run(tmp_path, correct, steps=1, **algo):
+    cfg = grpo.GRPORunConfig(run=LoopConfig(steps=steps, prompts_per_step=4, save_final=False),
+                             algorithm=grpo.GRPOAlgorithm(num_generations=G, **algo))
+    plan = make_plan(COLOCATED)
+    log = []
+    trainer, rollout = FakeGroup("train", log), FakeGroup("rollout", log, correct)
+    reference = FakeGroup("reference", log) if cfg.algorithm.beta else None
+    rewards = grpo.Rewards(grpo.reward_specs(cfg.algorithm), {})
+    run_log = RunLog(tmp_path, steps, stream=io.StringIO())
+    record = grpo.train(cfg, plan, trainer, rollout, reference, rewards, EXAMPLES, EXAMPLES[:3], Tokenizer(), run_log)
+    run_log.close()
+    return log, record
+
+
+def calls(log, method):
+    return [args for _, m, args in log if m == method]
+
+
+def training_generates(log):
+    return [args for args in calls(log, "generate") if args[1].n > 1]
+
+
+def test_one_step_call_order_groups_and_advantages(tmp_path):
+    def correct(q, i, rounds):  # question qN: N % 5 of its 4 samples right
+        return int(q[1:]) % (G + 1)
+
+    log, record = fake_run(tmp_path, correct, scale_rewards="group")
+    methods = [m for _, m, _ in log]
+    i = next(i for i, (_, m, a) in enumerate(log) if m == "generate" and a[1].n > 1)
+    # Generate awake, sleep, train, sync weights, then offload; evals at steps 0 and 1 around it.
+    assert methods[:3] == ["wake_up", "generate", "sleep"]
+    assert methods[i - 1:i + 7] == ["wake_up", "generate", "sleep", "onload", "train_step", "state_dict_buckets",
+                                    "update_weights", "offload"]
+    assert methods[i + 7:] == ["wake_up", "generate", "sleep"]
+    (prompts, sampling), = training_generates(log)
+    assert sampling.n == G and sampling.temperature == 1.0
+    (batch, temperature), = calls(log, "train_step")
+    assert len(batch) == 4 * G and temperature == 1.0
+    # Completion j belongs to prompt j // G; its advantage is relative to that prompt's group.
+    ks = [correct(m[-1]["content"], 0, 1) for m in prompts]
+    expected = torch.tensor([float(j < k) for k in ks for j in range(G)])
+    assert torch.equal(batch.rewards, expected)
+    assert torch.allclose(batch.advantages, group_advantages(expected, G, "group"))
+    assert torch.allclose(batch.advantages.view(-1, G).sum(1), torch.zeros(4), atol=1e-4)
+    assert batch.old_logprobs[batch.loss_mask > 0].eq(-0.5).all()
+    assert calls(log, "update_weights")[-1][1] == 1  # the weight version is the step
+    assert record["rollout/accuracy"] == pytest.approx(float(expected.mean()))
+    assert record["grpo/zero_std_groups"] == pytest.approx(sum(k in (0, G) for k in ks) / 4)
+    assert record["eval/accuracy"] == 1.0 and "train/loss" in record
+
+
+def test_steps_per_generation_splits_and_syncs_each_step(tmp_path):
+    log, _ = fake_run(tmp_path, lambda q, i, rounds: 1 + i % (G - 1), steps=2, steps_per_generation=2, beta=0.1)
+    parts = [b for b, _ in calls(log, "train_step")]
+    assert [len(b) for b in parts] == [2 * G] * 4
+    methods = [m for _, m, _ in log]
+    starts = [i for i, m in enumerate(methods) if m == "logprobs"]
+    assert len(starts) == 2
+    # Each step: reference logprobs of the whole batch, two updates on its halves, one weight sync.
+    for start in starts:
+        assert methods[start + 1:start + 6] == ["onload", "train_step", "train_step", "state_dict_buckets",
+                                                 "update_weights"]
+    whole = torch.cat([parts[0].advantages, parts[1].advantages])
+    assert torch.allclose(whole.view(-1, G).sum(1), torch.zeros(4), atol=1e-4)
+    assert all(p.ref_logprobs is not None for p in parts)
+
+
+def test_dynamic_sample_drops_zero_variance_groups(tmp_path):
+    def correct(q, i, rounds):  # round 1: groups 0 and 1 all wrong / all right; else 2 of 4 right
+        return {0: 0, 1: G}.get(i, 2) if rounds == 1 else 2
+
+    log, record = fake_run(tmp_path, correct, dynamic_sample=True)
+    assert len(training_generates(log)) == 2 and record["grpo/generation_rounds"] == 2
+    assert record["grpo/zero_std_groups"] == 0.5
+    (batch, _), = calls(log, "train_step")
+    assert len(batch) == 4 * G
+    assert (batch.rewards.view(-1, G).std(1) > 0).all()  # only groups with variance are trained
+    # Without it the flat groups stay, with zero advantages.
+    log, _ = fake_run(tmp_path, correct)
+    (batch, _), = calls(log, "train_step")
+    assert (batch.advantages.view(-1, G).abs().sum(1) == 0).sum() == 2
+
+
+def test_check_rejects_bad_settings():
+    plan = make_plan(COLOCATED)
+    ok = grpo.GRPORunConfig(run=LoopConfig(prompts_per_step=4))
+    grpo.check(ok, plan)
+    for algo in [dict(num_generations=1), dict(scale_rewards="std"), dict(loss_type="ppo"),
+                 dict(reward_funcs=["nope"]), dict(reward_weights=[1.0, 2.0]), dict(steps_per_generation=0)]:
+        with pytest.raises(ConfigError):
+            grpo.check(grpo.GRPORunConfig(run=LoopConfig(prompts_per_step=4), algorithm=grpo.GRPOAlgorithm(**algo)), plan)
+
+
+def test_reward_functions_weighted_in_process():
+    algo = grpo.GRPOAlgorithm(reward_funcs=["accuracy", "format", "prm"], reward_weights=[1.0, 0.1, 0.5])
+    rewards = grpo.Rewards(grpo.reward_specs(algo), {})
+    total, means = rewards.score(["(1+2)+3"] * 3, ["1+2=3\n3+3=6\n#### 6", "1+2=4\n4+3=6\n#### 6", "6"],
+                                 ["6"] * 3)
+    assert total.tolist() == pytest.approx([1.6, 1.1, 0.0])
+    assert means == pytest.approx({"accuracy": 2 / 3, "format": 2 / 3, "prm": 1 / 3})
+
+
+def test_tiny_run_end_to_end_on_ray(ray_cluster, tmp_path):
+    from hydra import compose, initialize_config_module
+
+    register_schema(grpo.GRPORunConfig)
+    with initialize_config_module(config_module="conf", version_base=None):
+        cfg = compose(config_name="config", overrides=[
+            "+experiment=grpo_quickstart", "run.steps=2", "run.prompts_per_step=4", "run.eval_max_new_tokens=8",
+            "data.train_size=32", "data.eval_size=4", "algorithm.num_generations=4", "algorithm.max_new_tokens=8",
+            "algorithm.warmup_sft_steps=2", "algorithm.warmup_sft_batch=8", "algorithm.steps_per_generation=2",
+            "trainer.warmup_steps=0"])
+    typed, plan = prepare(cfg, grpo.GRPORunConfig, grpo.SWIFT_GRPO_KEYS)
+    grpo.check(typed, plan)
+    record = grpo.run(typed, plan, tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [0, 1, 2]
+    assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[-1]
+    for key in ("reward/mean", "reward/accuracy", "reward/prm", "reward/format", "train/kl", "train/clip_ratio/region",
+                "advantages/std", "rollout/completion_length", "grpo/zero_std_groups", "time/generate",
+                "time/ref_logprobs", "time/train", "time/sync_weights"):
+        assert key in rows[1], key
+    assert rows[-1]["train/step"] == 4  # 2 steps x 2 updates each
+    assert (tmp_path / "sft_warmup" / "metrics.jsonl").is_file()
+    assert (tmp_path / "checkpoints" / "step_2" / "config.json").is_file() and record["checkpoint"]
+
+
+def test_planned_orm_and_prm_roles_score_the_rewards():
+    from orchestration.launch import driver_group
+    from roles.orm import ORM
+    from roles.prm import PRM
+
+    plan = make_plan({"device_groups": {
+        "nproc_per_node": 1, "gen": {"device": "GPU", "ranks": [0], "workers": ["train", "rollout"]},
+        "rm": {"device": "CPU", "ranks": 1, "workers": ["orm", "prm"]}}})
+    algo = grpo.GRPOAlgorithm(reward_funcs=["accuracy", "format", "prm"], reward_weights=[1.0, 0.1, 0.5])
+    grpo.check(grpo.GRPORunConfig(run=LoopConfig(prompts_per_step=4), algorithm=algo), plan)
+    specs = grpo.reward_specs(algo)
+    configs = grpo.planned_reward_configs(specs, plan)
+    assert configs["orm"]["kind"] == "combined" and configs["orm"]["weights"] == {"numeric": 1.0, "format": 0.1}
+    groups = {"orm": driver_group(ORM, {"config": configs["orm"]}), "prm": driver_group(PRM, {"config": configs["prm"]})}
+    total, means = grpo.Rewards(specs, groups).score(["(1+2)+3"] * 2, ["1+2=3\n3+3=6\n#### 6", "1+2=4\n#### 6"],
+                                                     ["6"] * 2)
+    assert total.tolist() == pytest.approx([1.6, 1.1]) and means == pytest.approx({"orm": 1.1 + 0.0, "prm": 0.5})
