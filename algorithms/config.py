@@ -14,6 +14,8 @@ from algorithms.data import DataConfig
 from orchestration.config import (BackendConfig, ClusterConfig, ConfigError, PlacementConfig, apply_swift_yaml,
                                   placement_dict, validate)
 from orchestration.planner import Plan, make_plan
+from roles.engines.options import (ROLLOUT_ENGINES, TEACHER_ENGINES, TRAIN_ENGINES, DeepSpeedOptions,
+                                   MegatronOptions, VLLMOptions)
 from roles.models import ModelConfig, check_config, resolve_config
 from roles.rollout import RolloutConfig
 from roles.teacher import TeacherConfig
@@ -61,6 +63,12 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     # Loop lengths, eval and checkpoint cadence.
     run: LoopConfig = field(default_factory=LoopConfig)
+    # DeepSpeed trainer options (backend.train=deepspeed).
+    deepspeed: DeepSpeedOptions = field(default_factory=DeepSpeedOptions)
+    # Megatron-core trainer/teacher options (backend.train=megatron, backend.teacher=megatron).
+    megatron: MegatronOptions = field(default_factory=MegatronOptions)
+    # vLLM rollout/teacher options (backend.rollout=vllm, backend.teacher=vllm).
+    vllm: VLLMOptions = field(default_factory=VLLMOptions)
 
 
 @dataclass
@@ -150,6 +158,10 @@ def prepare(cfg: DictConfig | dict, schema: type, swift_keys: dict[str, str]) ->
         check_config(resolve_config(run.model))
     except ValueError as e:
         raise ConfigError(f"{e}. Fix: change the named trainer./model. key") from None
+    for role, choices in (("train", TRAIN_ENGINES), ("rollout", ROLLOUT_ENGINES), ("teacher", TEACHER_ENGINES)):
+        if getattr(run.backend, role) not in choices:
+            raise ConfigError(f"config key 'backend.{role}'={getattr(run.backend, role)!r}. "
+                              f"Fix: use one of {list(choices)}")
     if run.run.steps < 1 or run.run.prompts_per_step < 1:
         raise ConfigError("config keys 'run.steps' and 'run.prompts_per_step' must be >= 1")
     trainer_ranks = max((plan[r].world_size for r in ("train", "default") if r in plan.roles), default=1)
@@ -158,6 +170,14 @@ def prepare(cfg: DictConfig | dict, schema: type, swift_keys: dict[str, str]) ->
         raise ConfigError(f"config key 'run.prompts_per_step'={run.run.prompts_per_step} is below the "
                           f"{trainer_ranks} trainer ranks. Fix: raise it to at least {trainer_ranks}")
     return run, plan
+
+
+def engine_args(cfg: RunConfig, role: str) -> dict:
+    """Constructor arguments choosing a role's engine: {"engine": name, "engine_options": {...}}
+    for role "train", "rollout" or "teacher" (the sampler uses the rollout's)."""
+    engine = getattr(cfg.backend, role)
+    options = {"deepspeed": cfg.deepspeed, "megatron": cfg.megatron, "vllm": cfg.vllm}.get(engine)
+    return {"engine": engine, "engine_options": as_dict(options) if options is not None else {}}
 
 
 def as_dict(section: Any) -> dict:

@@ -32,7 +32,7 @@ import hydra
 from omegaconf import DictConfig
 
 from algorithms import common, sft
-from algorithms.config import LoopConfig, RunConfig, SFTRunConfig, as_dict, prepare
+from algorithms.config import LoopConfig, RunConfig, SFTRunConfig, as_dict, engine_args, prepare
 from algorithms.data import DataConfig, load_task
 from algorithms.runlog import RunLog, run_dir
 from algorithms.tasks import Example
@@ -237,7 +237,8 @@ def run(cfg: DistillRunConfig, plan: Plan, out_dir: Path, resolved: Any = None) 
         policy = run_sft(cfg, plan, policy, cfg.data, algo.warmup_sft_steps, algo.warmup_lr,
                          out_dir / "warmup_sft")["checkpoint"]
     roles = start_roles(cfg, plan, {"sampler": (Sampler, {"model": as_dict(resolve_config(policy)),
-                                                          "config": as_dict(cfg.rollout)}),
+                                                          "config": as_dict(cfg.rollout),
+                                                          **engine_args(cfg, "rollout")}),
                                     "prm": (PRM, {"config": as_dict(cfg.prm)}),
                                     "orm": (ORM, {"config": as_dict(cfg.orm)})})
     log = RunLog(out_dir, cfg.run.steps, resolved_config=resolved)

@@ -28,7 +28,8 @@ import hydra
 from omegaconf import DictConfig
 
 from algorithms import common, sft
-from algorithms.config import (GKDRunConfig, LoopConfig, SFTRunConfig, SWIFT_GKD_KEYS, as_dict, prepare)
+from algorithms.config import (GKDRunConfig, LoopConfig, SFTRunConfig, SWIFT_GKD_KEYS, as_dict, engine_args,
+                               prepare)
 from algorithms.data import load_task
 from algorithms.losses import TOPK_MODES, make_loss
 from algorithms.runlog import RunLog, run_dir
@@ -176,9 +177,10 @@ def run(cfg: GKDRunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> d
     judge.shutdown()
     roles = start_roles(cfg, plan, {
         "train": (Trainer, {"model": student, "config": as_dict(cfg.trainer), "loss_fn": loss,
-                            "loss_inputs": loss.loss_inputs}),
-        "rollout": (Rollout, {"model": student, "config": as_dict(cfg.rollout)}),
-        "teacher": (Teacher, {"model": teacher_model, "config": as_dict(cfg.teacher.engine)})})
+                            "loss_inputs": loss.loss_inputs, **engine_args(cfg, "train")}),
+        "rollout": (Rollout, {"model": student, "config": as_dict(cfg.rollout), **engine_args(cfg, "rollout")}),
+        "teacher": (Teacher, {"model": teacher_model, "config": as_dict(cfg.teacher.engine),
+                              **engine_args(cfg, "teacher")})})
     log = RunLog(out_dir, cfg.run.steps, resolved_config=resolved)
     topk = plan.gkd_logits_topk
     print(f"gkd: {len(train_set)} train / {len(eval_set)} held-out examples; {cfg.run.steps} steps x "

@@ -34,7 +34,7 @@ from omegaconf import DictConfig
 
 from algorithms import common, sft
 from algorithms.advantages import group_advantages, zero_variance_groups
-from algorithms.config import LoopConfig, RunConfig, SFTRunConfig, SWIFT_COMMON_KEYS, as_dict, prepare
+from algorithms.config import LoopConfig, RunConfig, SFTRunConfig, SWIFT_COMMON_KEYS, as_dict, engine_args, prepare
 from algorithms.data import load_task
 from algorithms.losses import LOSS_TYPES, make_loss
 from algorithms.runlog import RunLog, run_dir
@@ -345,8 +345,9 @@ def run(cfg: GRPORunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> 
     specs = reward_specs(a)
     planned = planned_reward_configs(specs, plan)
     roles = start_roles(cfg, plan, {
-        "train": (Trainer, {"model": model, "config": trainer_cfg, "loss_fn": loss, "loss_inputs": ("entropy",)}),
-        "rollout": (Rollout, {"model": model, "config": as_dict(cfg.rollout)}),
+        "train": (Trainer, {"model": model, "config": trainer_cfg, "loss_fn": loss, "loss_inputs": ("entropy",),
+                            **engine_args(cfg, "train")}),
+        "rollout": (Rollout, {"model": model, "config": as_dict(cfg.rollout), **engine_args(cfg, "rollout")}),
         **{role: ({"orm": ORM, "prm": PRM}[role], {"config": c}) for role, c in planned.items()}})
     rewards = Rewards(specs, {role: roles[role] for role in planned})
     reference = driver_group(Trainer, {"model": model, "config": trainer_cfg}, "reference") if a.beta else None

@@ -18,7 +18,7 @@ import hydra
 from omegaconf import DictConfig
 
 from algorithms import common
-from algorithms.config import SFTRunConfig, SWIFT_COMMON_KEYS, as_dict, prepare
+from algorithms.config import SFTRunConfig, SWIFT_COMMON_KEYS, as_dict, engine_args, prepare
 from algorithms.data import load_task
 from algorithms.losses import make_loss
 from algorithms.runlog import RunLog, run_dir
@@ -65,7 +65,8 @@ def run(cfg: SFTRunConfig, plan: Any, out_dir: Path, resolved: Any = None) -> di
     role = "train" if "train" in plan.roles else "default"
     loss = make_loss("sft")
     roles = start_roles(cfg, plan, {role: (Trainer, {"model": as_dict(cfg.model), "config": as_dict(cfg.trainer),
-                                                     "loss_fn": loss, "loss_inputs": loss.loss_inputs})})
+                                                     "loss_fn": loss, "loss_inputs": loss.loss_inputs,
+                                                     **engine_args(cfg, "train")})})
     evaluator = driver_group(Rollout, {"model": as_dict(cfg.model), "config": as_dict(cfg.rollout)}, "evaluator")
     log = RunLog(out_dir, cfg.run.steps, resolved_config=resolved)
     print(f"sft: {len(train_set)} train / {len(eval_set)} held-out examples ({stats['data/skipped_rows']} rows "

@@ -89,6 +89,12 @@ class ClusterConfig:
 class BackendConfig:
     # Where roles run: "ray" (actors on placement groups) or "local" (in this process).
     workers: str = "ray"
+    # Trainer engine: "torch", "deepspeed" (options under deepspeed.) or "megatron" (megatron.).
+    train: str = "torch"
+    # Rollout and sampler engine: "torch" or "vllm" (options under vllm.).
+    rollout: str = "torch"
+    # Teacher engine: "torch", "vllm" or "megatron".
+    teacher: str = "torch"
 
 
 @dataclass

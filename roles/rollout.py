@@ -26,6 +26,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 import torch
 from omegaconf import OmegaConf
 
+from roles.engines.options import ROLLOUT_ENGINES, check_engine
 from roles.batch import Completions, SamplingParams
 from roles.engines.torch_engine import pick_device
 from roles.engines.torch_generate import generate_batch
@@ -107,8 +108,12 @@ def _named_tensors(buckets) -> list[tuple[str, torch.Tensor]]:
 
 class Rollout:
     def __init__(self, model: ModelSpec, tokenizer: Any = None,
-                 config: Union[RolloutConfig, Mapping[str, Any], None] = None):
+                 config: Union[RolloutConfig, Mapping[str, Any], None] = None,
+                 engine: str = "torch", engine_options: Optional[Mapping[str, Any]] = None):
         self.config = resolve_rollout_config(config)
+        check_engine("rollout", engine, ROLLOUT_ENGINES)
+        if engine != "torch":
+            raise ValueError(f"rollout engine '{engine}' is not available in this build (config key backend.rollout)")
         if self.config.max_batch_size < 1:
             raise ValueError(f"rollout.max_batch_size={self.config.max_batch_size} must be >= 1")
         self.device = pick_device(self.config.device)

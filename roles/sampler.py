@@ -17,11 +17,13 @@ from roles.rollout import Prompt, Rollout, RolloutConfig, as_sampling_params
 
 class Sampler:
     def __init__(self, model: Optional[ModelSpec] = None, tokenizer: Any = None,
-                 config: Union[RolloutConfig, Mapping[str, Any], None] = None, *, rollout: Optional[Rollout] = None):
+                 config: Union[RolloutConfig, Mapping[str, Any], None] = None, *, rollout: Optional[Rollout] = None,
+                 engine: str = "torch", engine_options: Optional[Mapping[str, Any]] = None):
         if (model is None) == (rollout is None):
             raise ValueError("Sampler needs exactly one of `model` (a model spec to build a Rollout from) "
                              "or `rollout` (an existing Rollout)")
-        self.rollout = rollout if rollout is not None else Rollout(model, tokenizer, config)
+        self.rollout = rollout if rollout is not None else Rollout(model, tokenizer, config, engine=engine,
+                                                                      engine_options=engine_options)
 
     def sample(self, prompts: Sequence[Prompt], n: int,
                sampling: Union[SamplingParams, Mapping[str, Any], None] = None,

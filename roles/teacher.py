@@ -20,6 +20,7 @@ import torch
 from omegaconf import OmegaConf
 
 from roles.batch import Batch
+from roles.engines.options import TEACHER_ENGINES, check_engine
 from roles.engines.torch_trainer import host_bytes, module_tensors, rank_device, to_device, to_host
 from roles.models import ModelSpec, build_model, load_tokenizer, resolve_config
 
@@ -34,7 +35,11 @@ class TeacherConfig:
 
 
 class Teacher:
-    def __init__(self, model: ModelSpec = "small_qwen2", config: Union[TeacherConfig, Mapping[str, Any], None] = None):
+    def __init__(self, model: ModelSpec = "small_qwen2", config: Union[TeacherConfig, Mapping[str, Any], None] = None,
+                 engine: str = "torch", engine_options: Optional[Mapping[str, Any]] = None):
+        check_engine("teacher", engine, TEACHER_ENGINES)
+        if engine != "torch":
+            raise ValueError(f"teacher engine '{engine}' is not available in this build (config key backend.teacher)")
         if config is None:
             config = TeacherConfig()
         elif not isinstance(config, TeacherConfig):

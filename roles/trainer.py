@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from roles.batch import Batch
+from roles.engines.options import TRAIN_ENGINES, check_engine
 from roles.engines.torch_engine import token_entropy, token_logprobs
 from roles.engines.torch_trainer import TorchTrainEngine, rank_device, rng_state, set_rng_state
 from roles.models import ModelConfig, ModelSpec, build_model, load_tokenizer, resolve_config, save_checkpoint
@@ -124,8 +125,12 @@ def slice_batch(batch: Batch, start: int, stop: int, width: Optional[int] = None
 
 class Trainer:
     def __init__(self, model: ModelSpec = "tiny_qwen2", config: Union[TrainerConfig, Mapping, None] = None,
-                 loss_fn: Optional[LossFn] = None, loss_inputs: Sequence[str] = ()):
+                 loss_fn: Optional[LossFn] = None, loss_inputs: Sequence[str] = (),
+                 engine: str = "torch", engine_options: Optional[Mapping[str, Any]] = None):
         self.config = resolve_trainer_config(config)
+        check_engine("train", engine, TRAIN_ENGINES)
+        if engine != "torch":
+            raise ValueError(f"train engine '{engine}' is not available in this build (config key backend.train)")
         unknown = sorted(set(loss_inputs) - set(LOSS_INPUTS))
         if unknown:
             raise ValueError(f"loss_inputs {unknown} unknown; choose from {LOSS_INPUTS}")
