@@ -195,7 +195,7 @@ class Trainer:
             for _, _, mb in self._micro_batches(batch):
                 logprobs, extras = self._forward(mb, temperature, self.loss_inputs)
                 loss, metrics = self.loss_fn(logprobs, mb, {**base, **extras})
-                loss.backward()
+                self.engine.backward(loss)
                 loss_sum += float(loss.detach())
                 w = float(mb.loss_mask.sum())
                 for k, v in metrics.items():

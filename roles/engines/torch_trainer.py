@@ -147,6 +147,10 @@ class TorchTrainEngine:
                              use_cache=False)
         return out.logits
 
+    def backward(self, loss: torch.Tensor) -> None:
+        """Accumulate this micro-batch's gradients (engines with their own hooks override it)."""
+        loss.backward()
+
     def current_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
 
