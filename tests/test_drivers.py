@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 from hydra import compose, initialize_config_module
 
 from algorithms import gkd, sft
@@ -447,6 +448,24 @@ def test_gkd_cli_quickstart_on_ray(tmp_path):
     assert (tmp_path / "run" / "checkpoints" / "step_3" / "config.json").is_file()
     assert [r["step"] for r in read_metrics(tmp_path / "run" / "teacher_warmup" / "metrics.jsonl")] == [0, 1, 2]
     assert '"eval/accuracy"' in out.strip().splitlines()[-1]
+
+
+def test_gkd_multirun_sweeps_beta(tmp_path):
+    """`--multirun algorithm.beta=0,1`: one run directory per value, each with its own
+    resolved config and metrics (the teacher warm-up is cached once and reused)."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "algorithms.gkd", "--multirun", "+experiment=gkd_quickstart", *TINY_GKD,
+         "backend=local", f"teacher.cache_dir={tmp_path / 'teachers'}", "algorithm.beta=0,1",
+         f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    rc, out, err = finish(proc, timeout=400)
+    assert rc == 0, out[-2000:] + err[-4000:]
+    for job, beta in (("0", 0.0), ("1", 1.0)):
+        run = tmp_path / "sweep" / job
+        assert yaml.safe_load((run / "resolved_config.yaml").read_text())["algorithm"]["beta"] == beta
+        steps = [r["step"] for r in read_metrics(run / "metrics.jsonl")]
+        assert steps[0] == 0 and steps[-1] == 3
+    assert len(list((tmp_path / "teachers").iterdir())) == 1
 
 
 CLI_ERRORS = {  # name: (overrides, the key the message names)
