@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import hydra
+import torch
 from omegaconf import DictConfig
 
 from algorithms import common, sft
@@ -76,6 +77,8 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
                 else:
                     comps = common.encode_examples(tokenizer, examples)
                 batch = common.batch_of(tokenizer, comps)
+                # sft_alpha's NLL term counts dataset responses only, never the student's own text.
+                batch.sft_weight = torch.full((len(batch),), 0.0 if on_policy else 1.0)
             # Teacher: logprobs at every position (top-k or full vocabulary).
             with log.phase("teacher"):
                 if offload_teacher:

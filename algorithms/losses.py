@@ -332,8 +332,8 @@ class GKDLoss:
     this loss's `temperature`, so the two may differ). `lmbda` and `seq_kd` are data-side: the
     driver picks where completions come from (student generations with probability lmbda, else
     dataset responses, or teacher generations when seq_kd); this loss is the same for all.
-    ms-swift applies the SFT term only to completions the student did not generate: use a loss
-    with sft_alpha=0 for on-policy batches if that is wanted.
+    As in ms-swift, the SFT term counts only completions the student did not write: rows with
+    `batch.sft_weight` 0 (the driver marks its on-policy generations so) are left out of it.
     """
     loss_inputs: tuple = ("logits",)
 
@@ -380,7 +380,9 @@ class GKDLoss:
             rows = logits[active].float()
             target = batch.input_ids.to(device)[active].unsqueeze(-1)
             nll = torch.logsumexp(rows, dim=-1) - rows.gather(-1, target).squeeze(-1)
-            numerator = numerator + self.sft_alpha * nll.sum()
+            weight = torch.ones_like(mask) if batch.sft_weight is None else (
+                batch.sft_weight.to(device, mask.dtype)[:, None].expand_as(mask))
+            numerator = numerator + self.sft_alpha * (nll * weight[active]).sum()
             metrics["sft_nll"] = float(nll.detach().mean()) if nll.numel() else 0.0
         return _step_reduce(numerator, self.reduction, "global_tokens", self.denominator(batch), extras), metrics
 

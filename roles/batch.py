@@ -63,6 +63,7 @@ class Batch:
     teacher_logprobs: Optional[torch.Tensor] = None  # [B, T, k] top-k (or [B, T, V] full) teacher logprobs
     teacher_indices: Optional[torch.Tensor] = None  # [B, T, k] token ids of the top-k, None for full vocab
     rewards: Optional[torch.Tensor] = None  # [B]
+    sft_weight: Optional[torch.Tensor] = None  # [B] weight of a row in an SFT term (None: 1 for every row)
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]

@@ -362,6 +362,23 @@ def test_gkd_callable_rescales_trainer_temperature_and_adds_sft():
         fn(torch.zeros(2, 6), batch, {})
 
 
+def test_gkd_sft_term_skips_rows_the_student_wrote():
+    """sft_weight 0 (the driver's mark for on-policy rows) leaves a row out of the NLL term;
+    the JSD term still counts it."""
+    batch, student_raw, teacher_raw, student_aligned = _gkd_batch()
+    mask = batch.loss_mask[:, 1:]
+    jsd = reference_jsd(student_raw[:, :-1], teacher_raw[:, :-1], mask, 0.5, 0.9)
+    p = _softmax(student_raw[:, :-1])
+    nll = -torch.log(p.gather(-1, batch.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1))
+    extras = {"logits": student_aligned, "temperature": 1.0}
+    fn = make_loss("gkd", beta=0.5, temperature=0.9, sft_alpha=0.3, reduction="mean")
+    batch.sft_weight = torch.tensor([0.0, 1.0])
+    loss, _ = fn(torch.zeros(2, 6), batch, extras)
+    close(loss, jsd + 0.3 * float((nll[1] * mask[1]).sum() / mask.sum()))
+    batch.sft_weight = torch.zeros(2)
+    close(fn(torch.zeros(2, 6), batch, extras)[0], jsd)
+
+
 def test_gkd_callable_topk():
     batch, student_raw, teacher_raw, student_aligned = _gkd_batch(topk=4)
     idx = batch.teacher_indices[:, 1:]
