@@ -5,7 +5,8 @@
     python -m algorithms.gkd --multirun +experiment=gkd_quickstart algorithm.beta=0,0.5,1
 
 Each step draws prompts; with probability `lmbda` the student (rollout) generates the
-completions, else the dataset's responses are used. The teacher scores every position
+completions, else the dataset's responses are used (with `seq_kd`, the teacher's own
+sampled completions, written by a teacher-weight rollout in the driver process). The teacher scores every position
 (top-k logprobs when `placement.gkd_logits_topk` is set, else the full vocabulary), the
 trainer minimises the generalized JSD (`beta`, `temperature`, `sft_alpha`), and the new
 weights go to the rollout. The teacher is colocated with the trainer (placement
@@ -46,9 +47,10 @@ from roles.trainer import Trainer, TrainerConfig
 
 
 def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: Any, train_set: list,
-          eval_set: list, tokenizer: Any, log: RunLog, step0: dict | None = None) -> dict:
+          eval_set: list, tokenizer: Any, log: RunLog, step0: dict | None = None, teacher_writer: Any = None) -> dict:
     """The GKD loop; roles are worker groups (or fakes in tests). Returns the last record.
-    `step0` holds extra metrics for the step-0 record (the teacher's accuracy)."""
+    `step0` holds extra metrics for the step-0 record (the teacher's accuracy);
+    `teacher_writer` (a rollout with the teacher's weights) writes off-policy completions when seq_kd."""
     algo, steps, every = cfg.algorithm, cfg.run.steps, cfg.run.eval_every
     topk = plan.gkd_logits_topk
     offload_train = plan["train"].offload_model or plan["train"].offload_optimizer
@@ -74,6 +76,10 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
                                          dispatch="slice", collect="flatten")
                     if sleep_level:
                         rollout.call("sleep", sleep_level)
+                elif algo.seq_kd:  # sequence-level KD: the teacher writes the completions
+                    comps = teacher_writer.call("generate", [ex.prompt_messages() for ex in examples], sampling,
+                                                dispatch="slice", collect="flatten")
+                    comps.logprobs = []  # the teacher's sampling logprobs are not the student's
                 else:
                     comps = common.encode_examples(tokenizer, examples)
                 batch = common.batch_of(tokenizer, comps)
@@ -177,7 +183,8 @@ def run(cfg: GKDRunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> d
     # The teacher's accuracy, for reference (the gap the student closes).
     judge = driver_group(Rollout, {"model": teacher_model, "config": as_dict(cfg.rollout)}, "teacher_eval")
     teacher_accuracy = common.accuracy(judge, eval_set, cfg.run.eval_max_new_tokens)
-    judge.shutdown()
+    if not cfg.algorithm.seq_kd:  # with seq_kd it writes the off-policy completions
+        judge.shutdown()
     roles = start_roles(cfg, plan, {
         "train": (Trainer, {"model": student, "config": as_dict(cfg.trainer), "loss_fn": loss,
                             "loss_inputs": loss.loss_inputs, **engine_args(cfg, "train")}),
@@ -191,12 +198,15 @@ def run(cfg: GKDRunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> d
           f"{'top-%d %s' % (topk, cfg.algorithm.topk_mode) if topk else 'full vocabulary'}); output {log.dir}")
     try:
         record = train(cfg, plan, roles["train"], roles["rollout"], roles["teacher"], train_set, eval_set,
-                       load_tokenizer(student), log, step0={"teacher/eval_accuracy": teacher_accuracy})
+                       load_tokenizer(student), log, step0={"teacher/eval_accuracy": teacher_accuracy},
+                       teacher_writer=judge if cfg.algorithm.seq_kd else None)
         record["teacher/eval_accuracy"] = teacher_accuracy
         return record
     finally:
         log.close()
         roles.shutdown()
+        if cfg.algorithm.seq_kd:
+            judge.shutdown()
 
 
 def check(cfg: GKDRunConfig, plan: Plan) -> None:
@@ -204,9 +214,6 @@ def check(cfg: GKDRunConfig, plan: Plan) -> None:
     if missing:
         raise ConfigError(f"GKD needs train, rollout and teacher roles; the placement lacks {missing}. Fix: add "
                           "them (teacher: placement.teacher_model for a colocated one, or placement.teacher.gpus)")
-    if cfg.algorithm.seq_kd:
-        raise ConfigError("config key 'algorithm.seq_kd': teacher generations are not supported yet. "
-                          "Fix: set algorithm.seq_kd=false")
     if not 0.0 <= cfg.algorithm.lmbda <= 1.0:
         raise ConfigError(f"config key 'algorithm.lmbda'={cfg.algorithm.lmbda} must lie in [0, 1]")
     a = cfg.algorithm

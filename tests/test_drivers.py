@@ -200,7 +200,7 @@ def by_step(calls):
     return segments + [current]
 
 
-def run_gkd_fakes(typed, plan, tmp_path):
+def run_gkd_fakes(typed, plan, tmp_path, teacher_writer=False):
     calls = []
     groups = {"train": FakeGroup("train", [FakeTrainer(True) for _ in range(plan["train"].world_size)], calls),
               "rollout": FakeGroup("rollout", [FakeRollout() for _ in range(plan["rollout"].world_size)], calls),
@@ -209,7 +209,8 @@ def run_gkd_fakes(typed, plan, tmp_path):
     log = MarkedLog(tmp_path, typed.run.steps, calls)
     try:
         record = gkd.train(typed, plan, groups["train"], groups["rollout"], groups["teacher"], train_set, eval_set,
-                           load_tokenizer(as_dict(typed.model)), log, step0={"teacher/eval_accuracy": 1.0})
+                           load_tokenizer(as_dict(typed.model)), log, step0={"teacher/eval_accuracy": 1.0},
+                           teacher_writer=FakeGroup("writer", [FakeRollout()], calls) if teacher_writer else None)
     finally:
         log.close()
     return calls, read_metrics(tmp_path / "metrics.jsonl"), record
@@ -273,6 +274,18 @@ def test_gkd_lmbda_extremes(tmp_path, lmbda):
     assert sizes.count(n) == (typed.run.steps if lmbda == 1 else 0)
     assert [r.get("gkd/on_policy") for r in records[1:]] == [lmbda] * typed.run.steps
     assert [c[2] for c in calls if c[1] == "logits"] == [None] * typed.run.steps  # full vocabulary
+
+
+def test_gkd_seq_kd_teacher_writes_the_off_policy_completions(tmp_path):
+    """seq_kd: every off-policy step's completions come from the teacher's rollout (never the
+    dataset); on-policy steps still come from the student's."""
+    _, typed, plan = prepared(GKDRunConfig, GKD_COLOCATED + ["algorithm.seq_kd=true"])
+    calls, records, _ = run_gkd_fakes(typed, plan, tmp_path, teacher_writer=True)
+    n = typed.run.prompts_per_step
+    on_policy = [bool(r["gkd/on_policy"]) for r in records[1:]]
+    assert 0 < sum(on_policy) < len(on_policy)
+    assert [c for c in calls if c[0] == "writer"] == [("writer", "generate", n)] * on_policy.count(False)
+    assert [c[2] for c in calls if c[:2] == ("rollout", "generate")].count(n) == on_policy.count(True)
 
 
 def test_gkd_separate_plan_never_offloads_or_sleeps(tmp_path):
@@ -493,8 +506,8 @@ def nothing_started(out: str, run_dir: Path) -> bool:
 
 @pytest.mark.parametrize("name", ["prompts_per_step"])
 def test_gkd_cli_config_error_exits_2_naming_the_key(cli_errors, name):
-    """friendly_errors: one line naming the key, exit 2 (seq_kd and the other checks of
-    gkd.main are tested in-process below)."""
+    """friendly_errors: one line naming the key, exit 2 (the other checks of gkd.main are
+    tested in-process below)."""
     rc, out, err, run_dir = cli_errors[name]
     assert rc == 2, err[-4000:]
     lines = [line for line in err.splitlines() if line.strip()]
@@ -519,7 +532,6 @@ class Started(Exception):
     pytest.param("algorithm.beta=2", "algorithm.beta"),
     pytest.param("algorithm.topk_mode=bogus", "algorithm.topk_mode"),
     pytest.param("algorithm.lmbda=1.5", "algorithm.lmbda"),
-    pytest.param("algorithm.seq_kd=true", "algorithm.seq_kd"),
 ])
 def test_gkd_main_rejects_bad_options_before_run(monkeypatch, capsys, override, key):
     """gkd.main's body on a composed config: exit 2 naming the key, and run() never called."""
