@@ -88,7 +88,8 @@ class GRPOAlgorithm:
     reward_weights: List[float] = field(default_factory=list)
     # Regular expression of the format reward; None: the ORM's default (a last line '#### <number>').
     format_pattern: Optional[str] = None
-    # prm reward: one score per completion from its step scores (min, product or last).
+    # prm reward: one score per completion from its step scores (min, product, last, or mean:
+    # partial credit for the steps right before the first mistake).
     prm_aggregate: str = "min"
     # SFT steps on the task's reference solutions before GRPO (a warm start); 0 starts from the model as given.
     warmup_sft_steps: int = 0
@@ -96,6 +97,9 @@ class GRPOAlgorithm:
     warmup_sft_lr: float = 5e-3
     # Sequences per SFT step.
     warmup_sft_batch: int = 64
+    # GRPO continues with the warm start's AdamW moments (its own lr and schedule): a fresh
+    # optimizer's first updates move every weight by ~lr whatever the gradient's noise.
+    warmup_keep_optimizer: bool = True
 
 
 @dataclass
@@ -336,8 +340,9 @@ def run(cfg: GRPORunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> 
     train_set, eval_set, stats = load_task(cfg.data)
     a = cfg.algorithm
     model = as_dict(cfg.model)
-    if a.warmup_sft_steps:
-        model["path"] = warm_start(cfg, out_dir)
+    warm = warm_start(cfg, out_dir) if a.warmup_sft_steps else None
+    if warm:
+        model["path"] = warm
     loss = make_loss("grpo", epsilon=a.epsilon, epsilon_high=a.epsilon_high, beta=a.beta, loss_type=a.loss_type,
                      max_completion_length=a.max_new_tokens)
     # The learning-rate schedule spans every optimizer update of the run.
@@ -349,6 +354,8 @@ def run(cfg: GRPORunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> 
                             **engine_args(cfg, "train")}),
         "rollout": (Rollout, {"model": model, "config": as_dict(cfg.rollout), **engine_args(cfg, "rollout")}),
         **{role: ({"orm": ORM, "prm": PRM}[role], {"config": c}) for role, c in planned.items()}})
+    if warm and a.warmup_keep_optimizer:
+        roles["train"].call("load_optimizer_moments", warm)
     rewards = Rewards(specs, {role: roles[role] for role in planned})
     reference = driver_group(Trainer, {"model": model, "config": trainer_cfg}, "reference") if a.beta else None
     log = RunLog(out_dir, cfg.run.steps, resolved_config=resolved)

@@ -23,8 +23,9 @@ Kinds, chosen by `PRMConfig.kind`:
 * 'custom': `reward_fn`, a dotted path to fn(prompts, completions, references) ->
   list[list[float]].
 
-`aggregate_steps` turns step scores into one score per completion (min, product or last;
-a completion without steps scores 0). No Ray here.
+`aggregate_steps` turns step scores into one score per completion (min, product, last, or
+mean: partial credit, with the arithmetic verifier the fraction of steps right before the
+first mistake; a completion without steps scores 0). No Ray here.
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ import torch
 from roles.orm import ScalarHeadModel, load_reward_fn, typed_config
 
 KINDS = ("arithmetic", "model", "custom")
-AGGREGATES = ("min", "product", "last")
+AGGREGATES = ("min", "product", "last", "mean")
 ANSWER_MARK = "####"
 STEP_RE = re.compile(r"^(-?\d+)\s*([-+*/])\s*(-?\d+)\s*=\s*(-?\d+)$")
 # A prompt chain once parentheses and spaces are gone: n0 op1 n1 op2 n2 ...
@@ -58,7 +59,7 @@ class PRMConfig:
     answer_as_step: bool = False
     # arithmetic: when the prompt is a chain in the task's form, steps must follow its operations.
     check_prompt: bool = True
-    # One score per completion from its step scores (score()): min | product | last.
+    # One score per completion from its step scores (score()): min | product | last | mean.
     aggregate: str = "min"
     # custom: dotted path of fn(prompts, completions, references) -> list[list[float]].
     reward_fn: Optional[str] = None
@@ -96,7 +97,7 @@ def split_steps(completion: str, separator: str = "\n", answer_as_step: bool = F
 
 
 def aggregate_steps(step_scores: Sequence[Sequence[float]], how: str = "min") -> List[float]:
-    """One score per completion: the min, product or last of its step scores (0 if none)."""
+    """One score per completion: the min, product, last or mean of its step scores (0 if none)."""
     if how not in AGGREGATES:
         raise ValueError(f"prm.aggregate='{how}'; choose one of {list(AGGREGATES)}")
     out = []
@@ -107,6 +108,8 @@ def aggregate_steps(step_scores: Sequence[Sequence[float]], how: str = "min") ->
             out.append(float(min(scores)))
         elif how == "product":
             out.append(float(math.prod(scores)))
+        elif how == "mean":
+            out.append(float(sum(scores) / len(scores)))
         else:
             out.append(float(scores[-1]))
     return out

@@ -285,6 +285,18 @@ class Trainer:
         saved = build_model(ModelConfig(name=src.name, path=str(src), dtype="float32"))
         self.model.load_state_dict(saved.state_dict())
         self.engine.load_state_dict(torch.load(src / STATE_FILE, map_location="cpu", weights_only=True))
+        self._load_rng(src)
+
+    def load_optimizer_moments(self, in_dir: Union[str, os.PathLike]) -> None:
+        """Continue from a checkpoint's optimizer moments (AdamW m, v and their step counts)
+        while keeping this run's learning rate, schedule and step: a phase that follows
+        another (GRPO after an SFT warm start) then starts with calibrated updates instead of
+        the sign-like first updates of a fresh AdamW."""
+        self.engine.check_live("load_optimizer_moments")
+        saved = torch.load(Path(in_dir) / STATE_FILE, map_location="cpu", weights_only=True)
+        self.engine.load_moments(saved["optimizer"])
+
+    def _load_rng(self, src: Path) -> None:
         rng_file = src / f"rng_state_rank{self.rank}.pt"
         if rng_file.is_file():
             set_rng_state(torch.load(rng_file, weights_only=True))

@@ -73,9 +73,12 @@ def test_aggregate_steps():
     assert aggregate_steps(scores, "min") == [0.5, 0.0, 0.9]
     assert aggregate_steps(scores, "product") == pytest.approx([0.4, 0.0, 0.9])
     assert aggregate_steps(scores, "last") == [0.8, 0.0, 0.9]
+    assert aggregate_steps(scores, "mean") == pytest.approx([2.3 / 3, 0.0, 0.9])
     assert PRM(aggregate="last").score([CHAIN_PROMPT], ["31+8=39\n39-2=36"]) == [0.0]
+    # Partial credit: one right step of two (the verifier scores 0 from the first mistake on).
+    assert PRM(aggregate="mean").score([CHAIN_PROMPT], ["31+8=39\n39-2=36"]) == [0.5]
     with pytest.raises(ValueError, match="prm.aggregate"):
-        PRM(aggregate="mean")
+        PRM(aggregate="median")
 
 
 # ---------------------------------------------------------------------- rule-based ORM

@@ -194,6 +194,23 @@ def test_save_load_continue_matches_training_straight_through(batch, tmp_path):
     assert [m["lr"] for m in after] == pytest.approx([1e-3 * lr_multiplier(s, 2, 12, "cosine") for s in (3, 4, 5)])
 
 
+def test_load_optimizer_moments_keeps_this_runs_lr_and_step(batch, tmp_path):
+    """A follow-on phase takes the checkpoint's AdamW moments but its own lr, schedule and step."""
+    first = Trainer(MODEL, config())
+    for _ in range(3):
+        first.train_step(batch)
+    first.save(tmp_path / "ckpt")
+    follow = Trainer(tmp_path / "ckpt", config(lr=5e-4, schedule="constant", warmup_steps=0))
+    follow.load_optimizer_moments(tmp_path / "ckpt")
+    saved = first.engine.optimizer.state_dict()["state"]
+    got = follow.engine.optimizer.state_dict()["state"]
+    assert saved.keys() == got.keys()
+    for k in saved:
+        assert torch.equal(saved[k]["exp_avg_sq"], got[k]["exp_avg_sq"]) and float(got[k]["step"]) == 3
+    assert follow.step == 0 and follow.engine.current_lr() == 5e-4
+    assert follow.train_step(batch)["lr"] == 5e-4
+
+
 def test_checkpoint_loads_with_plain_transformers(batch, tmp_path):
     trainer = Trainer(MODEL, config())
     trainer.train_step(batch)

@@ -242,6 +242,13 @@ class TorchTrainEngine:
         return {"step": self.step, "optimizer": self.optimizer.state_dict(),
                 "scheduler": self.scheduler.state_dict()}
 
+    def load_moments(self, optimizer_state: dict) -> None:
+        """Per-parameter optimizer state from `optimizer_state`; lr and other group settings stay."""
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        self.optimizer.load_state_dict(optimizer_state)
+        for group, kept in zip(self.optimizer.param_groups, groups):
+            group.update(kept)
+
     def load_state_dict(self, state: dict) -> None:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
