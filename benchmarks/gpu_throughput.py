@@ -61,6 +61,8 @@ def main() -> None:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--micro-batch", type=int, default=32, help="sequences per forward/backward")
     p.add_argument("--steps", type=int, default=4, help="timed steps (after one warm-up step)")
+    p.add_argument("--fixed-length", action=argparse.BooleanOptionalAction, default=True,
+                   help="generate exactly --new-tokens per completion (eos does not stop)")
     p.add_argument("--out", default="gpu_throughput.json")
     args = p.parse_args()
 
@@ -70,8 +72,10 @@ def main() -> None:
                       engine=args.engine)
     rollout = Rollout(args.model, config={"device": "cuda", "dtype": "bfloat16", "max_batch_size": 512})
     prompts = [ex.prompt_messages() for ex in arithmetic_examples(args.prompts * (args.steps + 1), seed=1)]
-    # Random-init weights stop at eos after a few dozen tokens on average: the token counts
-    # below are measured per step, not assumed from new_tokens.
+    # Random-init weights hit eos after a few dozen tokens; with --fixed-length eos does not
+    # stop a completion, so every step has the same workload (new_tokens per completion).
+    if args.fixed_length:
+        rollout.eos_ids = set()
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, n=args.samples, seed=0)
     trainer.offload()
     rollout.sleep(1)
