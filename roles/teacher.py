@@ -9,7 +9,10 @@ Outputs are aligned with `batch.input_ids` like every per-token field: position 
 distribution of token t given tokens < t; position 0 and padding hold 0. Values are
 log-softmax of the model's logits (divided by `temperature`) in fp32, on CPU, equal to
 what a direct `transformers` forward of the same rows gives. The model runs in the dtype
-of its model config, without autocast. No Ray here.
+of its model config, without autocast. With `engine="megatron"` the model is a Megatron-core
+GPTModel split over `tensor_parallel_size` ranks: TP peers join their slices of the batch,
+each takes the top-k of its vocabulary shard and the shards' candidates are merged.
+No Ray here.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from roles.batch import Batch
 from roles.engines.options import TEACHER_ENGINES, check_engine
 from roles.engines.torch_trainer import host_bytes, module_tensors, rank_device, to_device, to_host
 from roles.models import ModelSpec, build_model, load_tokenizer, resolve_config
+from roles.weight_transfer import WeightReceiver, load_named_weights
 
 
 @dataclass
@@ -34,11 +38,11 @@ class TeacherConfig:
     micro_batch_per_device: int = 8
 
 
-class Teacher:
+class Teacher(WeightReceiver):
     def __init__(self, model: ModelSpec = "small_qwen2", config: Union[TeacherConfig, Mapping[str, Any], None] = None,
                  engine: str = "torch", engine_options: Optional[Mapping[str, Any]] = None):
         check_engine("teacher", engine, TEACHER_ENGINES)
-        if engine != "torch":
+        if engine not in ("torch", "megatron"):
             raise ValueError(f"teacher engine '{engine}' is not available in this build (config key backend.teacher)")
         if config is None:
             config = TeacherConfig()
@@ -50,13 +54,21 @@ class Teacher:
         self.model_config = resolve_config(model)
         self.tokenizer = load_tokenizer(self.model_config)
         self.device = rank_device(config.device)
-        self.model = build_model(self.model_config).to(self.device).eval()
+        self.engine = engine
+        self.model = build_model(self.model_config)
+        self._vocab_size = self.model.config.vocab_size
+        if engine == "megatron":  # this TP rank's shard; TP peers join their slices in logits()
+            from roles.engines import megatron_trainer as mt
+            mt.setup_parallel(int((engine_options or {}).get("tensor_parallel_size", 1)), self.device)
+            self.model = mt.to_megatron(self.model, mt.tp_info()[1], self.device, next(self.model.parameters()).dtype)
+        self.model = self.model.to(self.device).eval()
         self.model.requires_grad_(False)
         self._host: Optional[list] = None
+        self.weight_version = 0
 
     @property
     def vocab_size(self) -> int:
-        return self.model.config.vocab_size
+        return self._vocab_size
 
     @torch.no_grad()
     def logits(self, batch: Batch, topk: Optional[int] = None, tail: bool = False, temperature: float = 1.0):
@@ -72,6 +84,10 @@ class Teacher:
             raise ValueError("tail=True needs topk; the full distribution has no tail")
         if temperature <= 0:
             raise ValueError(f"temperature={temperature} must be > 0")
+        own = slice(None)
+        if self.engine == "megatron":
+            from roles.engines import megatron_trainer as mt
+            batch, own = mt.join_rows(batch)
         B, T = batch.input_ids.shape
         width = V if topk is None else topk
         values = torch.zeros(B, T, width)
@@ -82,10 +98,21 @@ class Teacher:
             rows = slice(start, min(start + size, B))
             ids = batch.input_ids[rows].to(self.device)
             mask = batch.attention_mask[rows].to(self.device)
-            out = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-            # Row t of the output predicts token t + 1: it becomes aligned position t + 1.
-            logprobs = torch.log_softmax(out[:, :-1].float() / temperature, dim=-1)
             keep = mask[:, 1:].bool().unsqueeze(-1)
+            if self.engine == "megatron":
+                local = mt.local_logits(self.model, ids)[:, :-1]
+                if topk is not None:  # merged across the vocabulary shards of the TP ranks
+                    top = mt.topk_logprobs(local, V, topk, temperature, tail)
+                    values[rows, 1:] = torch.where(keep, top[0], 0.0).cpu()
+                    indices[rows, 1:] = torch.where(keep, top[1], 0).cpu()
+                    if tail:
+                        tails[rows, 1:] = torch.where(keep.squeeze(-1), top[2], 0.0).cpu()
+                    continue
+                out = mt.gather_vocab(local, V)
+            else:
+                out = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1]
+            # Row t of the output predicts token t + 1: it becomes aligned position t + 1.
+            logprobs = torch.log_softmax(out.float() / temperature, dim=-1)
             if topk is None:
                 values[rows, 1:] = torch.where(keep, logprobs, 0.0).cpu()
                 continue
@@ -97,8 +124,26 @@ class Teacher:
                 rest = logprobs.scatter(-1, top_indices, float("-inf")).logsumexp(-1)
                 tails[rows, 1:] = torch.where(keep.squeeze(-1), rest, 0.0).cpu()
         if topk is None:
-            return values
-        return (values, indices, tails) if tail else (values, indices)
+            return values[own]
+        return (values[own], indices[own], tails[own]) if tail else (values[own], indices[own])
+
+    def update_weights(self, buckets: Any, version: int) -> None:
+        """Load a trainer's weights (self-distillation: the teacher follows the student);
+        (name, tensor) pairs or buckets of them, all weights, names and shapes exact."""
+        if self._host is not None:
+            raise RuntimeError("teacher is offloaded; call onload() before update_weights()")
+        pairs = [p for b in buckets for p in (b if isinstance(b, list) else [b])]
+        load_named_weights(self.model, pairs, "teacher")
+        self.weight_version = int(version)
+
+    def update_weights_from_path(self, path: str, version: int) -> None:
+        """Load weights from a folder of safetensors files (or one file)."""
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else [Path(path)]
+        self.update_weights([p for f in files for p in load_file(str(f)).items()], version)
 
     def offload(self) -> dict[str, float]:
         """Move the weights into host buffers, releasing device memory; returns bytes moved."""

@@ -18,7 +18,9 @@ must return the same keys.
 
 Data parallel: with WORLD_SIZE > 1 (a worker group of several ranks) each rank gets a
 slice of the batch, gradients are summed across ranks once per step and every rank
-returns the same global metrics. No Ray here.
+returns the same global metrics. With Megatron tensor parallel, the ranks of one TP group
+train on their slices joined (one data-parallel share) and each returns its own rows'
+logprobs, so drivers dispatch='slice' the same way. No Ray here.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from roles.engines.options import TRAIN_ENGINES, check_engine
 from roles.engines.torch_engine import token_entropy, token_logprobs
 from roles.engines.torch_trainer import TorchTrainEngine, rank_device, rng_state, set_rng_state
 from roles.models import ModelConfig, ModelSpec, build_model, load_tokenizer, resolve_config, save_checkpoint
+from roles.weight_transfer import WeightSender
 
 LossFn = Callable[[torch.Tensor, Batch, dict], Tuple[torch.Tensor, dict]]
 SCHEDULES = ("cosine", "constant")
@@ -123,14 +126,15 @@ def slice_batch(batch: Batch, start: int, stop: int, width: Optional[int] = None
     return dataclasses.replace(batch, **fields)
 
 
-class Trainer:
+class Trainer(WeightSender):
     def __init__(self, model: ModelSpec = "tiny_qwen2", config: Union[TrainerConfig, Mapping, None] = None,
                  loss_fn: Optional[LossFn] = None, loss_inputs: Sequence[str] = (),
                  engine: str = "torch", engine_options: Optional[Mapping[str, Any]] = None):
         self.config = resolve_trainer_config(config)
         check_engine("train", engine, TRAIN_ENGINES)
-        if engine != "torch":
+        if engine not in ("torch", "megatron"):
             raise ValueError(f"train engine '{engine}' is not available in this build (config key backend.train)")
+        self.engine_name = engine
         unknown = sorted(set(loss_inputs) - set(LOSS_INPUTS))
         if unknown:
             raise ValueError(f"loss_inputs {unknown} unknown; choose from {LOSS_INPUTS}")
@@ -143,10 +147,13 @@ class Trainer:
         if dtype == "auto":
             dtype = "bfloat16" if device.type == "cuda" else "float32"
         c = self.config
-        self.engine = TorchTrainEngine(
-            build_model(self.model_config), device=device, dtype=dtype, lr=c.lr, weight_decay=c.weight_decay,
-            betas=c.betas, warmup_steps=c.warmup_steps, total_steps=c.total_steps, schedule=c.schedule,
-            seed=c.seed)
+        optim = dict(device=device, dtype=dtype, lr=c.lr, weight_decay=c.weight_decay, betas=c.betas,
+                     warmup_steps=c.warmup_steps, total_steps=c.total_steps, schedule=c.schedule, seed=c.seed)
+        if engine == "megatron":
+            from roles.engines.megatron_trainer import MegatronTrainEngine
+            self.engine = MegatronTrainEngine(build_model(self.model_config), options=engine_options or {}, **optim)
+        else:
+            self.engine = TorchTrainEngine(build_model(self.model_config), **optim)
         self.model, self.device = self.engine.model, device
         self.rank, self.world_size = self.engine.rank, self.engine.world_size
 
@@ -180,9 +187,16 @@ class Trainer:
             out["logits"] = F.pad(logits[:, :-1].float() / temperature, (0, 0, 1, 0))
         return logprobs, out
 
+    def _join_rows(self, batch: Batch) -> tuple[Batch, slice]:
+        """Tensor-parallel peers (Megatron) compute on the union of their slices; returns it and
+        this rank's own rows. Other engines: the batch as given."""
+        join = getattr(self.engine, "join_rows", None)
+        return join(batch) if join else (batch, slice(None))
+
     def train_step(self, batch: Batch, temperature: float = 1.0) -> dict[str, float]:
         """One optimizer update on `batch` (this rank's share); returns global metrics."""
         self.engine.check_live("train_step")
+        batch, _ = self._join_rows(batch)
         size = self.config.micro_batch_per_device or len(batch)
         local = [float(batch.loss_mask.sum()), float(len(batch)), float(-(-len(batch) // size))]
         global_tokens, global_sequences, global_micro_batches = self.engine.all_reduce_sum(local)
@@ -217,6 +231,7 @@ class Trainer:
         """Per-token logprobs [B, T] of `batch.input_ids` under the current weights (CPU, fp32),
         aligned like every per-token field; with `entropy`, also the entropy [B, T]."""
         self.engine.check_live("logprobs", optimizer=False)
+        batch, own = self._join_rows(batch)
         B, T = batch.input_ids.shape
         lp, ent = torch.zeros(B, T), torch.zeros(B, T)
         for start, stop, mb in self._micro_batches(batch):
@@ -225,7 +240,7 @@ class Trainer:
             lp[start:stop, :width] = out.float().cpu()
             if entropy:
                 ent[start:stop, :width] = extras["entropy"].float().cpu()
-        return (lp, ent) if entropy else lp
+        return (lp[own], ent[own]) if entropy else lp[own]
 
     # ------------------------------------------------------------------ weights
     def state_dict_buckets(self, bucket_mb: float = 64, dtype: Optional[str] = None,
@@ -269,9 +284,11 @@ class Trainer:
         self.engine.check_live("save")
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
+        state = self.engine.state_dict()  # every rank: a sharded engine gathers its state here
         if self.rank == 0:
-            save_checkpoint(self.model, self.tokenizer, out)
-            torch.save({**self.engine.state_dict(), "config": dataclasses.asdict(self.config),
+            hf = self.model if self.engine_name == "torch" else self.engine.hf_model()
+            save_checkpoint(hf, self.tokenizer, out)
+            torch.save({**state, "config": dataclasses.asdict(self.config),
                         "world_size": self.world_size}, out / STATE_FILE)
         self.engine.barrier()
         torch.save(rng_state(), out / f"rng_state_rank{self.rank}.pt")
@@ -283,7 +300,10 @@ class Trainer:
         self.engine.check_live("load")
         src = Path(in_dir)
         saved = build_model(ModelConfig(name=src.name, path=str(src), dtype="float32"))
-        self.model.load_state_dict(saved.state_dict())
+        if self.engine_name == "torch":
+            self.model.load_state_dict(saved.state_dict())
+        else:
+            self.engine.load_hf_weights(saved.state_dict())
         self.engine.load_state_dict(torch.load(src / STATE_FILE, map_location="cpu", weights_only=True))
         self._load_rng(src)
 

@@ -1,0 +1,179 @@
+"""Megatron-core engines on CPU (fp32): HF <-> Megatron weight conversion, forward parity
+with transformers, the Trainer's Megatron engine against the torch engine (one rank and
+tensor parallel over a real 2-rank Ray worker group) and the Teacher's Megatron top-k."""
+import math
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from orchestration.planner import make_plan
+from roles.batch import Batch
+from roles.engines.megatron_convert import hf_to_megatron, megatron_to_hf
+from roles.models import ModelConfig, build_model
+from roles.teacher import Teacher
+from roles.trainer import Trainer, TrainerConfig
+from tests.test_trainer import sft_batch
+
+pytest.importorskip("megatron.core")
+
+UNTIED = ModelConfig(name="untied_llama", arch="llama", tie_word_embeddings=False, rope_theta=500000.0, seed=1)
+MODELS = {"tiny_qwen2": "tiny_qwen2", "tiny_llama": "tiny_llama", "untied_llama": UNTIED}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: on a busy 2-core machine a second spinning thread costs 10x."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def config(**overrides) -> TrainerConfig:
+    base = dict(lr=1e-3, weight_decay=0.1, warmup_steps=1, total_steps=10, micro_batch_per_device=3,
+                device="cpu", dtype="float32")
+    return TrainerConfig(**{**base, **overrides})
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("name", list(MODELS))
+def test_hf_megatron_hf_round_trip_is_exact(name, tp):
+    hf = build_model(MODELS[name])
+    c, state = hf.config, hf.state_dict()
+    shards = hf_to_megatron(state, c, tp)
+    assert len(shards) == tp and all(s.keys() == shards[0].keys() for s in shards)
+    back = megatron_to_hf(shards, c)
+    want = {k: v for k, v in state.items() if not (k == "lm_head.weight" and c.tie_word_embeddings)}
+    assert list(back) == list(want)  # HF order, tied head once
+    for k, v in want.items():
+        assert torch.equal(back[k], v), k
+    # Layout: rank r's fused qkv holds query group r as [its q heads, k_r, v_r]; fc1 is [gate_r; up_r].
+    d, per_group = 32, c.num_attention_heads // c.num_key_value_heads * 32
+    groups_here = c.num_key_value_heads // tp
+    qkv = shards[-1]["decoder.layers.1.self_attention.linear_qkv.weight"]
+    assert qkv.shape[0] == groups_here * (per_group + 2 * d)
+    g = c.num_key_value_heads - 1  # the last rank's last group
+    assert torch.equal(qkv[-2 * d:-d], state["model.layers.1.self_attn.k_proj.weight"][g * d:(g + 1) * d])
+    assert torch.equal(qkv[-d:], state["model.layers.1.self_attn.v_proj.weight"][g * d:(g + 1) * d])
+    inter = c.intermediate_size // tp
+    fc1 = shards[-1]["decoder.layers.0.mlp.linear_fc1.weight"]
+    assert torch.equal(fc1[:inter], state["model.layers.0.mlp.gate_proj.weight"][-inter:])
+    vocab = shards[0]["embedding.word_embeddings.weight"].shape[0]
+    assert vocab * tp >= c.vocab_size and (vocab * tp) % tp == 0
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_forward_logits_equal_transformers(name):
+    from roles.engines.megatron_trainer import gather_vocab, local_logits, setup_parallel, to_megatron
+
+    setup_parallel(1, torch.device("cpu"))
+    hf = build_model(MODELS[name])
+    model = to_megatron(hf, 1, torch.device("cpu")).eval()
+    batch = sft_batch(4, seed=1)  # right-padded rows of different lengths
+    with torch.no_grad():
+        want = hf(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+        got = gather_vocab(local_logits(model, batch.input_ids), hf.config.vocab_size)
+    valid = batch.attention_mask.bool()
+    assert got.shape == want.shape
+    torch.testing.assert_close(got[valid], want[valid], atol=1e-5, rtol=0)
+
+
+def test_megatron_trainer_matches_torch_and_saves_hf_checkpoints(tmp_path):
+    batch = sft_batch(6, seed=2)
+    megatron = Trainer("tiny_qwen2", config(), engine="megatron", engine_options={"tensor_parallel_size": 1})
+    torch_ = Trainer("tiny_qwen2", config())
+    for _ in range(3):
+        got, want = megatron.train_step(batch), torch_.train_step(batch)
+        for key in ("loss", "grad_norm", "lr", "tokens"):
+            assert math.isclose(got[key], want[key], rel_tol=1e-4), (key, got[key], want[key])
+    torch.testing.assert_close(megatron.logprobs(batch), torch_.logprobs(batch), atol=1e-4, rtol=0)
+    names = [n for n, _ in megatron.engine.named_weights()]
+    assert names == [n for n, _ in torch_.engine.named_weights()]
+    megatron.save(tmp_path / "ckpt")
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", local_files_only=True)
+    for name, t in megatron.engine.named_weights():
+        assert torch.equal(plain.state_dict()[name], t), name
+    resumed = Trainer("tiny_qwen2", config(), engine="megatron")
+    resumed.load(tmp_path / "ckpt")
+    assert resumed.step == 3
+    assert resumed.train_step(batch) == megatron.train_step(batch)  # weights, AdamW moments and schedule
+
+
+def teacher_batch() -> Batch:
+    return sft_batch(5, seed=4, model="tiny_llama")
+
+
+def test_megatron_teacher_topk_equals_torch_teacher():
+    batch = teacher_batch()
+    megatron = Teacher("tiny_llama", {"device": "cpu", "micro_batch_per_device": 2}, engine="megatron")
+    plain = Teacher("tiny_llama", {"device": "cpu", "micro_batch_per_device": 2})
+    got, want = megatron.logits(batch, 8, tail=True, temperature=0.7), plain.logits(batch, 8, tail=True,
+                                                                                     temperature=0.7)
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=0)
+    torch.testing.assert_close(got[2], want[2], atol=1e-5, rtol=0)
+    torch.testing.assert_close(megatron.logits(batch), plain.logits(batch), atol=1e-5, rtol=0)
+
+
+class MegatronTrainerAndTeacher:
+    """A tensor-parallel Megatron Trainer and Teacher in one rank's process (one TP group),
+    so a single worker group exercises both."""
+
+    def __init__(self, trainer: dict, teacher: dict):
+        self.trainer = Trainer(**trainer)
+        self.teacher = Teacher(**teacher)
+
+    def train_step(self, batch):
+        return self.trainer.train_step(batch)
+
+    def logprobs(self, batch):
+        return self.trainer.logprobs(batch)
+
+    def state_dict_buckets(self, bucket_mb):
+        return self.trainer.state_dict_buckets(bucket_mb)
+
+    def topk(self, batch, k, temperature):
+        return self.teacher.logits(batch, k, tail=True, temperature=temperature)
+
+
+def test_tensor_parallel_two_ranks_match_the_torch_engine(ray_cluster):
+    from orchestration.placement import create_placement
+    from orchestration.worker_group import WorkerGroup
+
+    batch = sft_batch(7, seed=3)  # sliced 4 + 3 over the TP peers, joined again inside
+    tbatch = teacher_batch()
+    options = {"tensor_parallel_size": 2}
+    trainer = {"model": "tiny_qwen2", "config": config(), "engine": "megatron", "engine_options": options}
+    teacher = {"model": "tiny_llama", "config": {"device": "cpu"}, "engine": "megatron", "engine_options": options}
+    plan = make_plan({"device_groups": {"nproc_per_node": 1, "g": {"device": "CPU", "ranks": 2, "workers": ["train"]}}})
+    placement = create_placement(plan, timeout_s=60)
+    group = None
+    try:
+        group = WorkerGroup(MegatronTrainerAndTeacher, plan["train"], {"trainer": trainer, "teacher": teacher},
+                            placement=placement, timeout_s=300)
+        top = group.call("topk", tbatch, 8, 0.7, dispatch="slice", collect="flatten")
+        tp_steps = [group.call("train_step", batch, dispatch="slice") for _ in range(5)]
+        tp_logprobs = group.call("logprobs", batch, dispatch="slice", collect="flatten")
+        weights = group.call("state_dict_buckets", 1024, execute="first")  # rank 0 alone, as weight sync asks
+    finally:
+        if group is not None:
+            group.shutdown()
+        placement.remove()
+    want_top = Teacher("tiny_llama", {"device": "cpu"}).logits(tbatch, 8, tail=True, temperature=0.7)
+    assert torch.equal(top[1], want_top[1])
+    for got, want in ((top[0], want_top[0]), (top[2], want_top[2])):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    single = Trainer("tiny_qwen2", config())
+    for ranks in tp_steps:
+        want = single.train_step(batch)
+        assert ranks[0] == ranks[1]  # TP peers report the same global metrics
+        assert ranks[0]["sequences"] == 7 and ranks[0]["tokens"] == want["tokens"]
+        for key in ("loss", "grad_norm"):
+            assert math.isclose(ranks[0][key], want[key], rel_tol=1e-4), (key, ranks[0][key], want[key])
+    torch.testing.assert_close(tp_logprobs, single.logprobs(batch), atol=1e-4, rtol=0)
+    ref = dict(single.engine.named_weights())
+    got = [t for bucket in weights for t in bucket]
+    assert [n for n, _ in got] == list(ref)
+    for name, t in got:
+        torch.testing.assert_close(t, ref[name], atol=1e-4, rtol=0, msg=name)
