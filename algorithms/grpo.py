@@ -12,9 +12,14 @@ with `dynamic_sample`, groups whose rewards are all equal are dropped and fresh 
 generated. The trainer takes `steps_per_generation` clipped-ratio updates on the batch
 (ratios against the rollout's own sampling logprobs, so stale weights stay correct), with
 a k3 KL penalty to the initial weights when `beta` > 0, and the new weights go to the
-rollout. With `warmup_sft_steps`, the policy is first trained by SFT on the task's
-reference solutions and GRPO starts from that checkpoint. eval/accuracy (greedy, held-out)
-is logged at step 0, every run.eval_every steps and at the end.
+rollout. With separate placement and `max_staleness` N > 0, the rollout generates the
+batches of the next N steps while the trainer trains (samples at most N weight versions
+old; staleness/max and staleness/mean are logged). With `warmup_sft_steps`, the policy is
+first trained by SFT on the task's reference solutions and GRPO starts from that
+checkpoint. eval/accuracy (greedy, held-out) is logged at step 0, every run.eval_every
+steps and at the end. Per step: time/<phase>, move/<role>_<op>_{bytes,s} (offload, onload,
+sleep, wake_up) and mem/<role>_* (host RSS, peak device memory); timeline.jsonl holds when
+each role was busy.
 
 Rewards run in this process, or on the `orm`/`prm` roles when the placement plans them
 (device_groups form). The reference policy for `beta` lives in this process (fine for tiny
@@ -32,12 +37,12 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from algorithms import common, sft
+from algorithms import common, overlap, sft
 from algorithms.advantages import group_advantages, zero_variance_groups
 from algorithms.config import LoopConfig, RunConfig, SFTRunConfig, SWIFT_COMMON_KEYS, as_dict, engine_args, prepare
 from algorithms.data import load_task
 from algorithms.losses import LOSS_TYPES, make_loss
-from algorithms.runlog import RunLog, run_dir
+from algorithms.runlog import RunLog, run_dir, timed_call
 from orchestration.cluster import init_cluster
 from orchestration.config import ConfigError, register_schema
 from orchestration.dispatch import flatten, slice_bounds
@@ -75,6 +80,10 @@ class GRPOAlgorithm:
     # Extra generation rounds per step for dynamic_sample; still short after them, the step is
     # topped up with zero-variance groups.
     max_resample_times: int = 3
+    # Steps a generation may run ahead of training (separate placement only): with N the rollout
+    # generates the batches of steps k+1..k+N while the trainer trains on step k's, so samples
+    # are up to N weight versions old (the ratio uses their own sampling logprobs). 0: on-policy.
+    max_staleness: int = 0
     # Sampling temperature; the trainer's logprobs use it too, so ratios compare like with like.
     temperature: float = 1.0
     # Longest completion in tokens.
@@ -97,6 +106,9 @@ class GRPOAlgorithm:
     warmup_sft_lr: float = 5e-3
     # Sequences per SFT step.
     warmup_sft_batch: int = 64
+    # SFT on only the first N training examples (a small labelled set; GRPO needs only the
+    # answers of the rest); 0: all of them.
+    warmup_sft_examples: int = 0
     # GRPO continues with the warm start's AdamW moments (its own lr and schedule): a fresh
     # optimizer's first updates move every weight by ~lr whatever the gradient's noise.
     warmup_keep_optimizer: bool = True
@@ -197,10 +209,14 @@ def train(cfg: GRPORunConfig, plan: Plan, trainer: Any, rollout: Any, reference:
     """The GRPO loop; roles are worker groups (or fakes in tests), `reference` is None when
     beta = 0. Returns the last record."""
     algo, steps, every, G = cfg.algorithm, cfg.run.steps, cfg.run.eval_every, cfg.algorithm.num_generations
+    overlap.check_staleness(algo.max_staleness, plan)
     offload_train = plan["train"].offload_model or plan["train"].offload_optimizer
+    offload_args = (plan["train"].offload_model, plan["train"].offload_optimizer)
     sleep_level = plan["rollout"].sleep_level
     sampling = SamplingParams(temperature=algo.temperature, max_new_tokens=algo.max_new_tokens, n=G)
     stream = common.prompt_stream(train_set, cfg.run.prompts_per_step, cfg.run.seed)
+    # Step k's generation starts up to max_staleness steps early (0: after step k-1's weight sync).
+    prefetch = overlap.Prefetch(rollout, log, stream, sampling, algo.max_staleness, steps)
     rounds_per_step = 1 + (algo.max_resample_times if algo.dynamic_sample else 0)
     record: dict = {}
     for step in range(0, steps + 1):
@@ -210,13 +226,11 @@ def train(cfg: GRPORunConfig, plan: Plan, trainer: Any, rollout: Any, reference:
             # rounds of fresh prompts until prompts_per_step groups have reward variance.
             rounds, varied = [], 0
             if sleep_level:
-                rollout.call("wake_up")
-            for _ in range(rounds_per_step):
-                examples = next(stream)
+                timed_call(log, "rollout", rollout, "wake_up")
+            for r in range(rounds_per_step):
                 with log.phase("generate"):
-                    comps = rollout.call("generate", [ex.prompt_messages() for ex in examples], sampling,
-                                         dispatch="slice", collect="flatten")
-                with log.phase("score"):
+                    examples, comps = prefetch.take(step) if r == 0 else prefetch.extra(step)
+                with log.phase("score", "reward"):
                     scores, means = rewards.score([ex.prompt for ex in examples for _ in range(G)], comps.texts,
                                                   [ex.answer for ex in examples for _ in range(G)])
                 zero = zero_variance_groups(scores, G)
@@ -227,9 +241,12 @@ def train(cfg: GRPORunConfig, plan: Plan, trainer: Any, rollout: Any, reference:
                 if not algo.dynamic_sample or varied >= cfg.run.prompts_per_step:
                     break
             if sleep_level:
-                rollout.call("sleep", sleep_level)
+                timed_call(log, "rollout", rollout, "sleep", sleep_level)
             comps, scores = _pick_groups(rounds, cfg.run.prompts_per_step, G, algo.dynamic_sample)
             metrics["grpo/generation_rounds"] = len(rounds)
+            # Staleness: trainer version minus each sample's; the ratio below uses the samples'
+            # own (behaviour) logprobs, so stale samples stay correctly weighted.
+            metrics.update(overlap.staleness(comps, step, algo.max_staleness))
             # Advantages: each reward against its prompt's group.
             advantages = group_advantages(scores, G, algo.scale_rewards, algo.leave_one_out)
             batch = common.batch_of(tokenizer, comps)
@@ -238,36 +255,43 @@ def train(cfg: GRPORunConfig, plan: Plan, trainer: Any, rollout: Any, reference:
                             "advantages/min": float(advantages.min()), "advantages/max": float(advantages.max())})
             # Reference logprobs: the initial policy's, for the KL penalty.
             if reference is not None:
-                with log.phase("ref_logprobs"):
+                with log.phase("ref_logprobs", "reference"):
                     batch.ref_logprobs = reference.call("logprobs", batch, algo.temperature, execute="first")
             # Train: steps_per_generation updates, each on its part of the batch.
-            with log.phase("train"):
-                if offload_train:
-                    trainer.call("onload")
+            if offload_train:
+                timed_call(log, "train", trainer, "onload")
+            with log.phase("train", "train"):
                 results = [trainer.call("train_step", part, algo.temperature, dispatch="slice", collect=common.first)
                            for part in _parts(batch, algo.steps_per_generation)]
                 metrics.update({f"train/{k}": sum(r[k] for r in results) / len(results) for k in results[0]})
                 metrics["train/step"] = results[-1]["step"]
+            # Generations started ahead finish on the old weights before the rollout takes new ones.
+            if algo.max_staleness:
+                with log.phase("wait_rollout"):
+                    prefetch.drain()
             # Sync weights: the next generation samples from the updated policy.
-            with log.phase("sync_weights"):
-                common.sync_weights(trainer, [rollout], cfg.run.sync_bucket_mb, version=step)
-                if offload_train:
-                    trainer.call("offload", plan["train"].offload_model, plan["train"].offload_optimizer)
+            with log.phase("sync_weights", "train", "rollout"):
+                metrics.update(common.sync_weights(trainer, [rollout], cfg.weight_sync, version=step))
+            if offload_train:
+                timed_call(log, "train", trainer, "offload", *offload_args)
         if step == 0 or step == steps or (every and step % every == 0):
             # Eval: greedy accuracy of the policy on held-out prompts.
-            with log.phase("eval"):
-                if sleep_level:
-                    rollout.call("wake_up")
+            if sleep_level:
+                timed_call(log, "rollout", rollout, "wake_up")
+            with log.phase("eval", "rollout"):
                 metrics["eval/accuracy"] = common.accuracy(rollout, eval_set, cfg.run.eval_max_new_tokens)
-                if sleep_level:
-                    rollout.call("sleep", sleep_level)
+            if sleep_level:
+                timed_call(log, "rollout", rollout, "sleep", sleep_level)
         if step > 0 and cfg.run.save_every and step % cfg.run.save_every == 0:
-            with log.phase("save"):
-                if offload_train:
-                    trainer.call("onload")
+            if offload_train:
+                timed_call(log, "train", trainer, "onload")
+            with log.phase("save", "train"):
                 common.checkpoint(trainer, log.dir, step)
-                if offload_train:
-                    trainer.call("offload", plan["train"].offload_model, plan["train"].offload_optimizer)
+            if offload_train:
+                timed_call(log, "train", trainer, "offload", *offload_args)
+        # Memory: each role's host RSS and peak device memory (both roles idle here).
+        for role, group in (("train", trainer), ("rollout", rollout)):
+            log.memory(role, group.call("memory"))
         record = log.step(step, metrics)
     if cfg.run.save_final:
         if offload_train:
@@ -323,7 +347,8 @@ def warm_start(cfg: GRPORunConfig, out_dir: Path) -> str:
                         trainer=replace(cfg.trainer, lr=a.warmup_sft_lr, warmup_steps=min(20, a.warmup_sft_steps // 10),
                                         total_steps=a.warmup_sft_steps, schedule="cosine",
                                         micro_batch_per_device=a.warmup_sft_batch),
-                        rollout=cfg.rollout, data=cfg.data,
+                        rollout=cfg.rollout,
+                        data=replace(cfg.data, train_size=a.warmup_sft_examples or cfg.data.train_size),
                         run=LoopConfig(steps=a.warmup_sft_steps, prompts_per_step=a.warmup_sft_batch,
                                        eval_max_new_tokens=cfg.run.eval_max_new_tokens, save_final=True,
                                        seed=cfg.run.seed))
@@ -415,6 +440,7 @@ def check(cfg: GRPORunConfig, plan: Plan) -> None:
                           f"{cfg.run.prompts_per_step * a.num_generations // plan['train'].world_size}")
     if a.dynamic_sample and a.max_resample_times < 0:
         raise ConfigError("config key 'algorithm.max_resample_times' must be >= 0")
+    overlap.check_staleness(a.max_staleness, plan)
 
 
 register_schema(GRPORunConfig)
