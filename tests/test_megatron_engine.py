@@ -177,3 +177,21 @@ def test_tensor_parallel_two_ranks_match_the_torch_engine(ray_cluster):
     assert [n for n, _ in got] == list(ref)
     for name, t in got:
         torch.testing.assert_close(t, ref[name], atol=1e-4, rtol=0, msg=name)
+
+
+@pytest.mark.gpu
+def test_megatron_engines_on_the_gpu():
+    """bf16 autocast training and an fp32 teacher on one CUDA device (NCCL process group)."""
+    batch = sft_batch(8)
+    gpu = config(device="cuda", dtype="bfloat16")
+    megatron = Trainer("tiny_qwen2", gpu, engine="megatron")
+    torch_ = Trainer("tiny_qwen2", gpu)
+    assert next(megatron.model.parameters()).is_cuda
+    for _ in range(5):
+        got, want = megatron.train_step(batch), torch_.train_step(batch)
+        assert math.isclose(got["loss"], want["loss"], rel_tol=1e-2), (got["loss"], want["loss"])
+    tbatch = teacher_batch()
+    got = Teacher("tiny_llama", {"device": "cuda"}, engine="megatron").logits(tbatch, 8, tail=True)
+    want = Teacher("tiny_llama", {"device": "cuda"}).logits(tbatch, 8, tail=True)
+    assert torch.equal(got[1], want[1])
+    torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=0)

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import time
 import types
 from typing import Any, Iterator, Mapping, Optional
 
@@ -31,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from roles.engines.megatron_convert import build_gpt_model, hf_to_megatron, megatron_to_hf
-from roles.engines.torch_trainer import (AUTOCAST_DTYPES, DIST_TIMEOUT, host_bytes, init_data_parallel,
-                                         lr_multiplier, module_tensors, optimizer_tensors, to_device, to_host)
+from roles.engines.torch_trainer import (AUTOCAST_DTYPES, DIST_TIMEOUT, TorchTrainEngine, init_data_parallel,
+                                         lr_multiplier)
 
 # Gradients are all-reduced in flat buckets of about this size.
 GRAD_BUCKET_BYTES = 32 * 2**20
@@ -41,39 +39,43 @@ GRAD_BUCKET_BYTES = 32 * 2**20
 # ---------------------------------------------------------------------- process groups
 def setup_parallel(tp: int, device: torch.device, seed: int = 0) -> tuple[int, int]:
     """Join the process group (a 1-rank one without a worker group) and Megatron's TP/DP
-    groups; returns (rank, world size). Idempotent within a process for one TP size."""
+    groups, with RNG and scratch memory for `device`; returns (rank, world size). Roles in
+    one process share the groups, so they need one TP size."""
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import random as mrandom
 
     rank, world = init_data_parallel(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if world == 1 and not dist.is_initialized():
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
                                 rank=0, world_size=1, timeout=DIST_TIMEOUT)
     if tp < 1 or world % tp:
         raise ValueError(f"megatron.tensor_parallel_size={tp} must divide the role's {world} ranks; "
                          f"set it to a divisor of {world} or change the role's device count")
-    if ps.model_parallel_is_initialized():
-        if ps.get_tensor_model_parallel_world_size() != tp:
-            raise ValueError(f"this process already runs Megatron with tensor_parallel_size="
-                             f"{ps.get_tensor_model_parallel_world_size()}, not {tp}; roles sharing a "
-                             "process need one megatron.tensor_parallel_size")
-        return rank, world
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, create_gloo_process_groups=False)
+    elif ps.get_tensor_model_parallel_world_size() != tp:
+        raise ValueError(f"this process already runs Megatron with tensor_parallel_size="
+                         f"{ps.get_tensor_model_parallel_world_size()}, not {tp}; roles sharing a "
+                         "process need one megatron.tensor_parallel_size")
     if device.type == "cuda":
         mrandom.model_parallel_cuda_manual_seed(seed)
-    else:  # CUDA RNG states and a CUDA scratch buffer do not exist on a CPU host
+    else:  # CUDA RNG states do not exist on a CPU host
         mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-        ps._GLOBAL_MEMORY_BUFFER = _HostMemoryBuffer()
+    ps._GLOBAL_MEMORY_BUFFER = _ScratchBuffer(device)
     return rank, world
 
 
-class _HostMemoryBuffer:
-    """Megatron's scratch buffer (attention scores input) in host memory."""
+class _ScratchBuffer:
+    """Megatron's attention scratch buffer (only an input shape for baddbmm with beta=0) on
+    the role's device: Megatron's own allocates on CUDA only."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
 
     def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
-        return torch.empty(tensor_shape, dtype=dtype)
+        return torch.empty(tensor_shape, dtype=dtype, device=self.device)
 
 
 def _host_rope_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
@@ -209,7 +211,10 @@ def _all_gather_cat(t: torch.Tensor, group) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------- engine
-class MegatronTrainEngine:
+class MegatronTrainEngine(TorchTrainEngine):
+    """Own model, groups, gradient reduction, clipping, weights and state; autocast, backward,
+    lr, barrier and offload/onload are the torch engine's (they use the same attributes)."""
+
     def __init__(self, hf_model: torch.nn.Module, *, options: Mapping[str, Any], device: torch.device, dtype: str,
                  lr: float, weight_decay: float, betas: tuple[float, float], warmup_steps: int, total_steps: int,
                  schedule: str, seed: int):
@@ -243,20 +248,11 @@ class MegatronTrainEngine:
     # ------------------------------------------------------------------ compute
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits [B, T, V] (HF layout: row t predicts token t + 1)."""
-        ids = input_ids.to(self.device)
-        if self.autocast_dtype is None:
-            return gather_vocab(local_logits(self.model, ids), self.hf_config.vocab_size)
-        with torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype):
-            return gather_vocab(local_logits(self.model, ids), self.hf_config.vocab_size)
+        with self.autocast():
+            return gather_vocab(local_logits(self.model, input_ids.to(self.device)), self.hf_config.vocab_size)
 
     def join_rows(self, batch: Any) -> tuple[Any, slice]:
         return join_rows(batch)
-
-    def backward(self, loss: torch.Tensor) -> None:
-        loss.backward()
-
-    def current_lr(self) -> float:
-        return float(self.optimizer.param_groups[0]["lr"])
 
     def reduce_gradients(self) -> None:
         """Sum gradients over the data-parallel group (TP peers hold different shards)."""
@@ -323,36 +319,6 @@ class MegatronTrainEngine:
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
         dist.all_reduce(t, group=self.dp_group)
         return t.tolist()
-
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            dist.barrier()
-
-    # ------------------------------------------------------------------ memory
-    def offload(self, model: bool, optimizer: bool) -> dict:
-        start, moved = time.perf_counter(), {"model_bytes": 0, "optimizer_bytes": 0}
-        if model and self._host_model is None:
-            self._host_model = to_host(module_tensors(self.model))
-            moved["model_bytes"] = host_bytes(self._host_model)
-        if optimizer and self._host_optimizer is None:
-            self._host_optimizer = to_host(optimizer_tensors(self.optimizer))
-            moved["optimizer_bytes"] = host_bytes(self._host_optimizer)
-        return {**moved, "seconds": time.perf_counter() - start}
-
-    def onload(self) -> dict:
-        start, moved = time.perf_counter(), {"model_bytes": 0, "optimizer_bytes": 0}
-        if self._host_model is not None:
-            moved["model_bytes"] = to_device(self._host_model)
-            self._host_model = None
-        if self._host_optimizer is not None:
-            moved["optimizer_bytes"] = to_device(self._host_optimizer)
-            self._host_optimizer = None
-        return {**moved, "seconds": time.perf_counter() - start}
-
-    def check_live(self, what: str, optimizer: bool = True) -> None:
-        if self._host_model is not None or (optimizer and self._host_optimizer is not None):
-            part = "model" if self._host_model is not None else "optimizer"
-            raise RuntimeError(f"trainer {part} is offloaded; call onload() before {what}()")
 
     # ------------------------------------------------------------------ weights
     def _local_shard(self) -> dict[str, torch.Tensor]:
