@@ -24,7 +24,8 @@ class DeepSpeedOptions:
 
 @dataclass
 class MegatronOptions:
-    # Tensor-parallel ranks per model replica; must divide the trainer group's size.
+    # Tensor-parallel ranks per model replica; must divide the size of the trainer (or
+    # teacher) group. TP peers share their slices of each batch; the rest is data parallel.
     tensor_parallel_size: int = 1
 
 
