@@ -103,6 +103,10 @@ class GKDAlgorithm:
     topk_mode: str = "renorm"
     # Longest student generation in tokens.
     max_new_tokens: int = 48
+    # Steps an on-policy generation may run ahead of training (separate placement only): with N
+    # the rollout generates for steps k+1..k+N while the teacher and trainer work on step k, so
+    # the student's samples are up to N weight versions old. 0: strictly on-policy.
+    max_staleness: int = 0
 
 
 @dataclass

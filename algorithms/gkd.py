@@ -10,10 +10,13 @@ sampled completions, written by a teacher-weight rollout in the driver process).
 (top-k logprobs when `placement.gkd_logits_topk` is set, else the full vocabulary), the
 trainer minimises the generalized JSD (`beta`, `temperature`, `sft_alpha`), and the new
 weights go to the rollout. The teacher is colocated with the trainer (placement
-`teacher_model`) or in its own group (`placement.teacher`). With `teacher.warmup_steps`,
-the teacher is first trained by SFT on the task and cached. eval/accuracy (greedy, held-out)
-of the student is logged at step 0, every run.eval_every steps and at the end, beside the
-teacher's own accuracy.
+`teacher_model`) or in its own group (`placement.teacher`). With separate placement and
+`max_staleness` N > 0, the student's generations for the next N steps run while the teacher
+and trainer work (samples at most N weight versions old). With `teacher.warmup_steps`, the
+teacher is first trained by SFT on the task and cached. eval/accuracy (greedy, held-out) of
+the student is logged at step 0, every run.eval_every steps and at the end, beside the
+teacher's own accuracy. Per-step time, bytes moved and memory figures and timeline.jsonl are
+as in algorithms/grpo.py.
 """
 from __future__ import annotations
 
@@ -29,12 +32,12 @@ import hydra
 import torch
 from omegaconf import DictConfig
 
-from algorithms import common, sft
+from algorithms import common, overlap, sft
 from algorithms.config import (GKDRunConfig, LoopConfig, SFTRunConfig, SWIFT_GKD_KEYS, as_dict, engine_args,
                                prepare)
 from algorithms.data import load_task
 from algorithms.losses import TOPK_MODES, make_loss
-from algorithms.runlog import RunLog, run_dir
+from algorithms.runlog import RunLog, run_dir, timed_call
 from orchestration.cluster import init_cluster
 from orchestration.config import ConfigError, register_schema
 from orchestration.launch import driver_group, start_roles
@@ -52,85 +55,99 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
     `step0` holds extra metrics for the step-0 record (the teacher's accuracy);
     `teacher_writer` (a rollout with the teacher's weights) writes off-policy completions when seq_kd."""
     algo, steps, every = cfg.algorithm, cfg.run.steps, cfg.run.eval_every
+    overlap.check_staleness(algo.max_staleness, plan)
     topk = plan.gkd_logits_topk
     offload_train = plan["train"].offload_model or plan["train"].offload_optimizer
+    offload_args = (plan["train"].offload_model, plan["train"].offload_optimizer)
     offload_teacher = plan["teacher"].offload_model
     sleep_level = plan["rollout"].sleep_level
     sampling = SamplingParams(temperature=algo.temperature, max_new_tokens=algo.max_new_tokens)
     stream = common.prompt_stream(train_set, cfg.run.prompts_per_step, cfg.run.seed)
+    # The coin of every step, drawn up front: generations may start max_staleness steps early.
     coin = random.Random(cfg.run.seed)
+    on_policy = [False] + [coin.random() < algo.lmbda for _ in range(steps)]
+    prefetch = overlap.Prefetch(rollout, log, stream, sampling, algo.max_staleness, steps,
+                                generates=lambda s: on_policy[s])
     if offload_teacher:
-        teacher.call("offload")
+        timed_call(log, "teacher", teacher, "offload")
     record: dict = {}
     for step in range(0, steps + 1):
         metrics: dict = dict(step0 or {}) if step == 0 else {}
         if step > 0:
-            examples = next(stream)
-            on_policy = coin.random() < algo.lmbda
-            metrics["gkd/on_policy"] = float(on_policy)
+            metrics["gkd/on_policy"] = float(on_policy[step])
             # Generate: the student writes the completions (on-policy), else dataset responses.
+            if on_policy[step]:
+                wake(trainer, rollout, sleep_level, cfg.weight_sync, step - 1, log)
             with log.phase("generate"):
-                if on_policy:
-                    wake(trainer, rollout, sleep_level, cfg.run.sync_bucket_mb, version=step - 1)
-                    comps = rollout.call("generate", [ex.prompt_messages() for ex in examples], sampling,
-                                         dispatch="slice", collect="flatten")
-                    if sleep_level:
-                        rollout.call("sleep", sleep_level)
-                elif algo.seq_kd:  # sequence-level KD: the teacher writes the completions
+                examples, comps = prefetch.take(step)
+            if on_policy[step]:
+                if sleep_level:
+                    timed_call(log, "rollout", rollout, "sleep", sleep_level)
+                metrics.update(overlap.staleness(comps, step, algo.max_staleness))
+            elif algo.seq_kd:  # sequence-level KD: the teacher writes the completions
+                with log.phase("generate", "teacher_writer"):
                     comps = teacher_writer.call("generate", [ex.prompt_messages() for ex in examples], sampling,
                                                 dispatch="slice", collect="flatten")
-                    comps.logprobs = []  # the teacher's sampling logprobs are not the student's
-                else:
-                    comps = common.encode_examples(tokenizer, examples)
-                batch = common.batch_of(tokenizer, comps)
-                # sft_alpha's NLL term counts dataset responses only, never the student's own text.
-                batch.sft_weight = torch.full((len(batch),), 0.0 if on_policy else 1.0)
+                comps.logprobs = []  # the teacher's sampling logprobs are not the student's
+            else:
+                comps = common.encode_examples(tokenizer, examples)
+            batch = common.batch_of(tokenizer, comps)
+            # sft_alpha's NLL term counts dataset responses only, never the student's own text.
+            batch.sft_weight = torch.full((len(batch),), 0.0 if on_policy[step] else 1.0)
             # Teacher: logprobs at every position (top-k or full vocabulary).
-            with log.phase("teacher"):
-                if offload_teacher:
-                    teacher.call("onload")
+            if offload_teacher:
+                timed_call(log, "teacher", teacher, "onload")
+            with log.phase("teacher", "teacher"):
                 # Top-k is taken from the tempered distribution (the loss then leaves it as is);
                 # full-vocabulary logprobs come at temperature 1 and the loss tempers them.
                 out = teacher.call("logits", batch, topk, temperature=algo.temperature if topk else 1.0,
                                    dispatch="slice", collect="flatten")
-                if offload_teacher:
-                    teacher.call("offload")
                 batch.teacher_logprobs, batch.teacher_indices = out if topk else (out, None)
+            if offload_teacher:
+                timed_call(log, "teacher", teacher, "offload")
             # Train: one update of the student on the generalized JSD.
-            with log.phase("train"):
-                if offload_train:
-                    trainer.call("onload")
+            if offload_train:
+                timed_call(log, "train", trainer, "onload")
+            with log.phase("train", "train"):
                 result = trainer.call("train_step", batch, dispatch="slice", collect=common.first)
                 metrics.update({f"train/{k}": v for k, v in result.items()})
+            # Generations started ahead finish on the old weights before the rollout takes new ones.
+            if algo.max_staleness:
+                with log.phase("wait_rollout"):
+                    prefetch.drain()
             # Sync weights: the rollout generates with the updated student from now on.
-            with log.phase("sync_weights"):
-                common.sync_weights(trainer, [rollout], cfg.run.sync_bucket_mb, version=step)
-                if offload_train:
-                    trainer.call("offload", plan["train"].offload_model, plan["train"].offload_optimizer)
+            with log.phase("sync_weights", "train", "rollout"):
+                metrics.update(common.sync_weights(trainer, [rollout], cfg.weight_sync, version=step))
+            if offload_train:
+                timed_call(log, "train", trainer, "offload", *offload_args)
         if step == 0 or step == steps or (every and step % every == 0):
             # Eval: greedy accuracy of the student on held-out prompts.
-            with log.phase("eval"):
-                wake(trainer, rollout, sleep_level, cfg.run.sync_bucket_mb, version=step)
+            wake(trainer, rollout, sleep_level, cfg.weight_sync, step, log)
+            with log.phase("eval", "rollout"):
                 metrics["eval/accuracy"] = common.accuracy(rollout, eval_set, cfg.run.eval_max_new_tokens)
-                if sleep_level:
-                    rollout.call("sleep", sleep_level)
+            if sleep_level:
+                timed_call(log, "rollout", rollout, "sleep", sleep_level)
         if step > 0 and cfg.run.save_every and step % cfg.run.save_every == 0 and not (
                 step == steps and cfg.run.save_final):
-            with log.phase("save"):
+            with log.phase("save", "train"):
                 save(trainer, log.dir, step, plan if offload_train else None)
+        # Memory: each role's host RSS and peak device memory (all idle here).
+        for role, group in (("train", trainer), ("rollout", rollout), ("teacher", teacher)):
+            log.memory(role, group.call("memory"))
         record = log.step(step, metrics)
     if cfg.run.save_final:
         record["checkpoint"] = str(save(trainer, log.dir, steps, plan if offload_train else None))
     return record
 
 
-def wake(trainer: Any, rollout: Any, sleep_level: int, bucket_mb: float, version: int) -> None:
+def wake(trainer: Any, rollout: Any, sleep_level: int, weight_sync: Any, version: int, log: RunLog) -> None:
     """Wake a sleeping rollout; sleep level 2 discarded its weights, so they are sent again
     (a trainer's buckets can be read while it is offloaded)."""
     if sleep_level == 2:
-        common.sync_weights(trainer, [rollout], bucket_mb, version)
+        with log.phase("sync_weights", "train", "rollout"):
+            common.sync_weights(trainer, [rollout], weight_sync, version)
     if sleep_level:
-        rollout.call("wake_up")
+        timed_call(log, "rollout", rollout, "wake_up")
 
 
 def save(trainer: Any, out_dir: Path, step: int, offloaded: Plan | None) -> Path:
@@ -223,6 +240,7 @@ def check(cfg: GKDRunConfig, plan: Plan) -> None:
                           ("topk_mode", a.topk_mode in TOPK_MODES, f"one of {list(TOPK_MODES)}")):
         if not ok:
             raise ConfigError(f"config key 'algorithm.{key}'={getattr(a, key)!r} is invalid. Fix: use {want}")
+    overlap.check_staleness(a.max_staleness, plan)
     gkd_loss(cfg, plan)
 
 

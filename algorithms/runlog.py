@@ -1,9 +1,14 @@
 """Run outputs shared by the drivers: metrics.jsonl, the resolved config, a per-step
-progress line with ETA, and one timer per phase.
+progress line with ETA, one timer per phase, and timeline.jsonl (when each role was busy).
 
     log = RunLog(out_dir, total_steps=cfg.run.steps)
-    with log.phase("generate"): ...
-    log.step(step, {"train/loss": 0.3})      # writes one JSON line, prints progress
+    with log.phase("generate", "rollout"): ...   # time/generate; the rollout busy meanwhile
+    log.moved("train", "offload", results)       # move/train_offload_{bytes,s}
+    log.memory("train", results)                 # mem/train_{rss,rss_peak,device_peak}_bytes
+    log.step(step, {"train/loss": 0.3})          # writes one JSON line, prints progress
+
+Times in timeline.jsonl are seconds since the RunLog was created (this process's monotonic
+clock), one line per busy interval: {"step", "role", "phase", "start", "end"}.
 """
 from __future__ import annotations
 
@@ -30,6 +35,8 @@ def run_dir() -> Path:
 
 # Counters that add nothing to a progress line (still written to metrics.jsonl).
 HIDDEN = ("/step", "/sequences", "/tokens")
+# Metric families left out of the progress line for the same reason.
+HIDDEN_PREFIXES = ("time/", "mem/", "move/")
 
 
 class RunLog:
@@ -41,29 +48,68 @@ class RunLog:
         self.path = self.dir / "metrics.jsonl"
         self._file = open(self.path, "a", buffering=1)
         self._phases: dict[str, float] = {}
+        self._sums: dict[str, float] = {}
         self._start = time.monotonic()
         self._first_step_at: float | None = None
+        self._step_started = self._start
+        self.current_step = 0  # the step being run: timeline lines without an explicit step get it
+        self.timeline_path = self.dir / "timeline.jsonl"
+        self._timeline = open(self.timeline_path, "a", buffering=1)
         if resolved_config is not None:
             from omegaconf import OmegaConf
 
             OmegaConf.save(resolved_config, self.dir / "resolved_config.yaml", resolve=True)
 
     @contextmanager
-    def phase(self, name: str):
-        """Time one phase of the current step; reported as time/<name> seconds."""
+    def phase(self, name: str, *roles: str):
+        """Time one phase of the current step, reported as time/<name> seconds; the `roles`
+        named are busy with it for that time (timeline.jsonl)."""
         t0 = time.monotonic()
         try:
             yield
         finally:
-            self._phases[name] = self._phases.get(name, 0.0) + time.monotonic() - t0
+            t1 = time.monotonic()
+            self._phases[name] = self._phases.get(name, 0.0) + t1 - t0
+            for role in roles:
+                self.busy(role, name, t0, t1)
+
+    def busy(self, role: str, phase: str, start: float, end: float, step: int | None = None) -> None:
+        """One busy interval of `role` (time.monotonic() values), for the step it serves."""
+        line = {"step": self.current_step if step is None else step, "role": role, "phase": phase,
+                "start": round(start - self._start, 4), "end": round(end - self._start, 4)}
+        self._timeline.write(json.dumps(line) + "\n")
+
+    def add(self, key: str, value: float) -> None:
+        """Add `value` to metric `key` of the current step (summed until the step is written)."""
+        self._sums[key] = self._sums.get(key, 0.0) + float(value)
+
+    def moved(self, role: str, op: str, results: Any) -> None:
+        """Bytes and seconds of an offload/onload/sleep/wake_up call (one result per rank, or
+        one result): bytes summed over ranks, seconds (where the role reports them) of the
+        slowest rank."""
+        per_rank = [r for r in (results if isinstance(results, list) else [results]) if isinstance(r, dict)]
+        if per_rank:
+            self.add(f"move/{role}_{op}_bytes", sum(v for r in per_rank for k, v in r.items() if k.endswith("bytes")))
+        if any("seconds" in r for r in per_rank):
+            self.add(f"move/{role}_{op}_s", max(float(r.get("seconds", 0.0)) for r in per_rank))
+
+    def memory(self, role: str, results: Any) -> None:
+        """A role's memory() figures, the largest over its ranks, as mem/<role>_<figure>."""
+        per_rank = [r for r in (results if isinstance(results, list) else [results]) if isinstance(r, dict)]
+        for key in sorted({k for r in per_rank for k in r}):
+            self._sums[f"mem/{role}_{key}"] = max(r.get(key, 0) for r in per_rank)
 
     def step(self, step: int, metrics: dict[str, Any], quiet: bool = False) -> dict[str, Any]:
         """Write one JSON line for `step` with `metrics` and the phase timings; print progress."""
         now = time.monotonic()
-        record = {"step": step, **{k: _plain(v) for k, v in metrics.items()},
+        record = {"step": step, **{k: _plain(v) for k, v in {**self._sums, **metrics}.items()},
                   **{f"time/{k}": round(v, 4) for k, v in self._phases.items()}}
         record["time/step"] = round(sum(self._phases.values()), 4)
-        self._phases = {}
+        # Wall time since the previous record: with overlap, phases of different roles
+        # run at once and no longer add up to it.
+        record["time/step_wall"] = round(now - self._step_started, 4)
+        self._phases, self._sums, self._step_started = {}, {}, now
+        self.current_step = step + 1
         self._file.write(json.dumps(record) + "\n")
         if self._first_step_at is None and step > 0:
             self._first_step_at = now
@@ -78,7 +124,7 @@ class RunLog:
         if step > 0 and self.total:
             rate = elapsed / step
             eta = f" eta {_fmt(rate * (self.total - step))}"
-        keys = [k for k in record if k != "step" and not k.startswith("time/") and not k.endswith(HIDDEN)
+        keys = [k for k in record if k != "step" and not k.startswith(HIDDEN_PREFIXES) and not k.endswith(HIDDEN)
                 and isinstance(record[k], (int, float))]
         keys.sort(key=lambda k: (not k.startswith("eval/"), not k.endswith("loss")))
         shown = [f"{k}={record[k]:.4g}" if isinstance(record[k], float) else f"{k}={record[k]}" for k in keys[:5]]
@@ -87,6 +133,7 @@ class RunLog:
 
     def close(self) -> None:
         self._file.close()
+        self._timeline.close()
 
 
 def _plain(v: Any) -> Any:
@@ -103,5 +150,15 @@ def _fmt(seconds: float) -> str:
 
 
 def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """The lines of a metrics.jsonl or timeline.jsonl file."""
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def timed_call(log: RunLog, role: str, group: Any, method: str, *args: Any) -> Any:
+    """A colocated role's turn-taking call (offload, onload, sleep, wake_up): timed as phase
+    `method`, the role busy meanwhile, its bytes and seconds logged as move/<role>_<method>_*."""
+    with log.phase(method, role):
+        results = group.call(method, *args)
+    log.moved(role, method, results)
+    return results

@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
@@ -28,7 +29,7 @@ from omegaconf import OmegaConf
 
 from roles.engines.options import ROLLOUT_ENGINES, check_engine
 from roles.batch import Completions, SamplingParams
-from roles.engines.torch_engine import pick_device
+from roles.engines.torch_engine import pick_device, process_memory
 from roles.engines.torch_generate import generate_batch
 from roles.models import DTYPES, ModelSpec, build_model, load_tokenizer
 
@@ -272,16 +273,19 @@ class Rollout:
         """0 when awake, else the level of the last sleep()."""
         return self._sleep_level
 
-    def sleep(self, level: int = 1) -> None:
+    def sleep(self, level: int = 1) -> dict[str, float]:
         """Release the device memory of the weights (the KV cache never outlives a generate call).
-        1: keep the weights in host memory; 2: discard them."""
+        1: keep the weights in host memory; 2: discard them. Returns the weight bytes released
+        from the device and the seconds it took."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 (weights to host memory) or 2 (weights discarded), got {level}")
+        start = time.perf_counter()
         if self._sleep_level:
             if level == 2:  # deeper sleep: drop what level 1 kept
                 self._host, self._weights_valid = None, False
             self._sleep_level = max(self._sleep_level, level)
-            return
+            return {"model_bytes": 0, "seconds": time.perf_counter() - start}
+        released = sum(p.numel() * p.element_size() for p in self._params.values())
         host = {} if level == 1 else None
         for name, p in self._params.items():
             if host is not None:
@@ -292,20 +296,29 @@ class Rollout:
         self._host, self._sleep_level = host, level
         if level == 2:
             self._weights_valid = False
-        gc.collect()
-        if self.device.type == "cuda":
+        if self.device.type == "cuda":  # on CPU freed tensors return at once; a full gc costs ~0.3 s
+            gc.collect()
             torch.cuda.empty_cache()
+        return {"model_bytes": released, "seconds": time.perf_counter() - start}
 
-    def wake_up(self) -> None:
-        """Bring the weights back to the device (level 2 without an update since: allocated, unset)."""
+    def wake_up(self) -> dict[str, float]:
+        """Bring the weights back to the device (level 2 without an update since: allocated, unset).
+        Returns the weight bytes restored from host memory and the seconds it took."""
+        start, restored = time.perf_counter(), 0
         if not self._sleep_level:
-            return
+            return {"model_bytes": 0, "seconds": 0.0}
         for name, p in self._params.items():
             if self._host is not None and name in self._host:
                 p.data = self._host[name].to(self.device, non_blocking=True)
+                restored += p.numel() * p.element_size()
             else:
                 shape, dtype = self._meta[name]
                 p.data = torch.empty(shape, dtype=dtype, device=self.device)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self._host, self._sleep_level = None, 0
+        return {"model_bytes": restored, "seconds": time.perf_counter() - start}
+
+    def memory(self) -> dict[str, int]:
+        """Host RSS (now, peak) and peak device memory of this rank's process."""
+        return process_memory(self.device)

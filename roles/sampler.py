@@ -42,8 +42,11 @@ class Sampler:
     def update_weights_from_path(self, path, version: int) -> None:
         self.rollout.update_weights_from_path(path, version)
 
-    def sleep(self, level: int = 1) -> None:
-        self.rollout.sleep(level)
+    def sleep(self, level: int = 1) -> dict[str, float]:
+        return self.rollout.sleep(level)
 
-    def wake_up(self) -> None:
-        self.rollout.wake_up()
+    def wake_up(self) -> dict[str, float]:
+        return self.rollout.wake_up()
+
+    def memory(self) -> dict[str, int]:
+        return self.rollout.memory()

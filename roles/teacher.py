@@ -24,6 +24,7 @@ from omegaconf import OmegaConf
 
 from roles.batch import Batch
 from roles.engines.options import TEACHER_ENGINES, check_engine
+from roles.engines.torch_engine import process_memory
 from roles.engines.torch_trainer import host_bytes, module_tensors, rank_device, to_device, to_host
 from roles.models import ModelSpec, build_model, load_tokenizer, resolve_config
 
@@ -139,3 +140,7 @@ class Teacher:
         moved = to_device(self._host)
         self._host = None
         return {"model_bytes": moved}
+
+    def memory(self) -> dict[str, int]:
+        """Host RSS (now, peak) and peak device memory of this rank's process."""
+        return process_memory(self.device)

@@ -36,7 +36,7 @@ from omegaconf import OmegaConf
 
 from roles.batch import Batch
 from roles.engines.options import TRAIN_ENGINES, check_engine
-from roles.engines.torch_engine import token_entropy, token_logprobs
+from roles.engines.torch_engine import process_memory, token_entropy, token_logprobs
 from roles.engines.torch_trainer import TorchTrainEngine, rank_device, rng_state, set_rng_state
 from roles.models import ModelConfig, ModelSpec, build_model, load_tokenizer, resolve_config, save_checkpoint
 
@@ -275,6 +275,10 @@ class Trainer:
     def onload(self) -> dict[str, float]:
         """Bring back whatever `offload` moved; state is bit-identical to before."""
         return self.engine.onload()
+
+    def memory(self) -> dict[str, int]:
+        """Host RSS (now, peak) and peak device memory of this rank's process."""
+        return process_memory(self.device)
 
     # ------------------------------------------------------------------ checkpoints
     def save(self, out_dir: Union[str, os.PathLike]) -> Path:

@@ -92,6 +92,9 @@ class FakeTrainer:
         Path(path).mkdir(parents=True, exist_ok=True)
         return Path(path)
 
+    def memory(self):
+        return {"rss_bytes": 1}
+
 
 class FakeRollout:
     """Asleep it refuses to generate; sleep(2) discards the weights until the next update."""
@@ -118,6 +121,9 @@ class FakeRollout:
     def wake_up(self):
         self.asleep = False
 
+    def memory(self):
+        return {"rss_bytes": 2}
+
 
 class FakeTeacher:
     VOCAB = 16
@@ -138,6 +144,9 @@ class FakeTeacher:
 
     def onload(self):
         self.offloaded = False
+
+    def memory(self):
+        return {"rss_bytes": 3}
 
 
 def summary(method, args):
@@ -165,7 +174,8 @@ class FakeGroup(BaseWorkerGroup):
         self.role, self.ranks, self.calls, self.world_size = role, ranks, calls, len(ranks)
 
     def async_call(self, method, *args, **kwargs):
-        self.calls.append((self.role, method, summary(method, args)))
+        if method != "memory":  # per-step figures, not part of the call order under test
+            self.calls.append((self.role, method, summary(method, args)))
         return super().async_call(method, *args, **kwargs)
 
     def _submit(self, index, method, args, kwargs):

@@ -28,10 +28,18 @@ class FakeGroup:
 
     def __init__(self, role, log, correct=None):
         # correct(question, position in the request, training round) -> right samples of its group
-        self.role, self.log, self.correct, self.rounds = role, log, correct, 0
+        self.role, self.log, self.correct, self.rounds, self.version = role, log, correct, 0, 0
+
+    def async_call(self, method, *args, **kwargs):
+        value = self.call(method, *args, **kwargs)
+        return type("Done", (), {"get": lambda self, timeout=None: value})()
 
     def call(self, method, *args, **kwargs):
+        if method == "memory":  # per-step figures; not part of the call order under test
+            return {"rss_bytes": 1}
         self.log.append((self.role, method, args))
+        if method == "update_weights":
+            self.version = args[1]
         if method == "generate":
             prompts, sampling = args
             self.rounds += sampling.n > 1
@@ -43,7 +51,7 @@ class FakeGroup:
             n = len(texts)
             ids = [[1, 2, 3][: 1 + i % 3] for i in range(n)]
             return Completions(list(range(n)), [[5, 6]] * n, ids, texts, [[-0.5] * len(c) for c in ids],
-                               ["stop"] * n, [0] * n)
+                               ["stop"] * n, [self.version] * n)
         if method == "train_step":
             return {"loss": 0.0, "step": float(sum(1 for e in self.log if e[1] == "train_step"))}
         if method == "state_dict_buckets":

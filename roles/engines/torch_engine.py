@@ -1,10 +1,13 @@
 """Torch building blocks shared by the roles: device choice, aligned token logprobs,
-and moving a module's tensors off the device and back.
+moving a module's tensors off the device and back, and a process's memory figures.
 
 The device comes from config and availability, never from CUDA_VISIBLE_DEVICES alone: a
 cluster with simulated GPUs sets that variable while torch.cuda stays unavailable.
 """
 from __future__ import annotations
+
+import os
+import resource
 
 import torch
 
@@ -43,3 +46,17 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
 
 def tensors_nbytes(tensors) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def process_memory(device: torch.device) -> dict[str, int]:
+    """This process's host memory (resident set now and at its peak) and the peak device
+    memory torch allocated on `device` (0 on CPU). Every role reports these as memory()."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    try:
+        with open("/proc/self/statm") as f:
+            rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # no procfs: the peak is the best figure there is
+        rss = peak
+    peak = max(peak, rss)  # the kernel's high-water mark can trail the current figure
+    device_peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    return {"rss_bytes": rss, "rss_peak_bytes": peak, "device_peak_bytes": device_peak}

@@ -1,0 +1,133 @@
+"""Generation ahead of training, bounded by `max_staleness` (GRPO and GKD drivers).
+
+With separate placement the rollout can generate the batch of step k+1 while the trainer
+trains on the batch of step k. `Prefetch` draws each step's prompts in order and starts
+the generations of steps up to `step + max_staleness` (async_call) when step `step` is
+taken; after training, the driver waits for the generations still running (`drain`) and
+only then sends the new weights, so the rollout never changes weights mid-batch. A batch
+taken at step k was generated with weight version >= k - 1 - max_staleness, while the
+trainer holds version k - 1: its staleness is at most max_staleness, and 0 means strictly
+on-policy (each generation starts after the previous step's weight sync).
+
+Each generation runs on a thread-watched future so its real end time lands on the
+timeline (the driver itself may be busy waiting on the trainer at that moment).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable, Iterator, Optional
+
+from orchestration.config import ConfigError
+from orchestration.planner import Plan
+from roles.batch import Completions
+
+
+def check_staleness(max_staleness: int, plan: Plan, key: str = "algorithm.max_staleness") -> None:
+    """Refuse a negative bound, and overlap where the rollout shares its devices with a role
+    that runs meanwhile (they take turns there, so nothing could overlap)."""
+    if max_staleness < 0:
+        raise ConfigError(f"config key '{key}'={max_staleness} must be >= 0 (0: strictly on-policy)")
+    shared = sorted(set(plan["rollout"].colocated_with) & {"train", "teacher"}) if "rollout" in plan.roles else []
+    if max_staleness > 0 and shared:
+        raise ConfigError(
+            f"config key '{key}'={max_staleness} overlaps generation with training, but the placement "
+            f"colocates rollout with {shared} (placement.colocate_groups / device_groups): they share a device "
+            f"and take turns. Fix: set {key}=0, or give the rollout its own devices (separate placement)")
+
+
+class Pending:
+    """An async group call whose end time is watched by a thread. The call starts when its
+    group is free: after `after` (the previous call queued on the same group), if any."""
+
+    def __init__(self, group: Any, method: str, *args: Any, after: Optional["Pending"] = None, **kwargs: Any):
+        self.submitted = time.monotonic()
+        self.start = self.end = self.submitted
+        self._after, self._value, self._error = after, None, None
+        future = group.async_call(method, *args, **kwargs)
+        self._thread = threading.Thread(target=self._watch, args=(future,), daemon=True)
+        self._thread.start()
+
+    def _watch(self, future: Any) -> None:
+        try:
+            self._value = future.get()
+        except BaseException as e:  # re-raised by result() in the driver's thread
+            self._error = e
+        self.end = time.monotonic()
+        if self._after is not None:
+            self._after._thread.join()
+            self.start = max(self.submitted, self._after.end)
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def result(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+class Prefetch:
+    """Each step's examples, drawn from `stream` in step order, and their completions for the
+    steps where `generates(step)` (all by default), generated up to `max_staleness` steps
+    ahead. Steps run 1..`last_step`; nothing is generated beyond it."""
+
+    def __init__(self, rollout: Any, log: Any, stream: Iterator[list], sampling: Any, max_staleness: int,
+                 last_step: int, generates: Callable[[int], bool] = lambda step: True):
+        self.rollout, self.log, self.stream, self.sampling = rollout, log, stream, sampling
+        self.max_staleness, self.last_step, self.generates = max_staleness, last_step, generates
+        self._ahead: dict[int, tuple[list, Optional[Pending]]] = {}
+        self._next = 1
+        self._last: Optional[Pending] = None
+
+    def take(self, step: int) -> tuple[list, Optional[Completions]]:
+        """(examples, completions or None) of `step`; starts the generations of the following
+        steps up to the staleness bound first."""
+        while self._next <= min(step + self.max_staleness, self.last_step):
+            examples = next(self.stream)
+            pending = None
+            if self.generates(self._next):
+                pending = Pending(self.rollout, "generate", [ex.prompt_messages() for ex in examples], self.sampling,
+                                  dispatch="slice", collect="flatten", after=self._last)
+                self._last = pending
+            self._ahead[self._next] = (examples, pending)
+            self._next += 1
+        examples, pending = self._ahead.pop(step)
+        return examples, None if pending is None else self._finish(pending, step)
+
+    def extra(self, step: int) -> tuple[list, Completions]:
+        """Another round of fresh prompts for `step` (dynamic sampling), generated now, after
+        whatever is already queued on the rollout."""
+        examples = next(self.stream)
+        self._last = Pending(self.rollout, "generate", [ex.prompt_messages() for ex in examples], self.sampling,
+                             dispatch="slice", collect="flatten", after=self._last)
+        return examples, self._finish(self._last, step)
+
+    def _finish(self, pending: Pending, step: int) -> Completions:
+        comps = pending.result()
+        self.log.busy("rollout", "generate", pending.start, pending.end, step=step)
+        self.log.add("rollout/generate_s", pending.end - pending.start)
+        return comps
+
+    def drain(self) -> None:
+        """Wait until no generation is running (before the rollout's weights change)."""
+        for _, pending in self._ahead.values():
+            if pending is not None:
+                pending.result()
+
+    def running(self) -> int:
+        """Generations started and not finished."""
+        return sum(p is not None and not p.done() for _, p in self._ahead.values())
+
+
+def staleness(comps: Completions, step: int, bound: int) -> dict[str, float]:
+    """Per-sample staleness at `step` (the trainer holds weight version step - 1; a sample made
+    with version v is step - 1 - v versions old), checked against `bound`."""
+    ages = [step - 1 - int(v) for v in comps.weight_version]
+    if not ages:
+        return {}
+    if max(ages) > bound or min(ages) < 0:
+        raise RuntimeError(f"step {step}: samples generated with weight versions {sorted(set(comps.weight_version))} "
+                           f"are {max(ages)} versions old; algorithm.max_staleness={bound} allows at most {bound}")
+    return {"staleness/max": float(max(ages)), "staleness/mean": sum(ages) / len(ages)}

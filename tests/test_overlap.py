@@ -1,0 +1,249 @@
+"""Overlap of generation and training (max_staleness) and the per-step measurements.
+
+Fake roles run on one thread each (calls to a rank run in order, like a Ray actor) and sleep
+instead of computing, so the GRPO and GKD loops really overlap them; the timeline.jsonl the
+loop writes shows when. Then real tiny GRPO runs on Ray: separate with max_staleness=1, and
+colocated with its memory and bytes-moved figures."""
+import io
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from hydra import compose, initialize_config_module
+
+from algorithms import gkd, grpo
+from algorithms.config import GKDRunConfig, GKDAlgorithm, LoopConfig, prepare
+from algorithms.runlog import RunLog, read_metrics
+from algorithms.tasks import Example
+from orchestration.base_group import BaseWorkerGroup
+from orchestration.config import ConfigError, register_schema
+from orchestration.planner import make_plan
+from roles.batch import Completions
+
+SEPARATE = {"train": {"gpus": 1}, "rollout": {"gpus": 1}}
+COLOCATED = {**SEPARATE, "colocate_groups": [["train", "rollout"]], "offload_model": True, "sleep_level": 1}
+WORK_S = 0.08  # seconds each fake generate / train_step / logits call takes
+ANSWERS = {f"q{i}": str(i) for i in range(20)}
+EXAMPLES = [Example(prompt=q, solution=f"#### {a}", answer=a) for q, a in ANSWERS.items()]
+
+
+class Tokenizer:
+    pad_token_id, eos_token_id = 0, 0
+
+
+class ThreadGroup(BaseWorkerGroup):
+    """The real dispatch/collect over fake ranks, each served by its own single thread."""
+
+    def __init__(self, role, rank):
+        self.role, self.world_size, self.rank = role, 1, rank
+        self.pool = ThreadPoolExecutor(1)
+
+    def _submit(self, index, method, args, kwargs):
+        return self.pool.submit(getattr(self.rank, method), *args, **kwargs)
+
+    def _wait(self, handles, method, indices, timeout):
+        return [h.result(timeout) for h in handles]
+
+
+class SlowTrainer:
+    def __init__(self):
+        self.steps = 0
+
+    def train_step(self, batch, temperature=1.0):
+        time.sleep(WORK_S)
+        self.steps += 1
+        return {"loss": 1.0, "tokens": float(batch.loss_mask.sum()), "step": float(self.steps)}
+
+    def state_dict_buckets(self, bucket_mb):
+        return [[("w", torch.full((2,), float(self.steps)))]]
+
+    def memory(self):
+        return {"rss_bytes": 10, "rss_peak_bytes": 20, "device_peak_bytes": 0}
+
+
+class SlowRollout:
+    """Answers half of each group right; stamps completions with its weight version."""
+
+    def __init__(self, follow_updates=True):
+        self.version, self.follow = 0, follow_updates
+
+    def generate(self, prompts, sampling):
+        time.sleep(WORK_S if sampling.temperature > 0 else 0.0)
+        texts = [f"#### {ANSWERS[p[-1]['content']] if j % 2 else 0}" for p in prompts for j in range(sampling.n)]
+        n = len(texts)
+        return Completions([i // sampling.n for i in range(n)], [[5, 6]] * n, [[7, 8, 9]] * n, texts,
+                           [[-0.5] * 3] * n, ["stop"] * n, [self.version] * n)
+
+    def update_weights(self, buckets, version):
+        if self.follow:
+            self.version = version
+
+    def memory(self):
+        return {"rss_bytes": 30, "rss_peak_bytes": 40, "device_peak_bytes": 0}
+
+
+class SlowTeacher:
+    def logits(self, batch, topk=None, tail=False, temperature=1.0):
+        time.sleep(WORK_S)
+        return torch.log_softmax(torch.zeros(*batch.input_ids.shape, 16), -1)
+
+    def memory(self):
+        return {"rss_bytes": 50}
+
+
+def run_grpo(tmp_path, max_staleness, steps=5, placement=SEPARATE, rollout=None):
+    cfg = grpo.GRPORunConfig(run=LoopConfig(steps=steps, prompts_per_step=2, save_final=False),
+                             algorithm=grpo.GRPOAlgorithm(num_generations=2, max_staleness=max_staleness))
+    log = RunLog(tmp_path, steps, stream=io.StringIO())
+    try:
+        grpo.train(cfg, make_plan(placement), ThreadGroup("train", SlowTrainer()),
+                   ThreadGroup("rollout", rollout or SlowRollout()), None,
+                   grpo.Rewards(grpo.reward_specs(cfg.algorithm), {}), EXAMPLES, EXAMPLES[:2], Tokenizer(), log)
+    finally:
+        log.close()
+    return read_metrics(tmp_path / "metrics.jsonl"), read_metrics(tmp_path / "timeline.jsonl")
+
+
+def spans(timeline, role, phase):
+    """{step: (start, end)} of one role's phase (one interval per step here)."""
+    out = {}
+    for e in timeline:
+        if e["role"] == role and e["phase"] == phase:
+            assert e["step"] not in out, f"two {role} {phase} intervals at step {e['step']}"
+            out[e["step"]] = (e["start"], e["end"])
+    return out
+
+
+def test_grpo_staleness_1_overlaps_generation_with_training(tmp_path):
+    steps = 5
+    records, timeline = run_grpo(tmp_path, max_staleness=1, steps=steps)
+    # Step 1 trains on a batch from the initial weights; later ones on batches one version old.
+    assert [r["staleness/max"] for r in records[1:]] == [0.0] + [1.0] * (steps - 1)
+    assert all(r["staleness/mean"] <= r["staleness/max"] <= 1 for r in records[1:])
+    gen, train = spans(timeline, "rollout", "generate"), spans(timeline, "train", "train")
+    assert sorted(gen) == sorted(train) == list(range(1, steps + 1))
+    for k in range(1, steps):  # batch k+1 is generated while the trainer trains on batch k
+        assert gen[k + 1][0] < train[k][1] and gen[k + 1][1] > train[k][0], (k, gen[k + 1], train[k])
+    # Overlap shortens the steps: less than generate + train, one after the other.
+    walls = [r["time/step_wall"] for r in records[2:-1]]
+    assert sum(walls) / len(walls) < 1.8 * WORK_S
+    assert all(r["mem/train_rss_peak_bytes"] == 20 and r["mem/rollout_rss_bytes"] == 30 for r in records)
+
+
+def test_grpo_staleness_0_is_strictly_on_policy(tmp_path):
+    steps = 4
+    records, timeline = run_grpo(tmp_path, max_staleness=0, steps=steps)
+    assert [r["staleness/max"] for r in records[1:]] == [0.0] * steps
+    gen, train = spans(timeline, "rollout", "generate"), spans(timeline, "train", "train")
+    sync = spans(timeline, "rollout", "sync_weights")
+    for k in range(1, steps + 1):
+        assert gen[k][1] <= train[k][0]  # generated, then trained on
+        if k > 1:  # and generated only after the previous step's weights arrived
+            assert gen[k][0] >= sync[k - 1][1]
+    assert all("time/wait_rollout" not in r for r in records)
+
+
+def test_grpo_staleness_2_stays_within_its_bound(tmp_path):
+    records, _ = run_grpo(tmp_path, max_staleness=2, steps=6)
+    ages = [r["staleness/max"] for r in records[1:]]
+    assert max(ages) == 2.0 and all(a <= 2 for a in ages)
+
+
+def test_samples_older_than_the_bound_stop_the_run(tmp_path):
+    """A rollout that never takes new weights makes samples ever older: the driver stops."""
+    with pytest.raises(RuntimeError, match="max_staleness=1 allows at most 1"):
+        run_grpo(tmp_path, max_staleness=1, steps=4, rollout=SlowRollout(follow_updates=False))
+
+
+def test_gkd_staleness_1_overlaps_generation_with_teacher_and_training(tmp_path):
+    steps = 4
+    cfg = GKDRunConfig(run=LoopConfig(steps=steps, prompts_per_step=2, save_final=False),
+                       algorithm=GKDAlgorithm(lmbda=1.0, max_staleness=1))
+    plan = make_plan({**SEPARATE, "teacher": {"gpus": 1, "model": "tiny_llama"}})
+    log = RunLog(tmp_path, steps, stream=io.StringIO())
+    try:
+        gkd.train(cfg, plan, ThreadGroup("train", SlowTrainer()), ThreadGroup("rollout", SlowRollout()),
+                  ThreadGroup("teacher", SlowTeacher()), EXAMPLES, EXAMPLES[:2], Tokenizer(), log)
+    finally:
+        log.close()
+    records, timeline = read_metrics(tmp_path / "metrics.jsonl"), read_metrics(tmp_path / "timeline.jsonl")
+    assert [r["staleness/max"] for r in records[1:]] == [0.0] + [1.0] * (steps - 1)
+    gen, teacher = spans(timeline, "rollout", "generate"), spans(timeline, "teacher", "teacher")
+    for k in range(1, steps):
+        assert gen[k + 1][0] < teacher[k][1]
+    assert records[1]["mem/teacher_rss_bytes"] == 50
+
+
+@pytest.mark.parametrize("placement", [
+    COLOCATED,
+    {"device_groups": {"nproc_per_node": 1, "gen": {"device": "GPU", "ranks": [0], "workers": ["train", "rollout"]}}},
+])
+def test_overlap_on_a_shared_device_is_refused(placement):
+    plan = make_plan(placement)
+    cfg = grpo.GRPORunConfig(run=LoopConfig(prompts_per_step=4), algorithm=grpo.GRPOAlgorithm(max_staleness=1))
+    with pytest.raises(ConfigError, match=r"'algorithm.max_staleness'=1 .*colocates rollout with \['train'\].*Fix"):
+        grpo.check(cfg, plan)
+    grpo.check(grpo.GRPORunConfig(run=LoopConfig(prompts_per_step=4)), plan)  # 0 is fine there
+
+
+def test_gkd_overlap_with_a_colocated_rollout_is_refused():
+    plan = make_plan({**COLOCATED, "teacher_model": "tiny_llama"})
+    with pytest.raises(ConfigError, match="algorithm.max_staleness"):
+        gkd.check(GKDRunConfig(algorithm=GKDAlgorithm(max_staleness=2)), plan)
+    with pytest.raises(ConfigError, match="must be >= 0"):
+        grpo.check(grpo.GRPORunConfig(run=LoopConfig(prompts_per_step=4),
+                                      algorithm=grpo.GRPOAlgorithm(max_staleness=-1)), make_plan(SEPARATE))
+
+
+# ----------------------------------------------------------------------------- real runs
+
+TINY = ["+experiment=grpo_quickstart", "run.steps=3", "run.prompts_per_step=4", "run.eval_max_new_tokens=8",
+        "data.train_size=32", "data.eval_size=4", "algorithm.num_generations=4", "algorithm.max_new_tokens=8",
+        "algorithm.warmup_sft_steps=0", "algorithm.beta=0", "trainer.warmup_steps=0", "run.save_final=false"]
+
+
+def real_grpo(tmp_path, overrides):
+    register_schema(grpo.GRPORunConfig)
+    with initialize_config_module(config_module="conf", version_base=None):
+        cfg = compose(config_name="config", overrides=TINY + overrides)
+    typed, plan = prepare(cfg, grpo.GRPORunConfig, grpo.SWIFT_GRPO_KEYS)
+    grpo.check(typed, plan)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        grpo.run(typed, plan, tmp_path)
+    finally:
+        torch.set_num_threads(threads)
+    return read_metrics(tmp_path / "metrics.jsonl"), read_metrics(tmp_path / "timeline.jsonl")
+
+
+def test_real_grpo_separate_with_staleness_1(ray_cluster, tmp_path):
+    records, timeline = real_grpo(tmp_path, ["placement.colocate_groups=null", "algorithm.max_staleness=1"])
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert [r["staleness/max"] for r in records[1:]] == [0.0, 1.0, 1.0]
+    for r in records[1:]:
+        assert r["train/loss"] == r["train/loss"] and "time/wait_rollout" in r and r["rollout/generate_s"] > 0
+        assert not any(k.startswith("move/") for k in r)  # nothing takes turns on separate devices
+    gen, train = spans(timeline, "rollout", "generate"), spans(timeline, "train", "train")
+    assert gen[3][0] < train[2][1]  # batch 3 was started before training on batch 2 ended
+    assert records[-1]["mem/train_rss_peak_bytes"] > 50 * 2**20 and records[-1]["mem/rollout_rss_bytes"] > 50 * 2**20
+
+
+def test_real_grpo_colocated_logs_memory_and_bytes_moved(ray_cluster, tmp_path):
+    records, timeline = real_grpo(tmp_path, [])
+    step = records[2]
+    # Trainer weights + AdamW moments go to host and back; the rollout's weights sleep and wake.
+    assert step["move/train_offload_bytes"] > 2 * step["move/rollout_sleep_bytes"] > 0
+    assert step["move/train_onload_bytes"] == step["move/train_offload_bytes"]
+    assert step["move/rollout_wake_up_bytes"] == step["move/rollout_sleep_bytes"]
+    assert all(step[f"move/{k}_s"] >= 0 for k in ("train_offload", "train_onload", "rollout_sleep", "rollout_wake_up"))
+    for role in ("train", "rollout"):
+        assert step[f"mem/{role}_rss_bytes"] > 50 * 2**20
+        assert step[f"mem/{role}_rss_peak_bytes"] >= step[f"mem/{role}_rss_bytes"]
+        assert step[f"mem/{role}_device_peak_bytes"] == 0  # no CUDA device here
+    for phase in ("wake_up", "generate", "sleep", "onload", "train", "sync_weights", "offload"):
+        assert f"time/{phase}" in step, phase
+    # Colocated roles take turns: the rollout never generates while the trainer trains.
+    gen, train = spans(timeline, "rollout", "generate"), spans(timeline, "train", "train")
+    assert all(gen[k][1] <= train[k][0] for k in (1, 2, 3)) and all(train[k][1] <= gen[k + 1][0] for k in (1, 2))
