@@ -5,10 +5,13 @@ from __future__ import annotations
 import functools
 import random
 import sys
+import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from algorithms.tasks import Example
+from orchestration.config import WeightSyncConfig
+from orchestration.weight_sync import WeightSync, sync_metrics
 from roles.batch import Batch, Completions, batch_from_completions
 from roles.batch import SamplingParams
 from roles.orm import ORM
@@ -50,11 +53,18 @@ def prompt_stream(examples: list[Example], per_step: int, seed: int) -> Iterator
         del order[:per_step]
 
 
-def sync_weights(trainer: Any, targets: list[Any], bucket_mb: float, version: int) -> None:
-    """Trainer rank 0's weights, in buckets, into every rank of each target group."""
-    buckets = trainer.call("state_dict_buckets", bucket_mb, execute="first")
-    for group in targets:
-        group.call("update_weights", buckets, version)
+# One WeightSync per trainer group: it keeps its shared-memory files and process groups between syncs.
+_SYNCS: "weakref.WeakKeyDictionary[Any, WeightSync]" = weakref.WeakKeyDictionary()
+
+
+def sync_weights(trainer: Any, targets: list[Any], settings: WeightSyncConfig, version: int) -> dict[str, Any]:
+    """Trainer rank 0's weights, in buckets, into every rank of each target group by the path
+    `orchestration.weight_sync` picks (shared memory, broadcast, object store or file);
+    returns sync/<role>/{path,mb,seconds,mb_per_s} metrics."""
+    sync = _SYNCS.get(trainer)
+    if sync is None or sync.settings != settings:
+        sync = _SYNCS[trainer] = WeightSync(trainer, settings)
+    return sync_metrics(sync.sync(targets, version))
 
 
 _NUMERIC = ORM(kind="numeric")

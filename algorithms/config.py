@@ -11,9 +11,10 @@ from typing import Any, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from algorithms.data import DataConfig
-from orchestration.config import (BackendConfig, ClusterConfig, ConfigError, PlacementConfig, apply_swift_yaml,
-                                  placement_dict, validate)
+from orchestration.config import (BackendConfig, ClusterConfig, ConfigError, PlacementConfig, WeightSyncConfig,
+                                  apply_swift_yaml, placement_dict, validate)
 from orchestration.planner import Plan, make_plan
+from orchestration.weight_sync import check_settings as check_weight_sync
 from roles.engines.options import (ROLLOUT_ENGINES, TEACHER_ENGINES, TRAIN_ENGINES, DeepSpeedOptions,
                                    MegatronOptions, VLLMOptions)
 from roles.models import ModelConfig, check_config, resolve_config
@@ -36,8 +37,6 @@ class LoopConfig:
     save_every: int = 0
     # Save a checkpoint (HF format + optimizer) at the end of the run.
     save_final: bool = True
-    # MiB per weight bucket when syncing trainer weights to the rollout.
-    sync_bucket_mb: float = 64.0
     # Seed of the driver's sampling of prompts and coin flips.
     seed: int = 0
 
@@ -63,6 +62,8 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     # Loop lengths, eval and checkpoint cadence.
     run: LoopConfig = field(default_factory=LoopConfig)
+    # How trainer weights reach the rollout/sampler/teacher groups (path, bucket size, checks).
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
     # DeepSpeed trainer options (backend.train=deepspeed).
     deepspeed: DeepSpeedOptions = field(default_factory=DeepSpeedOptions)
     # Megatron-core trainer/teacher options (backend.train=megatron, backend.teacher=megatron).
@@ -166,6 +167,7 @@ def prepare(cfg: DictConfig | dict, schema: type, swift_keys: dict[str, str]) ->
         if getattr(run.backend, role) not in choices:
             raise ConfigError(f"config key 'backend.{role}'={getattr(run.backend, role)!r}. "
                               f"Fix: use one of {list(choices)}")
+    check_weight_sync(run.weight_sync)
     if run.run.steps < 1 or run.run.prompts_per_step < 1:
         raise ConfigError("config keys 'run.steps' and 'run.prompts_per_step' must be >= 1")
     trainer_ranks = max((plan[r].world_size for r in ("train", "default") if r in plan.roles), default=1)

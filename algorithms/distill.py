@@ -212,9 +212,10 @@ def run_sft(cfg: DistillRunConfig, plan: Plan, model: Any, data: DataConfig, ste
                                                                           "workers": ["train"]}}})
     trainer = replace(cfg.trainer, lr=lr, total_steps=steps, warmup_steps=steps // 10)
     run = LoopConfig(steps=steps, prompts_per_step=cfg.algorithm.sft_batch, seed=cfg.run.seed,
-                     eval_max_new_tokens=cfg.run.eval_max_new_tokens, sync_bucket_mb=cfg.run.sync_bucket_mb)
+                     eval_max_new_tokens=cfg.run.eval_max_new_tokens)
     sft_cfg = SFTRunConfig(placement=cfg.placement, cluster=cfg.cluster, backend=cfg.backend,
-                           model=resolve_config(model), trainer=trainer, rollout=cfg.rollout, data=data, run=run)
+                           model=resolve_config(model), trainer=trainer, rollout=cfg.rollout, data=data, run=run,
+                           weight_sync=cfg.weight_sync)
     return sft.run(sft_cfg, sft_plan, out_dir)
 
 

@@ -46,7 +46,7 @@ def train(cfg: SFTRunConfig, trainer: Any, evaluator: Any, train_set: list, eval
         if step == 0 or step == steps or (every and step % every == 0):
             # Eval: greedy accuracy of the current weights on held-out prompts.
             with log.phase("sync_weights"):
-                common.sync_weights(trainer, [evaluator], cfg.run.sync_bucket_mb, version=step)
+                metrics.update(common.sync_weights(trainer, [evaluator], cfg.weight_sync, version=step))
             with log.phase("eval"):
                 metrics["eval/accuracy"] = common.accuracy(evaluator, eval_set, cfg.run.eval_max_new_tokens)
         if step > 0 and cfg.run.save_every and step % cfg.run.save_every == 0 and not (

@@ -98,6 +98,28 @@ class BackendConfig:
 
 
 @dataclass
+class WeightSyncConfig:
+    # MiB per weight bucket (one shared-memory file, broadcast or safetensors file each);
+    # a tensor larger than this travels in a bucket of its own.
+    bucket_mb: float = 64.0
+    # How trainer weights reach rollout/sampler/teacher groups: "auto" (shared memory when
+    # every receiving rank is on trainer rank 0's node, else a collective broadcast),
+    # "shm", "collective" (gloo on CPU, NCCL on GPU), "object_store" or "file" (safetensors
+    # reloaded from disk, for engines that only load from disk).
+    path: str = "auto"
+    # Receivers check a checksum per bucket before loading anything.
+    verify: bool = True
+    # What the checksum reads: "sample" (one 8-byte word per 4 KiB page plus each tensor's
+    # last word: ~3% of a copy) or "full" (every byte: ~half a copy on each side).
+    checksum: str = "sample"
+    # Folder for path "file", readable by every receiving node; None: a temporary folder on
+    # trainer rank 0's node.
+    file_dir: Optional[str] = None
+    # Seconds a broadcast (or forming its process group) may wait for the other side.
+    timeout_s: float = 600.0
+
+
+@dataclass
 class PlanCliConfig:
     # Print the plan as JSON instead of a table.
     json: bool = False

@@ -2,7 +2,8 @@
 
 `generate(prompts, sampling)` returns `Completions` (token ids, text, per-token sampling
 logprobs, finish reasons, weight version), n consecutive samples per prompt. Weights come
-from the trainer with `update_weights(buckets, version)` (or a saved directory), and a
+from the trainer with `update_weights(buckets, version)` (or a saved directory, or
+`receive_weights` over shared memory/a broadcast: roles.weight_transfer), and a
 colocated rollout hands its memory back between generations with `sleep(level)`:
 
 * level 1: weights are kept in host memory and the device copies released; `wake_up()`
@@ -32,6 +33,7 @@ from roles.batch import Completions, SamplingParams
 from roles.engines.torch_engine import pick_device, process_memory
 from roles.engines.torch_generate import generate_batch
 from roles.models import DTYPES, ModelSpec, build_model, load_tokenizer
+from roles.weight_transfer import WeightReceiver
 
 # A prompt: text, a chat conversation (list of {"role", "content"} dicts) or token ids.
 Prompt = Union[str, Sequence[Mapping[str, str]], Sequence[int]]
@@ -107,7 +109,7 @@ def _named_tensors(buckets) -> list[tuple[str, torch.Tensor]]:
     return pairs
 
 
-class Rollout:
+class Rollout(WeightReceiver):
     def __init__(self, model: ModelSpec, tokenizer: Any = None,
                  config: Union[RolloutConfig, Mapping[str, Any], None] = None,
                  engine: str = "torch", engine_options: Optional[Mapping[str, Any]] = None):

@@ -13,9 +13,10 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 from roles.batch import Completions, SamplingParams
 from roles.models import ModelSpec
 from roles.rollout import Prompt, Rollout, RolloutConfig, as_sampling_params
+from roles.weight_transfer import WeightReceiver
 
 
-class Sampler:
+class Sampler(WeightReceiver):
     def __init__(self, model: Optional[ModelSpec] = None, tokenizer: Any = None,
                  config: Union[RolloutConfig, Mapping[str, Any], None] = None, *, rollout: Optional[Rollout] = None,
                  engine: str = "torch", engine_options: Optional[Mapping[str, Any]] = None):
@@ -31,6 +32,10 @@ class Sampler:
         """n candidates per prompt; `n` overrides sampling.n."""
         sampling = dataclasses.replace(as_sampling_params(sampling), n=n)
         return self.rollout.generate(prompts, sampling, chat=chat)
+
+    @property
+    def device(self):
+        return self.rollout.device
 
     @property
     def weight_version(self) -> int:

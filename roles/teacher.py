@@ -27,6 +27,7 @@ from roles.engines.options import TEACHER_ENGINES, check_engine
 from roles.engines.torch_engine import process_memory
 from roles.engines.torch_trainer import host_bytes, module_tensors, rank_device, to_device, to_host
 from roles.models import ModelSpec, build_model, load_tokenizer, resolve_config
+from roles.weight_transfer import WeightReceiver, load_named_weights
 
 
 @dataclass
@@ -38,7 +39,7 @@ class TeacherConfig:
     micro_batch_per_device: int = 8
 
 
-class Teacher:
+class Teacher(WeightReceiver):
     def __init__(self, model: ModelSpec = "small_qwen2", config: Union[TeacherConfig, Mapping[str, Any], None] = None,
                  engine: str = "torch", engine_options: Optional[Mapping[str, Any]] = None):
         check_engine("teacher", engine, TEACHER_ENGINES)
@@ -64,6 +65,7 @@ class Teacher:
         self.model = self.model.to(self.device).eval()
         self.model.requires_grad_(False)
         self._host: Optional[list] = None
+        self.weight_version = 0
 
     @property
     def vocab_size(self) -> int:
@@ -125,6 +127,24 @@ class Teacher:
         if topk is None:
             return values[own]
         return (values[own], indices[own], tails[own]) if tail else (values[own], indices[own])
+
+    def update_weights(self, buckets: Any, version: int) -> None:
+        """Load a trainer's weights (self-distillation: the teacher follows the student);
+        (name, tensor) pairs or buckets of them, all weights, names and shapes exact."""
+        if self._host is not None:
+            raise RuntimeError("teacher is offloaded; call onload() before update_weights()")
+        pairs = [p for b in buckets for p in (b if isinstance(b, list) else [b])]
+        load_named_weights(self.model, pairs, "teacher")
+        self.weight_version = int(version)
+
+    def update_weights_from_path(self, path: str, version: int) -> None:
+        """Load weights from a folder of safetensors files (or one file)."""
+        from pathlib import Path
+
+        from safetensors.torch import load_file
+
+        files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else [Path(path)]
+        self.update_weights([p for f in files for p in load_file(str(f)).items()], version)
 
     def offload(self) -> dict[str, float]:
         """Move the weights into host buffers, releasing device memory; returns bytes moved."""

@@ -39,6 +39,7 @@ from roles.engines.options import TRAIN_ENGINES, check_engine
 from roles.engines.torch_engine import process_memory, token_entropy, token_logprobs
 from roles.engines.torch_trainer import TorchTrainEngine, rank_device, rng_state, set_rng_state
 from roles.models import ModelConfig, ModelSpec, build_model, load_tokenizer, resolve_config, save_checkpoint
+from roles.weight_transfer import WeightSender
 
 LossFn = Callable[[torch.Tensor, Batch, dict], Tuple[torch.Tensor, dict]]
 SCHEDULES = ("cosine", "constant")
@@ -125,7 +126,7 @@ def slice_batch(batch: Batch, start: int, stop: int, width: Optional[int] = None
     return dataclasses.replace(batch, **fields)
 
 
-class Trainer:
+class Trainer(WeightSender):
     def __init__(self, model: ModelSpec = "tiny_qwen2", config: Union[TrainerConfig, Mapping, None] = None,
                  loss_fn: Optional[LossFn] = None, loss_inputs: Sequence[str] = (),
                  engine: str = "torch", engine_options: Optional[Mapping[str, Any]] = None):

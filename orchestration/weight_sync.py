@@ -1,0 +1,227 @@
+"""Trainer -> rollout/sampler/teacher weight sync, by the best path for each target group.
+
+    sync = WeightSync(trainer_group, cfg.weight_sync)
+    records = sync.sync([rollout_group], version=step)   # one SyncRecord per target group
+    metrics = sync_metrics(records)                      # sync/<role>/{path,mb,seconds,mb_per_s}
+
+Paths (`weight_sync.path`; the role side is roles/weight_transfer.py):
+
+* ``shm``: trainer rank 0 writes each bucket into a /dev/shm file mapped by both sides;
+  every receiving rank must be on its node (colocated bundles or the same node).
+* ``collective``: a broadcast from trainer rank 0 over a process group of its own with
+  the target ranks (gloo on CPU, NCCL on GPU), for groups on other nodes.
+* ``object_store``: packed buckets through Ray's object store and the driver; any layout.
+* ``file``: safetensors files that receivers load with `update_weights_from_path`, for
+  engines that reload from disk; the folder (`weight_sync.file_dir`) must be readable by
+  every receiver.
+
+``auto`` takes shm when every receiving rank shares trainer rank 0's node, else the
+collective, limited to the paths the receiving role lists in `weight_sync_paths()`.
+Groups that are not Ray worker groups (backend=local, test stand-ins) and roles without
+`receive_weights` take the direct path: `state_dict_buckets` then `update_weights`, as in
+one process nothing needs to travel. On GPU, colocated ranks would share device memory by
+CUDA IPC; that path is not implemented: shm stages through host memory instead.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from orchestration.base_group import WorkerError
+from orchestration.config import ConfigError, WeightSyncConfig
+
+PATHS = ("shm", "collective", "object_store", "file")
+CHOICES = ("auto", *PATHS)
+CHECKSUMS = ("sample", "full")
+
+
+def check_settings(settings: WeightSyncConfig) -> None:
+    if settings.path not in CHOICES:
+        raise ConfigError(f"config key 'weight_sync.path'={settings.path!r} is unknown. Fix: use one of {list(CHOICES)}")
+    if settings.checksum not in CHECKSUMS:
+        raise ConfigError(f"config key 'weight_sync.checksum'={settings.checksum!r} is unknown. "
+                          f"Fix: use one of {list(CHECKSUMS)}")
+    for key in ("bucket_mb", "timeout_s"):
+        if not getattr(settings, key) > 0:
+            raise ConfigError(f"config key 'weight_sync.{key}'={getattr(settings, key)} must be > 0. Fix: raise it")
+
+
+@dataclass
+class SyncRecord:
+    """One target group's share of a sync, timed from the driver (send + receive + load)."""
+    role: str
+    path: str
+    version: int
+    bytes: int
+    seconds: float
+
+    @property
+    def mb_per_s(self) -> float:
+        return self.bytes / 2**20 / max(self.seconds, 1e-9)
+
+
+def sync_metrics(records: list[SyncRecord]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for r in records:
+        out.update({f"sync/{r.role}/path": r.path, f"sync/{r.role}/mb": r.bytes / 2**20,
+                    f"sync/{r.role}/seconds": r.seconds, f"sync/{r.role}/mb_per_s": r.mb_per_s})
+    return out
+
+
+def _is_ray(group: Any) -> bool:
+    return hasattr(group, "infos")  # orchestration.worker_group.WorkerGroup, without importing ray
+
+
+def _role(group: Any) -> str:
+    return getattr(group, "role", type(group).__name__)
+
+
+class WeightSync:
+    """Holds the channels (shared-memory files, process groups) of one trainer group across syncs."""
+
+    def __init__(self, trainer: Any, settings: WeightSyncConfig):
+        check_settings(settings)
+        self.trainer, self.settings = trainer, settings
+        self.records: list[SyncRecord] = []
+        self._paths: dict[int, str] = {}
+        self._channels: dict[tuple, dict] = {}
+        self._opened: list[Any] = []  # target groups holding receiver state
+        self._seq = 0
+        self._checksum = settings.checksum if settings.verify else None
+
+    # ---- choosing a path ------------------------------------------------------------------
+    def path_for(self, group: Any) -> str:
+        if id(group) not in self._paths:
+            self._paths[id(group)] = self._choose(group)
+        return self._paths[id(group)]
+
+    def _accepts(self, group: Any) -> tuple[str, ...]:
+        """Paths the group's role receives by; () for roles without receive_weights."""
+        if _is_ray(group):
+            try:
+                return tuple(group.call("weight_sync_paths", execute="first"))
+            except WorkerError as e:
+                if "AttributeError" in str(e):
+                    return ()
+                raise
+        workers = getattr(group, "workers", None)
+        if workers and hasattr(workers[0], "receive_weights"):
+            return tuple(workers[0].weight_sync_paths())
+        return ()
+
+    def _choose(self, group: Any) -> str:
+        wanted, role = self.settings.path, _role(group)
+        accepts = self._accepts(group)
+        if not accepts:
+            if wanted != "auto":
+                raise ConfigError(f"config key 'weight_sync.path'={wanted!r}: role {role} has no receive_weights "
+                                  "(only update_weights). Fix: weight_sync.path=auto (direct update_weights)")
+            return "direct"
+        ray = _is_ray(group) and _is_ray(self.trainer)
+        if not ray:
+            if wanted == "collective":
+                raise ConfigError("config key 'weight_sync.path'='collective' needs backend=ray (a process per "
+                                  "rank). Fix: weight_sync.path=auto")
+            return "direct" if wanted == "auto" else self._accepted(wanted, accepts, role)
+        home = self.trainer.infos[0]["node_id"]
+        local = all(info["node_id"] == home for info in group.infos)
+        if wanted == "shm" and not local:
+            raise ConfigError(f"config key 'weight_sync.path'='shm': {role} ranks run on other nodes than trainer "
+                              "rank 0, and shared memory stays within a node. Fix: weight_sync.path=auto or collective")
+        if wanted != "auto":
+            return self._accepted(wanted, accepts, role)
+        feasible = [p for p in PATHS if p in accepts and (local or p not in ("shm", "file") or
+                                                          (p == "file" and self.settings.file_dir))]
+        if not feasible:
+            raise ConfigError(f"role {role} receives weights only by {list(accepts)}, which cannot reach its nodes "
+                              "from trainer rank 0. Fix: set weight_sync.file_dir to a folder shared by the nodes")
+        return feasible[0]
+
+    @staticmethod
+    def _accepted(path: str, accepts: tuple[str, ...], role: str) -> str:
+        if path not in accepts:
+            raise ConfigError(f"config key 'weight_sync.path'={path!r}: role {role} receives weights only by "
+                              f"{list(accepts)}. Fix: weight_sync.path=auto or one of those")
+        return path
+
+    # ---- syncing ----------------------------------------------------------------------
+    def sync(self, targets: list[Any], version: int) -> list[SyncRecord]:
+        """Trainer rank 0's weights into every rank of each target group; one record per group."""
+        self._seq += 1
+        by_path: dict[str, list] = defaultdict(list)
+        for group in targets:
+            by_path[self.path_for(group)].append(group)
+        records = []
+        for path, groups in by_path.items():
+            if path == "direct":
+                records += self._direct(groups, version)
+            elif path == "collective":
+                records += [self._collective(g, version) for g in groups]
+            else:  # one write serves every group reading the same shm files/folder/arrays
+                records += self._send_then_receive(path, groups, version)
+        self.records += records
+        return records
+
+    def _direct(self, groups: list, version: int) -> list[SyncRecord]:
+        t0 = time.perf_counter()
+        buckets = self.trainer.call("state_dict_buckets", self.settings.bucket_mb, execute="first")
+        nbytes = sum(t.numel() * t.element_size() for b in buckets for _, t in b)
+        records = []
+        for g in groups:
+            g.call("update_weights", buckets, version)
+            records.append(SyncRecord(_role(g), "direct", version, nbytes, time.perf_counter() - t0))
+        return records
+
+    def _send_then_receive(self, path: str, groups: list, version: int) -> list[SyncRecord]:
+        channel = self._channel(path, None)
+        t0 = time.perf_counter()
+        sent = self.trainer.call("send_weights", channel, self._seq, version, self.settings.bucket_mb,
+                                 self._checksum, execute="first")
+        futures = [g.async_call("receive_weights", channel, sent["manifest"], sent.get("payload")) for g in groups]
+        records = []
+        for g, future in zip(groups, futures):
+            self._remember(g)
+            future.get()
+            records.append(SyncRecord(_role(g), path, version, sent["bytes"], time.perf_counter() - t0))
+        return records
+
+    def _collective(self, group: Any, version: int) -> SyncRecord:
+        channel, seq = self._channel("collective", group), self._seq
+
+        def per_rank(n: int, i: int) -> tuple[tuple, dict]:
+            # Rank 0 of the broadcast group is the trainer; each rank binds its own node address.
+            return (dict(channel, rank=i + 1, local_host=group.infos[i]["ip"]),), {"seq": seq}
+
+        t0 = time.perf_counter()
+        self._remember(group)
+        receiving = group.async_call("receive_weights", dispatch=per_rank)
+        sent = self.trainer.async_call("send_weights", channel, seq, version, self.settings.bucket_mb,
+                                       self._checksum, execute="first").get()
+        receiving.get()
+        return SyncRecord(_role(group), "collective", version, sent["bytes"], time.perf_counter() - t0)
+
+    def _channel(self, path: str, group: Any) -> dict:
+        key = (path, id(group))
+        if key not in self._channels:
+            name = f"{_role(self.trainer)}-{_role(group)}" if group is not None else path
+            host = self.trainer.infos[0]["ip"] if _is_ray(self.trainer) else "127.0.0.1"
+            world = 1 + group.world_size if group is not None else 1
+            self._channels[key] = self.trainer.call("open_weight_channel", name, path, host, world,
+                                                    self.settings.file_dir, self.settings.timeout_s, execute="first")
+        return self._channels[key]
+
+    def _remember(self, group: Any) -> None:
+        if all(g is not group for g in self._opened):
+            self._opened.append(group)
+
+    def close(self) -> None:
+        """Unlink shared memory and drop process groups on both sides (best effort)."""
+        for group, method in [(g, "close_weight_receivers") for g in self._opened] + \
+                             [(self.trainer, "close_weight_channels")] * bool(self._channels):
+            try:
+                group.call(method)
+            except WorkerError:
+                pass
+        self._channels, self._opened, self._paths = {}, [], {}

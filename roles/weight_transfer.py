@@ -1,0 +1,426 @@
+"""Moving a trainer's weights into other roles' processes, bucket by bucket (no Ray here).
+
+A bucket is a list of (HF name, tensor) pairs packed into one flat byte buffer, each
+tensor at a 64-byte aligned offset, so any dtype mix travels as bytes and is unpacked as
+views. Four paths (chosen by `orchestration.weight_sync`):
+
+* ``shm``: the sender writes each bucket into a file in /dev/shm that stays mapped in both
+  processes across syncs; receivers copy from the mapping into their weights.
+* ``collective``: a process group of the sender and the receiving ranks only (its own
+  TCPStore, gloo on CPU, NCCL on CUDA), separate from any data-parallel default group;
+  the sender broadcasts bucket after bucket, the layout and checksums go through the store.
+* ``object_store``: packed buckets returned as numpy arrays (the caller carries them).
+* ``file``: safetensors files in a folder, loaded with `update_weights_from_path`
+  (engines that only load from disk).
+
+Every sync carries a sequence number, the weight version and (unless checksum=None) a
+checksum per bucket: an integer sum of the tensors' bytes as int64 words ("full": every
+word; "sample": one per 4 KiB page), weighted by position, exact in any summation order
+(float sums differ with thread counts). A mismatch raises `ChecksumError` before anything
+is loaded.
+"""
+from __future__ import annotations
+
+import datetime
+import glob
+import os
+import pickle
+import shutil
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+
+PATHS = ("shm", "collective", "object_store", "file")
+ALIGN = 64
+SHM_PREFIX = "rayroles-weights-"
+_MASK = 2**64 - 1
+# checksum="sample" reads one 8-byte word per 4 KiB (a page: stale, torn or misplaced pages
+# and swapped tensors show) at ~3% of a full pass; "full" reads every byte (~half a copy).
+STRIDES = {"full": 1, "sample": 512}
+
+
+class ChecksumError(RuntimeError):
+    """Received weights differ from the sent ones; nothing was loaded."""
+
+
+@dataclass
+class BucketLayout:
+    names: list[str]
+    shapes: list[tuple[int, ...]]
+    dtypes: list[str]
+    offsets: list[int]
+    nbytes: int
+
+
+@dataclass
+class Manifest:
+    """What a receiver needs besides the bytes: layout, version and checksums."""
+    seq: int
+    version: int
+    path: str
+    buckets: list[BucketLayout]
+    checksums: list[int] = field(default_factory=list)
+    location: str = ""  # shm file prefix or safetensors folder
+    stride: int = 1  # of the checksums (see STRIDES)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+
+def layout_of(bucket: Sequence[tuple[str, torch.Tensor]]) -> BucketLayout:
+    offsets, end = [], 0
+    for _, t in bucket:
+        offsets.append(end)
+        end += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+    return BucketLayout([n for n, _ in bucket], [tuple(t.shape) for _, t in bucket],
+                        [str(t.dtype).removeprefix("torch.") for _, t in bucket], offsets, end)
+
+
+def pack(bucket: Sequence[tuple[str, torch.Tensor]], layout: BucketLayout, out: torch.Tensor) -> None:
+    """Copy the bucket's tensors into `out` (uint8, at least layout.nbytes) at their offsets."""
+    for (_, t), off in zip(bucket, layout.offsets):
+        src = _bytes(t)
+        out[off:off + src.numel()].copy_(src)
+
+
+def unpack(buf: torch.Tensor, layout: BucketLayout) -> list[tuple[str, torch.Tensor]]:
+    """(name, view) pairs over a packed uint8 buffer; nothing is copied."""
+    out = []
+    for name, shape, dtype, off in zip(layout.names, layout.shapes, layout.dtypes, layout.offsets):
+        dt = getattr(torch, dtype)
+        n = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dt).element_size()
+        out.append((name, buf[off:off + n].view(dt).view(shape)))
+    return out
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def tensor_checksum(t: torch.Tensor, stride: int = 1) -> int:
+    """Wrapping int64 sum of the tensor's bytes read as 8-byte words, every `stride`-th word
+    plus the last one (stride 1: every byte counts), and the len % 8 tail bytes as one word."""
+    b = _bytes(t)
+    n8 = b.numel() // 8 * 8
+    words = b[:n8]
+    if n8 and words.data_ptr() % 8:
+        words = words.clone()
+    w = words.view(torch.int64)
+    total = int(w[::stride].sum()) + (int(w[-1]) if stride > 1 and n8 else 0) if n8 else 0
+    return (total + int.from_bytes(b[n8:].cpu().numpy().tobytes(), "little")) & _MASK
+
+
+def bucket_checksum(pairs: Sequence[tuple[str, torch.Tensor]], stride: int = 1) -> int:
+    """Per-tensor sums weighted by position, so swapped tensors do not cancel out."""
+    return sum((i + 1) * tensor_checksum(t, stride) for i, (_, t) in enumerate(pairs)) & _MASK
+
+
+def verify(manifest: Manifest, index: int, pairs: Sequence[tuple[str, torch.Tensor]]) -> None:
+    if not manifest.checksums:
+        return
+    got, want = bucket_checksum(pairs, manifest.stride), manifest.checksums[index]
+    if got != want:
+        names = manifest.buckets[index].names
+        raise ChecksumError(
+            f"weight sync {manifest.seq} (version {manifest.version}, path '{manifest.path}'): bucket {index} of "
+            f"{len(manifest.buckets)} ({len(names)} tensors, first {names[:3]}) arrived corrupted: checksum "
+            f"{got:#x}, sent {want:#x}. Nothing was loaded; the weights stay at the previous version. "
+            "Check memory/disk health or switch weight_sync.path")
+
+
+def _timeout(channel: dict) -> datetime.timedelta:
+    return datetime.timedelta(seconds=float(channel.get("timeout_s", 600)))
+
+
+def _process_group(channel: dict, store: Any, rank: int, device: torch.device) -> Any:
+    """A process group of the sender (rank 0) and the receivers, apart from any default group."""
+    import torch.distributed as dist
+
+    prefixed = dist.PrefixStore(f"pg/{channel['name']}", store)
+    if channel["backend"] == "nccl":
+        if device.type != "cuda":
+            raise RuntimeError(f"weight channel '{channel['name']}' uses NCCL (the trainer's weights are on CUDA) "
+                               "but this rank computes on CPU; set weight_sync.path=shm or object_store")
+        torch.cuda.set_device(device)
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = _timeout(channel)
+        return dist.ProcessGroupNCCL(prefixed, rank, channel["world_size"], opts)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=channel.get("local_host") or channel["host"])]
+    opts._timeout = _timeout(channel)
+    return dist.ProcessGroupGloo(prefixed, rank, channel["world_size"], opts)
+
+
+def _map_shm(path: str, nbytes: int, create: bool) -> torch.Tensor:
+    if create:
+        with open(path, "wb") as f:
+            try:
+                os.posix_fallocate(f.fileno(), 0, nbytes)  # no room fails here, not as SIGBUS later
+            except OSError as e:
+                os.unlink(path)
+                free = os.statvfs(os.path.dirname(path))
+                raise RuntimeError(f"no room for a {nbytes / 2**20:.1f} MiB weight bucket in {os.path.dirname(path)} "
+                                   f"({free.f_bavail * free.f_frsize / 2**20:.0f} MiB free: {e.strerror}); enlarge "
+                                   "it (docker --shm-size) or set weight_sync.path=collective") from None
+    return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+
+
+def _remove_stale_shm(folder: str) -> None:
+    """Files of senders whose process is gone (a killed actor cannot clean up after itself)."""
+    for path in glob.glob(os.path.join(folder, SHM_PREFIX + "*")):
+        try:
+            pid = int(os.path.basename(path)[len(SHM_PREFIX):].split("-")[0])
+            if pid != os.getpid():
+                os.kill(pid, 0)
+        except ProcessLookupError:
+            Path(path).unlink(missing_ok=True)
+        except (ValueError, PermissionError):
+            continue
+
+
+class WeightSender:
+    """Mixed into a role with `state_dict_buckets(bucket_mb, dtype, to_cpu)` (the Trainer)."""
+
+    def open_weight_channel(self, name: str, path: str, host: str = "127.0.0.1", world_size: int = 2,
+                            file_dir: Optional[str] = None, timeout_s: float = 600.0) -> dict:
+        """Prepare a path once; returns the channel description receivers need."""
+        if path not in PATHS:
+            raise ValueError(f"unknown weight sync path {path!r}; choose one of {PATHS}")
+        channel = {"name": name, "path": path, "timeout_s": timeout_s}
+        if path == "shm":
+            folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+            _remove_stale_shm(folder)
+            channel["location"] = os.path.join(folder, f"{SHM_PREFIX}{os.getpid()}-{name}")
+        elif path == "file":
+            if not file_dir:  # removed again by close_weight_channels
+                self.__dict__.setdefault("_temp_dirs", []).append(
+                    os.path.join(tempfile.gettempdir(), f"{SHM_PREFIX}{os.getpid()}-{name}"))
+            folder = file_dir or self._temp_dirs[-1]
+            Path(folder).expanduser().mkdir(parents=True, exist_ok=True)
+            channel["location"] = str(Path(folder).expanduser())
+        elif path == "collective":
+            import torch.distributed as dist
+
+            store = dist.TCPStore(host, 0, None, True, timeout=_timeout(channel), wait_for_workers=False)
+            on_cuda = getattr(self, "device", torch.device("cpu")).type == "cuda"
+            channel.update(host=host, port=store.port, world_size=world_size,
+                           backend="nccl" if on_cuda else "gloo")
+            self._sender_state()[name] = {"store": store, "pg": None, "buf": None, "last_seq": None}
+        return channel
+
+    def send_weights(self, channel: dict, seq: int, version: int, bucket_mb: float,
+                     checksum: Optional[str] = "sample", dtype: Optional[str] = None) -> dict:
+        """Send every weight along `channel` with per-bucket checksums ("full", "sample" or None:
+        none); returns {"manifest", "bytes", "seconds"} and, for path object_store, "payload"."""
+        t0 = time.perf_counter()
+        buckets = self.state_dict_buckets(bucket_mb, dtype, False)
+        path = channel["path"]
+        if checksum is not None and checksum not in STRIDES:
+            raise ValueError(f"checksum={checksum!r}; choose one of {sorted(STRIDES)} or None")
+        stride = STRIDES.get(checksum, 1)
+        manifest = Manifest(seq, int(version), path, [layout_of(b) for b in buckets], [],
+                            channel.get("location", ""), stride)
+        sums = (lambda bucket: bucket_checksum(bucket, stride)) if checksum else None
+        out: dict[str, Any] = {}
+        if path == "collective":
+            self._broadcast(channel, manifest, buckets, sums)
+        else:
+            payload = []
+            for i, (bucket, layout) in enumerate(zip(buckets, manifest.buckets)):
+                if path == "file":
+                    self._write_file(manifest.location, i, len(buckets), bucket)
+                else:
+                    buf = self._shm_buffer(manifest.location, i, layout.nbytes) if path == "shm" else \
+                        torch.from_numpy(np.empty(layout.nbytes, dtype=np.uint8))
+                    pack(bucket, layout, buf)
+                    if path == "object_store":
+                        payload.append(buf.numpy())
+                if sums:
+                    manifest.checksums.append(sums(bucket))
+            if path == "file":
+                _prune_files(manifest.location, len(buckets))
+            if path == "object_store":
+                out["payload"] = payload
+        out.update(manifest=manifest, bytes=manifest.total_bytes, seconds=time.perf_counter() - t0)
+        return out
+
+    def close_weight_channels(self) -> None:
+        """Unlink shared-memory files and drop process groups and stores."""
+        for path in getattr(self, "_shm_maps", {}):
+            Path(path).unlink(missing_ok=True)
+        for folder in getattr(self, "_temp_dirs", []):
+            shutil.rmtree(folder, ignore_errors=True)
+        self._shm_maps, self._senders, self._temp_dirs = {}, {}, []
+
+    # ---- internals ----------------------------------------------------------------------
+    def _sender_state(self) -> dict:
+        if not hasattr(self, "_senders"):
+            self._senders = {}
+        return self._senders
+
+    def _shm_buffer(self, prefix: str, index: int, nbytes: int) -> torch.Tensor:
+        maps = self.__dict__.setdefault("_shm_maps", {})
+        path = f"{prefix}-{index}"
+        if path not in maps or maps[path].numel() != nbytes:
+            maps[path] = _map_shm(path, nbytes, create=True)
+        return maps[path]
+
+    def _write_file(self, folder: str, index: int, count: int, bucket) -> None:
+        from safetensors.torch import save_file
+
+        name = f"model-{index + 1:05d}-of-{count:05d}.safetensors"
+        tmp = os.path.join(folder, f".{name}.tmp")
+        save_file({n: t.detach().contiguous().cpu() for n, t in bucket}, tmp)
+        os.replace(tmp, os.path.join(folder, name))
+
+    def _broadcast(self, channel: dict, manifest: Manifest, buckets: list, sums: Any) -> None:
+        state = self._sender_state()[channel["name"]]
+        store = state["store"]
+        if state["pg"] is None:
+            device = next((t.device for b in buckets for _, t in b), torch.device("cpu"))
+            state["pg"] = _process_group(channel, store, 0, device)
+        if state["last_seq"] is not None:
+            for key in ("manifest", "checksums"):
+                store.delete_key(f"w/{state['last_seq']}/{key}")
+        store.set(f"w/{manifest.seq}/manifest", pickle.dumps(manifest))
+        largest = max((layout.nbytes for layout in manifest.buckets), default=0)
+        device = next((t.device for b in buckets for _, t in b), torch.device("cpu"))
+        if state["buf"] is None or state["buf"].shape[1] < largest or state["buf"].device != device:
+            state["buf"] = torch.empty(2, largest, dtype=torch.uint8, device=device)
+        # Two buffers: bucket i+1 is packed while bucket i travels.
+        works = [None, None]
+        for i, (bucket, layout) in enumerate(zip(buckets, manifest.buckets)):
+            if works[i % 2] is not None:
+                works[i % 2].wait()
+            view = state["buf"][i % 2, :layout.nbytes]
+            pack(bucket, layout, view)
+            works[i % 2] = state["pg"].broadcast(view, 0)
+            if sums:
+                manifest.checksums.append(sums(bucket))
+        for work in works:
+            if work is not None:
+                work.wait()
+        store.set(f"w/{manifest.seq}/checksums", pickle.dumps(manifest.checksums))
+        state["last_seq"] = manifest.seq
+
+
+def _prune_files(folder: str, count: int) -> None:
+    """Drop bucket files of an earlier sync that had more buckets."""
+    for f in Path(folder).glob("model-*-of-*.safetensors"):
+        if not f.name.endswith(f"-of-{count:05d}.safetensors"):
+            f.unlink(missing_ok=True)
+
+
+class WeightReceiver:
+    """Mixed into a role with `update_weights(pairs, version)` and
+    `update_weights_from_path(path, version)` (Rollout, Sampler, Teacher)."""
+
+    def weight_sync_paths(self) -> tuple[str, ...]:
+        """Paths this role can receive by; an engine that loads only from disk returns ("file",)."""
+        return PATHS
+
+    def receive_weights(self, channel: dict, manifest: Optional[Manifest] = None, payload: Optional[list] = None,
+                        seq: Optional[int] = None) -> dict:
+        """Receive one sync (the manifest comes through the store for path collective),
+        verify its checksums, load it; returns {"bytes", "seconds", "version"}."""
+        t0 = time.perf_counter()
+        path = channel["path"]
+        if path == "collective":
+            manifest, buckets = self._receive_broadcast(channel, seq)
+        elif path == "shm":
+            buckets = [unpack(self._shm_view(f"{manifest.location}-{i}", layout.nbytes), layout)
+                       for i, layout in enumerate(manifest.buckets)]
+        elif path == "object_store":
+            with warnings.catch_warnings():  # zero-copy views of read-only object-store arrays; only read
+                warnings.simplefilter("ignore", UserWarning)
+                buckets = [unpack(torch.from_numpy(a), layout) for a, layout in zip(payload, manifest.buckets)]
+        elif path == "file":
+            buckets = [self._read_file(manifest, i) for i in range(len(manifest.buckets))] if manifest.checksums else []
+        else:
+            raise ValueError(f"unknown weight sync path {path!r}; choose one of {PATHS}")
+        for i, pairs in enumerate(buckets):
+            verify(manifest, i, pairs)
+        if path == "file":  # loaded by the engine itself (it may only read from disk)
+            self.update_weights_from_path(manifest.location, manifest.version)
+        else:
+            self.update_weights([p for pairs in buckets for p in pairs], manifest.version)
+        return {"bytes": manifest.total_bytes, "seconds": time.perf_counter() - t0, "version": manifest.version}
+
+    def close_weight_receivers(self) -> None:
+        """Unmap shared memory and drop process groups."""
+        self._shm_views, self._receivers = {}, {}
+
+    # ---- internals ----------------------------------------------------------------------
+    def _shm_view(self, path: str, nbytes: int) -> torch.Tensor:
+        """The sender's file, mapped once; mapped again if the sender made a new one."""
+        views = self.__dict__.setdefault("_shm_views", {})
+        inode = os.stat(path).st_ino
+        if path not in views or views[path][0] != inode or views[path][1].numel() != nbytes:
+            views[path] = (inode, _map_shm(path, nbytes, create=False))
+        return views[path][1]
+
+    def _read_file(self, manifest: Manifest, index: int) -> list[tuple[str, torch.Tensor]]:
+        from safetensors.torch import load_file
+
+        count = len(manifest.buckets)
+        state = load_file(os.path.join(manifest.location, f"model-{index + 1:05d}-of-{count:05d}.safetensors"))
+        return [(n, state[n]) for n in manifest.buckets[index].names]
+
+    def _receive_broadcast(self, channel: dict, seq: int) -> tuple[Manifest, list]:
+        import torch.distributed as dist
+
+        states = self.__dict__.setdefault("_receivers", {})
+        state = states.get(channel["name"])
+        if state is None or state["port"] != channel["port"]:
+            own = getattr(self, "device", None)
+            device = own if channel["backend"] == "nccl" and isinstance(own, torch.device) else torch.device("cpu")
+            store = dist.TCPStore(channel["host"], channel["port"], None, False, timeout=_timeout(channel))
+            state = {"store": store, "port": channel["port"], "device": device, "buf": None,
+                     "pg": _process_group(channel, store, channel["rank"], device)}
+            states[channel["name"]] = state
+        manifest: Manifest = pickle.loads(state["store"].get(f"w/{seq}/manifest"))
+        total = manifest.total_bytes
+        buf = state["buf"]
+        if buf is None or buf.numel() != total:
+            buf = torch.empty(total, dtype=torch.uint8, device=state["device"])
+            # Kept between syncs in host memory (no page faults next time), never on a GPU.
+            state["buf"] = buf if state["device"].type == "cpu" else None
+        buckets, works, start = [], [], 0
+        for layout in manifest.buckets:  # all posted at once: no gap between buckets
+            view = buf[start:start + layout.nbytes]
+            works.append(state["pg"].broadcast(view, 0))
+            buckets.append(unpack(view, layout))
+            start += layout.nbytes
+        for work in works:
+            work.wait()
+        manifest.checksums = pickle.loads(state["store"].get(f"w/{seq}/checksums"))
+        return manifest, buckets
+
+
+def load_named_weights(module: torch.nn.Module, pairs: Sequence[tuple[str, torch.Tensor]], owner: str) -> None:
+    """Copy (state_dict name, tensor) pairs into `module`: names and shapes must match and
+    cover every weight (a tied weight once is enough); on a mismatch nothing is loaded."""
+    params = dict(module.named_parameters())
+    canonical = {id(p): n for n, p in params.items()}
+    alias = {n: canonical[id(p)] for n, p in module.named_parameters(remove_duplicate=False)}
+    saved = set(module.state_dict())
+    targets = {**{n: p.data for n, p in params.items()},
+               **{n: b for n, b in module.named_buffers() if n in saved}}
+    alias.update({n: n for n in targets if n not in alias})
+    unknown = [n for n, _ in pairs if n not in alias]
+    wrong = [n for n, t in pairs if n in alias and tuple(t.shape) != tuple(targets[alias[n]].shape)]
+    missing = sorted(set(targets) - {alias[n] for n, _ in pairs if n in alias})
+    if unknown or wrong or missing:
+        raise ValueError(f"{owner}.update_weights: the weights do not match its model ({type(module).__name__}): "
+                         f"unknown names {unknown[:5]}, wrong shapes {wrong[:5]}, missing {missing[:5]}. "
+                         "Send the model's own state_dict names and shapes, all of them")
+    with torch.no_grad():
+        for name, t in pairs:
+            targets[alias[name]].copy_(t)

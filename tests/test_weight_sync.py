@@ -1,0 +1,261 @@
+"""Weight sync trainer -> rollout/teacher/sampler groups: every path moves the weights bit
+for bit, the rollout generates with what it was sent (and keeps the old weights when a
+sync is skipped), corrupted buckets are refused, versions are reported."""
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from orchestration.base_group import WorkerError
+from orchestration.config import ConfigError, WeightSyncConfig
+from orchestration.local import LocalWorkerGroup
+from orchestration.planner import make_plan
+from orchestration.weight_sync import WeightSync, check_settings
+from roles.batch import SamplingParams
+from roles.rollout import Rollout
+from roles.sampler import Sampler
+from roles.teacher import Teacher
+from roles.trainer import Trainer
+from roles.weight_transfer import ChecksumError, Manifest
+
+MODEL = "tiny_qwen2"
+CPU = {"device": "cpu"}
+PROMPTS = ["What is 2 + 3?", "Count to five.", "Name a colour."]
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
+
+
+def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+class ProbedTrainer(Trainer):
+    def nudge(self, seed: int, scale: float = 0.05) -> None:
+        """A deterministic weight change, large enough to change greedy outputs."""
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * scale)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return _weights(self.model)
+
+
+class ProbedRollout(Rollout):
+    def weights(self) -> dict[str, torch.Tensor]:
+        return _weights(self.model)
+
+
+class ProbedTeacher(Teacher):
+    def weights(self) -> dict[str, torch.Tensor]:
+        return _weights(self.model)
+
+
+class ProbedSampler(Sampler):
+    def weights(self) -> dict[str, torch.Tensor]:
+        return _weights(self.rollout.model)
+
+
+def cpu_group(name: str, ranks: int, role: str) -> dict:
+    return {name: {"device": "CPU", "ranks": ranks, "workers": [role]}}
+
+
+@pytest.fixture(scope="module")
+def groups(ray_cluster):
+    from orchestration.placement import create_placement
+    from orchestration.worker_group import WorkerGroup
+
+    plan = make_plan({"device_groups": {"nproc_per_node": 1, **cpu_group("t", 1, "train"), **cpu_group("r", 2, "rollout"),
+                                        **cpu_group("te", 1, "teacher"), **cpu_group("s", 1, "sampler")}})
+    placement = create_placement(plan, timeout_s=60)
+    made = {}
+    try:
+        for role, cls in (("train", ProbedTrainer), ("rollout", ProbedRollout), ("teacher", ProbedTeacher),
+                          ("sampler", ProbedSampler)):
+            made[role] = WorkerGroup(cls, plan[role], {"model": MODEL, "config": CPU}, placement=placement,
+                                     timeout_s=300)
+        yield made
+    finally:
+        for g in made.values():
+            g.shutdown()
+        placement.remove()
+
+
+def trainer_weights(trainer) -> dict[str, torch.Tensor]:
+    return trainer.call("weights", execute="first")
+
+
+def assert_same(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+
+
+@pytest.mark.parametrize("path", ["shm", "collective", "object_store", "file"])
+def test_each_path_moves_weights_exactly(groups, path):
+    trainer, rollout = groups["train"], groups["rollout"]
+    sync = WeightSync(trainer, WeightSyncConfig(path=path, bucket_mb=0.5))
+    try:
+        for version, seed in ((11, 1), (12, 2)):  # the second sync reuses the channel
+            trainer.call("nudge", seed, execute="first")
+            [record] = sync.sync([rollout], version=version)
+            want = trainer_weights(trainer)
+            for rank_weights in rollout.call("weights"):  # both ranks
+                assert_same(rank_weights, want)
+            assert rollout.call("generate", PROMPTS[:2], GREEDY, dispatch="slice", collect="flatten"
+                                ).weight_version == [version, version]
+            assert record.path == path and record.version == version
+            assert record.bytes >= sum(t.numel() * t.element_size() for k, t in want.items()
+                                       if k != "lm_head.weight") and record.mb_per_s > 0
+    finally:
+        sync.close()
+    assert not list(Path("/dev/shm").glob(f"rayroles-weights-*-{path}-*"))  # close() unlinked the files
+
+
+def test_teacher_and_sampler_receive_like_the_rollout(groups):
+    trainer = groups["train"]
+    sync = WeightSync(trainer, WeightSyncConfig())  # auto: every group is on the trainer's node
+    try:
+        trainer.call("nudge", 3, execute="first")
+        records = sync.sync([groups["teacher"], groups["sampler"]], version=4)
+        want = trainer_weights(trainer)
+        assert [r.path for r in records] == ["shm", "shm"]
+        assert_same(groups["teacher"].call("weights", execute="first"), want)
+        assert_same(groups["sampler"].call("weights", execute="first"), want)
+        comps = groups["sampler"].call("sample", PROMPTS[:1], 2, GREEDY, execute="first")
+        assert comps.weight_version == [4, 4]
+    finally:
+        sync.close()
+
+
+def reference_outputs(weights: dict) -> list[list[int]]:
+    """Greedy completions of a model built here and loaded with `weights`."""
+    ref = Rollout(MODEL, config=CPU)
+    ref.update_weights([list(weights.items())], version=0)
+    return ref.generate(PROMPTS, GREEDY).completion_ids
+
+
+def test_rollout_generates_with_each_synced_version(groups):
+    from algorithms import common
+
+    trainer, rollout = groups["train"], groups["rollout"]
+    settings = WeightSyncConfig(bucket_mb=0.25)
+    trainer.call("nudge", 5, execute="first")
+    metrics = common.sync_weights(trainer, [rollout], settings, version=1)
+    assert metrics["sync/rollout/path"] == "shm" and metrics["sync/rollout/mb_per_s"] > 0
+    old = reference_outputs(trainer_weights(trainer))
+    out = rollout.call("generate", PROMPTS, GREEDY, dispatch="slice", collect="flatten")
+    assert out.completion_ids == old and out.weight_version == [1, 1, 1]
+
+    trainer.call("nudge", 6, execute="first")  # new weights, sync skipped: the rollout keeps the old ones
+    new = reference_outputs(trainer_weights(trainer))
+    assert new != old
+    out = rollout.call("generate", PROMPTS, GREEDY, dispatch="slice", collect="flatten")
+    assert out.completion_ids == old and out.weight_version == [1, 1, 1]
+
+    common.sync_weights(trainer, [rollout], settings, version=2)
+    out = rollout.call("generate", PROMPTS, GREEDY, dispatch="slice", collect="flatten")
+    assert out.completion_ids == new and out.weight_version == [2, 2, 2]
+    common._SYNCS.pop(trainer).close()
+
+
+def flip_byte(path: str, position: int) -> None:
+    """Corrupt one byte in place (a negative position counts from the end)."""
+    with open(path, "r+b") as f:
+        f.seek(position, os.SEEK_END if position < 0 else os.SEEK_SET)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x5A]))
+
+
+@pytest.mark.parametrize("path,checksum", [("shm", "sample"), ("object_store", "full"), ("file", "sample")])
+def test_corrupted_bucket_is_refused_and_nothing_loads(groups, path, checksum):
+    trainer, rollout = groups["train"], groups["rollout"]
+    sync = WeightSync(trainer, WeightSyncConfig(path=path, bucket_mb=0.5))
+    try:
+        sync.sync([rollout], version=20)
+        before = rollout.call("weights", execute="first")
+        trainer.call("nudge", 7, execute="first")
+        channel = sync._channel(path, None)
+        sent = trainer.call("send_weights", channel, 99, 21, 0.5, checksum, execute="first")
+        manifest: Manifest = sent["manifest"]
+        payload = sent.get("payload")
+        last = len(manifest.buckets) - 1
+        if path == "shm":
+            flip_byte(f"{manifest.location}-{last}", 0)  # the trainer's shared-memory file
+        elif path == "object_store":
+            payload = [a.copy() for a in payload]
+            payload[last][0] ^= 0x01  # one bit of the bucket's first tensor
+        else:
+            flip_byte(str(sorted(Path(manifest.location).glob("*.safetensors"))[last]), -8)  # tensor data
+        with pytest.raises(WorkerError, match=rf"ChecksumError: weight sync 99 \(version 21, path '{path}'\): "
+                                              rf"bucket {last} of {last + 1} .*arrived corrupted.*Nothing was loaded"):
+            rollout.call("receive_weights", channel, manifest, payload)
+        assert_same(rollout.call("weights", execute="first"), before)
+        assert rollout.call("generate", PROMPTS[:2], GREEDY, dispatch="slice", collect="flatten"
+                            ).weight_version == [20, 20]
+    finally:
+        sync.close()
+
+
+def test_auto_takes_the_collective_across_nodes(ray_cluster):
+    from orchestration.placement import create_placement
+    from orchestration.worker_group import WorkerGroup
+
+    plan = make_plan({"nnodes": 2, "nproc_per_node": 1, "train": {"gpus": 1}, "rollout": {"gpus": 1}})
+    placement = create_placement(plan, timeout_s=60)
+    made = []
+    try:
+        trainer = WorkerGroup(ProbedTrainer, plan["train"], {"model": MODEL, "config": CPU}, placement=placement)
+        made.append(trainer)
+        rollout = WorkerGroup(ProbedRollout, plan["rollout"], {"model": MODEL, "config": CPU}, placement=placement)
+        made.append(rollout)
+        assert trainer.infos[0]["node_id"] != rollout.infos[0]["node_id"]
+        sync = WeightSync(trainer, WeightSyncConfig())
+        trainer.call("nudge", 8, execute="first")
+        assert [r.path for r in sync.sync([rollout], version=3)] == ["collective"]
+        assert_same(rollout.call("weights", execute="first"), trainer_weights(trainer))
+        with pytest.raises(ConfigError, match="'weight_sync.path'='shm'.*other nodes.*Fix"):
+            WeightSync(trainer, WeightSyncConfig(path="shm")).path_for(rollout)
+        sync.close()
+    finally:
+        for g in made:
+            g.shutdown()
+        placement.remove()
+
+
+def test_local_backend_paths_and_checks():
+    plan = make_plan({"train": {"gpus": 1}, "rollout": {"gpus": 1}})
+    trainer = LocalWorkerGroup(ProbedTrainer, plan["train"], {"model": MODEL, "config": CPU})
+    rollout = LocalWorkerGroup(ProbedRollout, plan["rollout"], {"model": MODEL, "config": CPU})
+    for version, path in enumerate(["auto", "shm", "object_store", "file"], start=1):
+        trainer.workers[0].nudge(version)
+        sync = WeightSync(trainer, WeightSyncConfig(path=path, bucket_mb=0.5))
+        [record] = sync.sync([rollout], version)
+        assert record.path == ("direct" if path == "auto" else path)
+        assert_same(rollout.workers[0].weights(), trainer.workers[0].weights())
+        assert rollout.workers[0].weight_version == version
+        sync.close()
+    with pytest.raises(ConfigError, match="'collective' needs backend=ray"):
+        WeightSync(trainer, WeightSyncConfig(path="collective")).sync([rollout], 9)
+    for bad, key in (({"path": "nccl"}, "weight_sync.path"), ({"bucket_mb": 0}, "weight_sync.bucket_mb"),
+                     ({"checksum": "crc32"}, "weight_sync.checksum")):
+        with pytest.raises(ConfigError, match=rf"'{key}'.*Fix"):
+            check_settings(WeightSyncConfig(**bad))
+
+
+def test_checksum_catches_swapped_tensors_and_teacher_checks_names():
+    from roles.weight_transfer import bucket_checksum
+
+    a, b = torch.arange(6.0), torch.arange(6.0).flip(0)
+    assert bucket_checksum([("x", a), ("y", b)]) != bucket_checksum([("x", b), ("y", a)])
+    page = torch.zeros(2048)  # 8 KiB: "sample" reads words 0, 512, 1023 (the last)
+    for stride, word, caught in ((512, 512, True), (512, 1023, True), (512, 5, False), (1, 5, True)):
+        bad = page.clone()
+        bad.view(torch.int64)[word] = 1
+        assert (bucket_checksum([("p", bad)], stride) != bucket_checksum([("p", page)], stride)) == caught
+    assert bucket_checksum([("x", a.to(torch.bfloat16)[:5])]) == bucket_checksum([("x", a[:5].to(torch.bfloat16))])
+    assert issubclass(ChecksumError, RuntimeError)
+    teacher = Teacher(MODEL, config=CPU)
+    with pytest.raises(ValueError, match="teacher.update_weights.*missing"):
+        teacher.update_weights([[("model.norm.weight", torch.ones(teacher.model.config.hidden_size))]], 1)
