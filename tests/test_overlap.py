@@ -247,3 +247,25 @@ def test_real_grpo_colocated_logs_memory_and_bytes_moved(ray_cluster, tmp_path):
     # Colocated roles take turns: the rollout never generates while the trainer trains.
     gen, train = spans(timeline, "rollout", "generate"), spans(timeline, "train", "train")
     assert all(gen[k][1] <= train[k][0] for k in (1, 2, 3)) and all(train[k][1] <= gen[k + 1][0] for k in (1, 2))
+
+
+def test_benchmark_summary_of_a_run(tmp_path):
+    """benchmarks/colocate_vs_separate.py's figures from a run's metrics and timeline."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "benchmarks" / "colocate_vs_separate.py"
+    spec = importlib.util.spec_from_file_location("colocate_vs_separate", path)
+    bench = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = bench  # its dataclass looks its module up there
+    spec.loader.exec_module(bench)
+    assert bench.busy_union([(0, 2), (1, 3), (5, 6), (9, 12)], 0, 10) == 5
+    run_grpo(tmp_path / "overlap", max_staleness=1, steps=5)
+    run_grpo(tmp_path / "separate", max_staleness=0, steps=5)
+    over, sep = (bench.summarize("grpo", m, tmp_path / m) for m in ("overlap", "separate"))
+    assert over["timed_steps"] == 3 and over["staleness_max"] == 1 and sep["staleness_max"] == 0
+    # Each role is idle while the other works without overlap, much less with it.
+    assert sep["idle_rollout"] > 0.3 and sep["idle_train"] > 0.3
+    assert over["idle_rollout"] < sep["idle_rollout"] - 0.2 and over["step_s"] < sep["step_s"]
+    assert "| overlap |" in bench.table([sep, over], "grpo")
