@@ -2,6 +2,7 @@
 checkpoints, and the Hydra entry-point wrapper that turns config errors into one line."""
 from __future__ import annotations
 
+import atexit
 import functools
 import random
 import sys
@@ -55,6 +56,8 @@ def prompt_stream(examples: list[Example], per_step: int, seed: int) -> Iterator
 
 # One WeightSync per trainer group: it keeps its shared-memory files and process groups between syncs.
 _SYNCS: "weakref.WeakKeyDictionary[Any, WeightSync]" = weakref.WeakKeyDictionary()
+# Killed actors cannot delete their /dev/shm files; the driver does it when it exits.
+atexit.register(lambda: [sync.remove_scratch() for sync in list(_SYNCS.values())])
 
 
 def sync_weights(trainer: Any, targets: list[Any], settings: WeightSyncConfig, version: int) -> dict[str, Any]:
@@ -63,6 +66,8 @@ def sync_weights(trainer: Any, targets: list[Any], settings: WeightSyncConfig, v
     returns sync/<role>/{path,mb,seconds,mb_per_s} metrics."""
     sync = _SYNCS.get(trainer)
     if sync is None or sync.settings != settings:
+        if sync is not None:
+            sync.close()
         sync = _SYNCS[trainer] = WeightSync(trainer, settings)
     return sync_metrics(sync.sync(targets, version))
 

@@ -1,16 +1,17 @@
 """Weight sync trainer -> one rollout rank, per path, against a plain memory copy.
 
-Starts a local Ray cluster with a Trainer and a Rollout (one CPU process each, same node)
-holding a Qwen2 model of `hidden_size`/`layers`/`vocab_size` (the default: ~56M fp32
+Starts a local Ray cluster with a Trainer and a Rollout (one CPU process each on one node,
+or with device=cuda both colocated on one GPU) holding a Qwen2 model of `hidden_size`/`layers`/`vocab_size` (the default: ~56M fp32
 parameters, ~225 MB) and times `WeightSync.sync` end to end (the driver's call until the
 rollout has loaded every weight: packing, transfer, checksums, copy into the model) for
 each path in `paths`. In the same run it times `torch.Tensor.copy_` of the same number of
 bytes between two pre-touched buffers in one process, with as many threads as an actor
-has (1), and prints MB/s and the ratio to that copy. After the timed syncs of a path the
+has (1), and prints MiB/s and the ratio to that copy. After the timed syncs of a path the
 rollout's weights are compared with the trainer's, bit for bit.
 
     python benchmarks/weight_sync.py
     python benchmarks/weight_sync.py paths=[shm,collective] reps=10 checksum=full bucket_mb=128
+    python benchmarks/weight_sync.py device=cuda paths=[cuda_ipc,shm,object_store,file]
 
 Writes weight_sync.json into the Hydra run directory (outputs/<date>/<time>/).
 """
@@ -33,7 +34,7 @@ from orchestration.weight_sync import WeightSync
 from roles.models import ModelConfig
 from roles.rollout import Rollout
 from roles.trainer import Trainer
-from roles.weight_transfer import layout_of
+from roles.weight_buckets import layout_of
 
 
 @dataclass
@@ -44,7 +45,7 @@ class WeightSyncBench:
     layers: int = 8
     # Vocabulary rows of the (untied) embedding and output head.
     vocab_size: int = 32000
-    # Paths to time: shm, collective, object_store, file.
+    # Paths to time: cuda_ipc (device=cuda only), shm, collective, object_store, file.
     paths: List[str] = field(default_factory=lambda: ["shm", "collective", "object_store", "file"])
     # MiB per weight bucket.
     bucket_mb: float = 64.0
@@ -60,11 +61,14 @@ class WeightSyncBench:
     object_store_mb: int = 1024
     # Ratio to the memory copy that the best of shm/collective should reach.
     target: float = 0.3
+    # "cpu": two CPU processes; "cuda": both roles colocated on one real GPU (the memory copy
+    # is then device to device, and cuda_ipc can be timed).
+    device: str = "cpu"
 
 
 class BenchTrainer(Trainer):
     def fingerprint(self) -> dict:
-        return {n: t.detach().clone() for n, t in self.model.state_dict().items()}
+        return {n: t.detach().cpu().clone() for n, t in self.model.state_dict().items()}
 
     def sync_bytes(self, bucket_mb: float) -> int:
         """Bytes one sync moves (packed buckets, alignment included)."""
@@ -78,23 +82,29 @@ class BenchTrainer(Trainer):
 
 class BenchRollout(Rollout):
     def fingerprint(self) -> dict:
-        return {n: t.detach().clone() for n, t in self.model.state_dict().items()}
+        return {n: t.detach().cpu().clone() for n, t in self.model.state_dict().items()}
 
 
 class Memcpy:
-    """copy_ of `nbytes` between two buffers in this process, one thread, pages already touched."""
+    """copy_ of `nbytes` between two buffers in this process, one thread, pages already touched
+    (on "cuda": device to device, synchronised)."""
 
-    def __init__(self, nbytes: int):
-        self.src = torch.ones(nbytes, dtype=torch.uint8)
-        self.dst = torch.zeros(nbytes, dtype=torch.uint8)
+    def __init__(self, nbytes: int, device: str):
+        self.src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+        self.dst = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        self.cuda = device == "cuda"
         self.seconds: list[float] = []
         self()
 
     def __call__(self) -> None:
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
+        if self.cuda:
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         self.dst.copy_(self.src)
+        if self.cuda:
+            torch.cuda.synchronize()
         self.seconds.append(time.perf_counter() - t0)
         torch.set_num_threads(threads)
 
@@ -135,16 +145,20 @@ def main(raw) -> None:
                         intermediate_size=cfg.hidden_size * 11 // 4, num_hidden_layers=cfg.layers,
                         num_attention_heads=heads, num_key_value_heads=max(1, heads // 2),
                         vocab_size=cfg.vocab_size, tie_word_embeddings=False)
-    plan = make_plan({"device_groups": {"nproc_per_node": 1,
-                                        "t": {"device": "CPU", "ranks": 1, "workers": ["train"]},
-                                        "r": {"device": "CPU", "ranks": 1, "workers": ["rollout"]}}})
-    ray = init_cluster(ClusterConfig(object_store_mb=cfg.object_store_mb, log_to_driver=False), plan.demand())
+    if cfg.device == "cuda":
+        plan = make_plan({"colocate_groups": [["train", "rollout"]], "train": {"gpus": 1}, "rollout": {"gpus": 1}})
+    else:
+        plan = make_plan({"device_groups": {"nproc_per_node": 1,
+                                            "t": {"device": "CPU", "ranks": 1, "workers": ["train"]},
+                                            "r": {"device": "CPU", "ranks": 1, "workers": ["rollout"]}}})
+    ray = init_cluster(ClusterConfig(object_store_mb=cfg.object_store_mb, log_to_driver=False,
+                                     simulate_missing_gpus=False), plan.demand())
     placement = create_placement(plan)
-    kwargs = {"model": model, "config": {"device": "cpu"}}
+    kwargs = {"model": model, "config": {"device": cfg.device}}
     trainer = WorkerGroup(BenchTrainer, plan["train"], kwargs, placement=placement, timeout_s=600)
     rollout = WorkerGroup(BenchRollout, plan["rollout"], kwargs, placement=placement, timeout_s=600)
     try:
-        memcpy = Memcpy(trainer.call("sync_bytes", cfg.bucket_mb, execute="first"))
+        memcpy = Memcpy(trainer.call("sync_bytes", cfg.bucket_mb, execute="first"), cfg.device)
         results = [time_path(trainer, rollout, path, cfg, memcpy) for path in cfg.paths]
     finally:
         trainer.shutdown(), rollout.shutdown()
@@ -162,8 +176,9 @@ def main(raw) -> None:
     print(f"{'memcpy':<13} {nbytes / 2**20 / memcpy:>9.3f} {memcpy:>8.0f} {1.0:>9.2f}")
     for r in results:
         print(f"{r['path']:<13} {r['median_s']:>9.3f} {r['mb_per_s']:>8.0f} {r['ratio_to_memcpy']:>9.2f}  {r['exact']}")
-    best = max((r["ratio_to_memcpy"] for r in results if r["path"] in ("shm", "collective")), default=0.0)
-    print(f"best of shm/collective: {best:.2f}x memcpy; target >= {cfg.target}x: {'met' if best >= cfg.target else 'NOT met'}")
+    best = max((r["ratio_to_memcpy"] for r in results if r["path"] in ("shm", "collective", "cuda_ipc")),
+               default=0.0)
+    print(f"best of cuda_ipc/shm/collective: {best:.2f}x memcpy; target >= {cfg.target}x: {'met' if best >= cfg.target else 'NOT met'}")
     out = run_dir() / "weight_sync.json"
     out.write_text(json.dumps({"config": asdict(cfg), "bytes": nbytes, "memcpy_mb_per_s": memcpy,
                                "results": results, "target_met": best >= cfg.target}, indent=2))

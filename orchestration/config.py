@@ -102,10 +102,11 @@ class WeightSyncConfig:
     # MiB per weight bucket (one shared-memory file, broadcast or safetensors file each);
     # a tensor larger than this travels in a bucket of its own.
     bucket_mb: float = 64.0
-    # How trainer weights reach rollout/sampler/teacher groups: "auto" (shared memory when
-    # every receiving rank is on trainer rank 0's node, else a collective broadcast),
-    # "shm", "collective" (gloo on CPU, NCCL on GPU), "object_store" or "file" (safetensors
-    # reloaded from disk, for engines that only load from disk).
+    # How trainer weights reach rollout/sampler/teacher groups: "auto" (CUDA IPC when the
+    # receiving ranks share trainer rank 0's GPU, shared memory when they share its node,
+    # else a collective broadcast), "cuda_ipc", "shm", "collective" (gloo on CPU, NCCL on
+    # GPU), "object_store" or "file" (safetensors reloaded from disk, for engines that only
+    # load from disk).
     path: str = "auto"
     # Receivers check a checksum per bucket before loading anything.
     verify: bool = True

@@ -6,6 +6,8 @@
 
 Paths (`weight_sync.path`; the role side is roles/weight_transfer.py):
 
+* ``cuda_ipc``: trainer rank 0 hands out CUDA IPC handles of its live weights; receiving
+  ranks on the same GPU (colocated bundles) copy device to device.
 * ``shm``: trainer rank 0 writes each bucket into a /dev/shm file mapped by both sides;
   every receiving rank must be on its node (colocated bundles or the same node).
 * ``collective``: a broadcast from trainer rank 0 over a process group of its own with
@@ -15,24 +17,28 @@ Paths (`weight_sync.path`; the role side is roles/weight_transfer.py):
   engines that reload from disk; the folder (`weight_sync.file_dir`) must be readable by
   every receiver.
 
-``auto`` takes shm when every receiving rank shares trainer rank 0's node, else the
-collective, limited to the paths the receiving role lists in `weight_sync_paths()`.
+``auto`` takes cuda_ipc when the trainer's weights are on a GPU that every receiving rank
+shares, else shm when they share trainer rank 0's node, else the collective, limited to the
+paths the receiving role lists in `weight_sync_paths()`.
 Groups that are not Ray worker groups (backend=local, test stand-ins) and roles without
 `receive_weights` take the direct path: `state_dict_buckets` then `update_weights`, as in
-one process nothing needs to travel. On GPU, colocated ranks would share device memory by
-CUDA IPC; that path is not implemented: shm stages through host memory instead.
+one process nothing needs to travel.
 """
 from __future__ import annotations
 
+import glob
+import os
+import shutil
 import time
 from collections import defaultdict
+from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
 
 from orchestration.base_group import WorkerError
 from orchestration.config import ConfigError, WeightSyncConfig
 
-PATHS = ("shm", "collective", "object_store", "file")
+PATHS = ("cuda_ipc", "shm", "collective", "object_store", "file")
 CHOICES = ("auto", *PATHS)
 CHECKSUMS = ("sample", "full")
 
@@ -121,19 +127,24 @@ class WeightSync:
             return "direct"
         ray = _is_ray(group) and _is_ray(self.trainer)
         if not ray:
-            if wanted == "collective":
-                raise ConfigError("config key 'weight_sync.path'='collective' needs backend=ray (a process per "
+            if wanted in ("collective", "cuda_ipc"):
+                raise ConfigError(f"config key 'weight_sync.path'={wanted!r} needs backend=ray (a process per "
                                   "rank). Fix: weight_sync.path=auto")
             return "direct" if wanted == "auto" else self._accepted(wanted, accepts, role)
-        home = self.trainer.infos[0]["node_id"]
-        local = all(info["node_id"] == home for info in group.infos)
-        if wanted == "shm" and not local:
-            raise ConfigError(f"config key 'weight_sync.path'='shm': {role} ranks run on other nodes than trainer "
-                              "rank 0, and shared memory stays within a node. Fix: weight_sync.path=auto or collective")
+        home = self.trainer.infos[0]
+        local = all(info["node_id"] == home["node_id"] for info in group.infos)
+        # CUDA IPC: trainer weights on a GPU that every receiving rank sees as its own.
+        same_gpu = (local and bool(home["cuda_visible_devices"]) and
+                    all(i["cuda_visible_devices"] == home["cuda_visible_devices"] for i in group.infos) and
+                    self.trainer.call("weight_device", execute="first").startswith("cuda"))
+        reachable = {"cuda_ipc": same_gpu, "shm": local, "file": local or bool(self.settings.file_dir)}
+        if wanted != "auto" and not reachable.get(wanted, True):
+            raise ConfigError(f"config key 'weight_sync.path'={wanted!r}: {role} ranks do not share "
+                              f"{'a GPU holding the weights' if wanted == 'cuda_ipc' else 'a node'} with trainer "
+                              "rank 0 (other nodes or devices). Fix: weight_sync.path=auto or collective")
         if wanted != "auto":
             return self._accepted(wanted, accepts, role)
-        feasible = [p for p in PATHS if p in accepts and (local or p not in ("shm", "file") or
-                                                          (p == "file" and self.settings.file_dir))]
+        feasible = [p for p in PATHS if p in accepts and reachable.get(p, True)]
         if not feasible:
             raise ConfigError(f"role {role} receives weights only by {list(accepts)}, which cannot reach its nodes "
                               "from trainer rank 0. Fix: set weight_sync.file_dir to a folder shared by the nodes")
@@ -159,7 +170,7 @@ class WeightSync:
                 records += self._direct(groups, version)
             elif path == "collective":
                 records += [self._collective(g, version) for g in groups]
-            else:  # one write serves every group reading the same shm files/folder/arrays
+            else:  # one send serves every group reading the same shm files/folder/arrays/handles
                 records += self._send_then_receive(path, groups, version)
         self.records += records
         return records
@@ -224,4 +235,16 @@ class WeightSync:
                 group.call(method)
             except WorkerError:
                 pass
+        self.remove_scratch()
         self._channels, self._opened, self._paths = {}, [], {}
+
+    def remove_scratch(self) -> None:
+        """Delete the trainer's shared-memory files and temporary folders from this process,
+        without calling any actor: what a driver can still do at exit, after its actors are
+        gone (on another node than trainer rank 0 this finds nothing to delete)."""
+        for channel in self._channels.values():
+            for path in glob.glob(channel["scratch"]) if "scratch" in channel else []:
+                if os.path.isdir(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    Path(path).unlink(missing_ok=True)

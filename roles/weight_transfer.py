@@ -1,9 +1,10 @@
 """Moving a trainer's weights into other roles' processes, bucket by bucket (no Ray here).
 
-A bucket is a list of (HF name, tensor) pairs packed into one flat byte buffer, each
-tensor at a 64-byte aligned offset, so any dtype mix travels as bytes and is unpacked as
-views. Four paths (chosen by `orchestration.weight_sync`):
+Buckets are packed as in roles.weight_buckets. Five paths (chosen by
+`orchestration.weight_sync`):
 
+* ``cuda_ipc``: the sender hands out CUDA IPC handles of its live weights
+  (torch.multiprocessing reductions); receivers on the same GPU copy device to device.
 * ``shm``: the sender writes each bucket into a file in /dev/shm that stays mapped in both
   processes across syncs; receivers copy from the mapping into their weights.
 * ``collective``: a process group of the sender and the receiving ranks only (its own
@@ -14,10 +15,7 @@ views. Four paths (chosen by `orchestration.weight_sync`):
   (engines that only load from disk).
 
 Every sync carries a sequence number, the weight version and (unless checksum=None) a
-checksum per bucket: an integer sum of the tensors' bytes as int64 words ("full": every
-word; "sample": one per 4 KiB page), weighted by position, exact in any summation order
-(float sums differ with thread counts). A mismatch raises `ChecksumError` before anything
-is loaded.
+checksum per bucket; a mismatch raises `ChecksumError` before anything is loaded.
 """
 from __future__ import annotations
 
@@ -29,110 +27,16 @@ import shutil
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import numpy as np
 import torch
 
-PATHS = ("shm", "collective", "object_store", "file")
-ALIGN = 64
+from roles.weight_buckets import STRIDES, Manifest, bucket_checksum, layout_of, pack, unpack, verify
+
+PATHS = ("cuda_ipc", "shm", "collective", "object_store", "file")
 SHM_PREFIX = "rayroles-weights-"
-_MASK = 2**64 - 1
-# checksum="sample" reads one 8-byte word per 4 KiB (a page: stale, torn or misplaced pages
-# and swapped tensors show) at ~3% of a full pass; "full" reads every byte (~half a copy).
-STRIDES = {"full": 1, "sample": 512}
-
-
-class ChecksumError(RuntimeError):
-    """Received weights differ from the sent ones; nothing was loaded."""
-
-
-@dataclass
-class BucketLayout:
-    names: list[str]
-    shapes: list[tuple[int, ...]]
-    dtypes: list[str]
-    offsets: list[int]
-    nbytes: int
-
-
-@dataclass
-class Manifest:
-    """What a receiver needs besides the bytes: layout, version and checksums."""
-    seq: int
-    version: int
-    path: str
-    buckets: list[BucketLayout]
-    checksums: list[int] = field(default_factory=list)
-    location: str = ""  # shm file prefix or safetensors folder
-    stride: int = 1  # of the checksums (see STRIDES)
-
-    @property
-    def total_bytes(self) -> int:
-        return sum(b.nbytes for b in self.buckets)
-
-
-def layout_of(bucket: Sequence[tuple[str, torch.Tensor]]) -> BucketLayout:
-    offsets, end = [], 0
-    for _, t in bucket:
-        offsets.append(end)
-        end += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
-    return BucketLayout([n for n, _ in bucket], [tuple(t.shape) for _, t in bucket],
-                        [str(t.dtype).removeprefix("torch.") for _, t in bucket], offsets, end)
-
-
-def pack(bucket: Sequence[tuple[str, torch.Tensor]], layout: BucketLayout, out: torch.Tensor) -> None:
-    """Copy the bucket's tensors into `out` (uint8, at least layout.nbytes) at their offsets."""
-    for (_, t), off in zip(bucket, layout.offsets):
-        src = _bytes(t)
-        out[off:off + src.numel()].copy_(src)
-
-
-def unpack(buf: torch.Tensor, layout: BucketLayout) -> list[tuple[str, torch.Tensor]]:
-    """(name, view) pairs over a packed uint8 buffer; nothing is copied."""
-    out = []
-    for name, shape, dtype, off in zip(layout.names, layout.shapes, layout.dtypes, layout.offsets):
-        dt = getattr(torch, dtype)
-        n = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dt).element_size()
-        out.append((name, buf[off:off + n].view(dt).view(shape)))
-    return out
-
-
-def _bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8)
-
-
-def tensor_checksum(t: torch.Tensor, stride: int = 1) -> int:
-    """Wrapping int64 sum of the tensor's bytes read as 8-byte words, every `stride`-th word
-    plus the last one (stride 1: every byte counts), and the len % 8 tail bytes as one word."""
-    b = _bytes(t)
-    n8 = b.numel() // 8 * 8
-    words = b[:n8]
-    if n8 and words.data_ptr() % 8:
-        words = words.clone()
-    w = words.view(torch.int64)
-    total = int(w[::stride].sum()) + (int(w[-1]) if stride > 1 and n8 else 0) if n8 else 0
-    return (total + int.from_bytes(b[n8:].cpu().numpy().tobytes(), "little")) & _MASK
-
-
-def bucket_checksum(pairs: Sequence[tuple[str, torch.Tensor]], stride: int = 1) -> int:
-    """Per-tensor sums weighted by position, so swapped tensors do not cancel out."""
-    return sum((i + 1) * tensor_checksum(t, stride) for i, (_, t) in enumerate(pairs)) & _MASK
-
-
-def verify(manifest: Manifest, index: int, pairs: Sequence[tuple[str, torch.Tensor]]) -> None:
-    if not manifest.checksums:
-        return
-    got, want = bucket_checksum(pairs, manifest.stride), manifest.checksums[index]
-    if got != want:
-        names = manifest.buckets[index].names
-        raise ChecksumError(
-            f"weight sync {manifest.seq} (version {manifest.version}, path '{manifest.path}'): bucket {index} of "
-            f"{len(manifest.buckets)} ({len(names)} tensors, first {names[:3]}) arrived corrupted: checksum "
-            f"{got:#x}, sent {want:#x}. Nothing was loaded; the weights stay at the previous version. "
-            "Check memory/disk health or switch weight_sync.path")
 
 
 def _timeout(channel: dict) -> datetime.timedelta:
@@ -198,6 +102,7 @@ class WeightSender:
             folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
             _remove_stale_shm(folder)
             channel["location"] = os.path.join(folder, f"{SHM_PREFIX}{os.getpid()}-{name}")
+            channel["scratch"] = channel["location"] + "-*"  # what may be deleted once all is done
         elif path == "file":
             if not file_dir:  # removed again by close_weight_channels
                 self.__dict__.setdefault("_temp_dirs", []).append(
@@ -205,15 +110,21 @@ class WeightSender:
             folder = file_dir or self._temp_dirs[-1]
             Path(folder).expanduser().mkdir(parents=True, exist_ok=True)
             channel["location"] = str(Path(folder).expanduser())
+            if not file_dir:
+                channel["scratch"] = channel["location"]
         elif path == "collective":
             import torch.distributed as dist
 
             store = dist.TCPStore(host, 0, None, True, timeout=_timeout(channel), wait_for_workers=False)
-            on_cuda = getattr(self, "device", torch.device("cpu")).type == "cuda"
+            on_cuda = self.weight_device().startswith("cuda")
             channel.update(host=host, port=store.port, world_size=world_size,
                            backend="nccl" if on_cuda else "gloo")
             self._sender_state()[name] = {"store": store, "pg": None, "buf": None, "last_seq": None}
         return channel
+
+    def weight_device(self) -> str:
+        """Where the weights live ("cpu", "cuda:0"): CUDA IPC and NCCL need them on a GPU."""
+        return str(getattr(self, "device", "cpu"))
 
     def send_weights(self, channel: dict, seq: int, version: int, bucket_mb: float,
                      checksum: Optional[str] = "sample", dtype: Optional[str] = None) -> dict:
@@ -231,6 +142,12 @@ class WeightSender:
         out: dict[str, Any] = {}
         if path == "collective":
             self._broadcast(channel, manifest, buckets, sums)
+        elif path == "cuda_ipc":
+            from torch.multiprocessing.reductions import reduce_tensor
+
+            # Handles of the live CUDA tensors: receivers copy from them, no staging buffer.
+            out["payload"] = [[(n, reduce_tensor(t.detach())) for n, t in b] for b in buckets]
+            manifest.checksums = [sums(b) for b in buckets] if sums else []
         else:
             payload = []
             for i, (bucket, layout) in enumerate(zip(buckets, manifest.buckets)):
@@ -343,6 +260,8 @@ class WeightReceiver:
                 buckets = [unpack(torch.from_numpy(a), layout) for a, layout in zip(payload, manifest.buckets)]
         elif path == "file":
             buckets = [self._read_file(manifest, i) for i in range(len(manifest.buckets))] if manifest.checksums else []
+        elif path == "cuda_ipc":  # the sender's device memory, mapped for this call only
+            buckets = [[(n, rebuild(*args)) for n, (rebuild, args) in b] for b in payload]
         else:
             raise ValueError(f"unknown weight sync path {path!r}; choose one of {PATHS}")
         for i, pairs in enumerate(buckets):
@@ -351,6 +270,8 @@ class WeightReceiver:
             self.update_weights_from_path(manifest.location, manifest.version)
         else:
             self.update_weights([p for pairs in buckets for p in pairs], manifest.version)
+        if path == "cuda_ipc":  # copies done before the mapping goes: the sender may free or offload it
+            torch.cuda.synchronize()
         return {"bytes": manifest.total_bytes, "seconds": time.perf_counter() - t0, "version": manifest.version}
 
     def close_weight_receivers(self) -> None:

@@ -1,6 +1,7 @@
 """Weight sync trainer -> rollout/teacher/sampler groups: every path moves the weights bit
 for bit, the rollout generates with what it was sent (and keeps the old weights when a
 sync is skipped), corrupted buckets are refused, versions are reported."""
+import glob
 import os
 from pathlib import Path
 
@@ -17,7 +18,7 @@ from roles.rollout import Rollout
 from roles.sampler import Sampler
 from roles.teacher import Teacher
 from roles.trainer import Trainer
-from roles.weight_transfer import ChecksumError, Manifest
+from roles.weight_buckets import ChecksumError, Manifest
 
 MODEL = "tiny_qwen2"
 CPU = {"device": "cpu"}
@@ -26,7 +27,7 @@ GREEDY = SamplingParams(temperature=0.0, max_new_tokens=12)
 
 
 def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
 class ProbedTrainer(Trainer):
@@ -35,7 +36,7 @@ class ProbedTrainer(Trainer):
         g = torch.Generator().manual_seed(seed)
         with torch.no_grad():
             for p in self.model.parameters():
-                p.add_(torch.randn(p.shape, generator=g) * scale)
+                p.add_(torch.randn(p.shape, generator=g).to(p.device) * scale)
 
     def weights(self) -> dict[str, torch.Tensor]:
         return _weights(self.model)
@@ -95,6 +96,7 @@ def assert_same(got: dict, want: dict) -> None:
 def test_each_path_moves_weights_exactly(groups, path):
     trainer, rollout = groups["train"], groups["rollout"]
     sync = WeightSync(trainer, WeightSyncConfig(path=path, bucket_mb=0.5))
+    scratch = []
     try:
         for version, seed in ((11, 1), (12, 2)):  # the second sync reuses the channel
             trainer.call("nudge", seed, execute="first")
@@ -107,9 +109,11 @@ def test_each_path_moves_weights_exactly(groups, path):
             assert record.path == path and record.version == version
             assert record.bytes >= sum(t.numel() * t.element_size() for k, t in want.items()
                                        if k != "lm_head.weight") and record.mb_per_s > 0
+        scratch = [c["scratch"] for c in sync._channels.values() if "scratch" in c]
+        assert all(glob.glob(s) for s in scratch)
     finally:
         sync.close()
-    assert not list(Path("/dev/shm").glob(f"rayroles-weights-*-{path}-*"))  # close() unlinked the files
+    assert not any(glob.glob(s) for s in scratch)  # close() removed the shm files / temporary folder
 
 
 def test_teacher_and_sampler_receive_like_the_rollout(groups):
@@ -128,9 +132,9 @@ def test_teacher_and_sampler_receive_like_the_rollout(groups):
         sync.close()
 
 
-def reference_outputs(weights: dict) -> list[list[int]]:
+def reference_outputs(weights: dict, device: str = "cpu") -> list[list[int]]:
     """Greedy completions of a model built here and loaded with `weights`."""
-    ref = Rollout(MODEL, config=CPU)
+    ref = Rollout(MODEL, config={"device": device})
     ref.update_weights([list(weights.items())], version=0)
     return ref.generate(PROMPTS, GREEDY).completion_ids
 
@@ -235,6 +239,10 @@ def test_local_backend_paths_and_checks():
         assert record.path == ("direct" if path == "auto" else path)
         assert_same(rollout.workers[0].weights(), trainer.workers[0].weights())
         assert rollout.workers[0].weight_version == version
+        scratch = [c["scratch"] for c in sync._channels.values() if "scratch" in c]
+        assert bool(scratch) == (path in ("shm", "file")) and all(glob.glob(s) for s in scratch)
+        sync.remove_scratch()  # what the driver does at exit, with no actor to ask
+        assert not any(glob.glob(s) for s in scratch)
         sync.close()
     with pytest.raises(ConfigError, match="'collective' needs backend=ray"):
         WeightSync(trainer, WeightSyncConfig(path="collective")).sync([rollout], 9)
@@ -245,7 +253,7 @@ def test_local_backend_paths_and_checks():
 
 
 def test_checksum_catches_swapped_tensors_and_teacher_checks_names():
-    from roles.weight_transfer import bucket_checksum
+    from roles.weight_buckets import bucket_checksum
 
     a, b = torch.arange(6.0), torch.arange(6.0).flip(0)
     assert bucket_checksum([("x", a), ("y", b)]) != bucket_checksum([("x", b), ("y", a)])
@@ -259,3 +267,39 @@ def test_checksum_catches_swapped_tensors_and_teacher_checks_names():
     teacher = Teacher(MODEL, config=CPU)
     with pytest.raises(ValueError, match="teacher.update_weights.*missing"):
         teacher.update_weights([[("model.norm.weight", torch.ones(teacher.model.config.hidden_size))]], 1)
+
+
+@pytest.mark.gpu
+def test_colocated_on_one_gpu_syncs_by_cuda_ipc():
+    """Trainer and rollout as Ray actors sharing the one real GPU: auto takes CUDA IPC; the
+    host-staged paths move CUDA weights exactly too."""
+    from orchestration.cluster import init_cluster
+    from orchestration.config import ClusterConfig
+    from orchestration.placement import create_placement
+    from orchestration.worker_group import WorkerGroup
+
+    plan = make_plan({"colocate_groups": [["train", "rollout"]], "train": {"gpus": 1}, "rollout": {"gpus": 1}})
+    ray = init_cluster(ClusterConfig(simulate_missing_gpus=False, log_to_driver=False), plan.demand())
+    placement = create_placement(plan, timeout_s=60)
+    gpu = {"model": MODEL, "config": {"device": "cuda"}}
+    trainer = rollout = None
+    try:
+        trainer = WorkerGroup(ProbedTrainer, plan["train"], gpu, placement=placement, timeout_s=300)
+        rollout = WorkerGroup(ProbedRollout, plan["rollout"], gpu, placement=placement, timeout_s=300)
+        for version, path in enumerate(["auto", "cuda_ipc", "shm", "object_store", "file"], start=1):
+            sync = WeightSync(trainer, WeightSyncConfig(path=path, bucket_mb=0.5, checksum="full"))
+            trainer.call("nudge", version, execute="first")
+            [record] = sync.sync([rollout], version)
+            assert record.path == ("cuda_ipc" if path == "auto" else path)
+            assert_same(rollout.call("weights", execute="first"), trainer_weights(trainer))
+            want = reference_outputs(trainer_weights(trainer), "cuda")
+            out = rollout.call("generate", PROMPTS, GREEDY, execute="first")
+            assert out.weight_version == [version] * len(PROMPTS)
+            assert out.completion_ids == want
+            sync.close()
+    finally:
+        for g in (trainer, rollout):
+            if g is not None:
+                g.shutdown()
+        placement.remove()
+        ray.shutdown()

@@ -1,0 +1,112 @@
+"""The wire format of weight sync: buckets packed into flat byte buffers, their layout,
+and checksums (no Ray here; used by roles.weight_transfer on both sides).
+
+A bucket is a list of (HF name, tensor) pairs packed into one flat byte buffer, each
+tensor at a 64-byte aligned offset, so any dtype mix travels as bytes and is unpacked as
+views. A checksum is an integer sum of the tensors' bytes as int64 words ("full": every
+word; "sample": one per 4 KiB page), weighted by position: exact in any summation order,
+where float sums differ with thread counts.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+
+ALIGN = 64
+_MASK = 2**64 - 1
+# checksum="sample" reads one 8-byte word per 4 KiB (a page: stale, torn or misplaced pages
+# and swapped tensors show) at ~3% of a full pass; "full" reads every byte (~half a copy).
+STRIDES = {"full": 1, "sample": 512}
+
+
+class ChecksumError(RuntimeError):
+    """Received weights differ from the sent ones; nothing was loaded."""
+
+
+@dataclass
+class BucketLayout:
+    names: list[str]
+    shapes: list[tuple[int, ...]]
+    dtypes: list[str]
+    offsets: list[int]
+    nbytes: int
+
+
+@dataclass
+class Manifest:
+    """What a receiver needs besides the bytes: layout, version and checksums."""
+    seq: int
+    version: int
+    path: str
+    buckets: list[BucketLayout]
+    checksums: list[int] = field(default_factory=list)
+    location: str = ""  # shm file prefix or safetensors folder
+    stride: int = 1  # of the checksums (see STRIDES)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(b.nbytes for b in self.buckets)
+
+
+def layout_of(bucket: Sequence[tuple[str, torch.Tensor]]) -> BucketLayout:
+    offsets, end = [], 0
+    for _, t in bucket:
+        offsets.append(end)
+        end += -(-t.numel() * t.element_size() // ALIGN) * ALIGN
+    return BucketLayout([n for n, _ in bucket], [tuple(t.shape) for _, t in bucket],
+                        [str(t.dtype).removeprefix("torch.") for _, t in bucket], offsets, end)
+
+
+def pack(bucket: Sequence[tuple[str, torch.Tensor]], layout: BucketLayout, out: torch.Tensor) -> None:
+    """Copy the bucket's tensors into `out` (uint8, at least layout.nbytes) at their offsets."""
+    for (_, t), off in zip(bucket, layout.offsets):
+        src = _bytes(t)
+        out[off:off + src.numel()].copy_(src)
+
+
+def unpack(buf: torch.Tensor, layout: BucketLayout) -> list[tuple[str, torch.Tensor]]:
+    """(name, view) pairs over a packed uint8 buffer; nothing is copied."""
+    out = []
+    for name, shape, dtype, off in zip(layout.names, layout.shapes, layout.dtypes, layout.offsets):
+        dt = getattr(torch, dtype)
+        n = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dt).element_size()
+        out.append((name, buf[off:off + n].view(dt).view(shape)))
+    return out
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+def tensor_checksum(t: torch.Tensor, stride: int = 1) -> int:
+    """Wrapping int64 sum of the tensor's bytes read as 8-byte words, every `stride`-th word
+    plus the last one (stride 1: every byte counts), and the len % 8 tail bytes as one word."""
+    b = _bytes(t)
+    n8 = b.numel() // 8 * 8
+    words = b[:n8]
+    if n8 and words.data_ptr() % 8:
+        words = words.clone()
+    w = words.view(torch.int64)
+    total = int(w[::stride].sum()) + (int(w[-1]) if stride > 1 and n8 else 0) if n8 else 0
+    return (total + int.from_bytes(b[n8:].cpu().numpy().tobytes(), "little")) & _MASK
+
+
+def bucket_checksum(pairs: Sequence[tuple[str, torch.Tensor]], stride: int = 1) -> int:
+    """Per-tensor sums weighted by position, so swapped tensors do not cancel out."""
+    return sum((i + 1) * tensor_checksum(t, stride) for i, (_, t) in enumerate(pairs)) & _MASK
+
+
+def verify(manifest: Manifest, index: int, pairs: Sequence[tuple[str, torch.Tensor]]) -> None:
+    if not manifest.checksums:
+        return
+    got, want = bucket_checksum(pairs, manifest.stride), manifest.checksums[index]
+    if got != want:
+        names = manifest.buckets[index].names
+        raise ChecksumError(
+            f"weight sync {manifest.seq} (version {manifest.version}, path '{manifest.path}'): bucket {index} of "
+            f"{len(manifest.buckets)} ({len(names)} tensors, first {names[:3]}) arrived corrupted: checksum "
+            f"{got:#x}, sent {want:#x}. Nothing was loaded; the weights stay at the previous version. "
+            "Check memory/disk health or switch weight_sync.path")
