@@ -132,8 +132,6 @@ class Trainer(WeightSender):
                  engine: str = "torch", engine_options: Optional[Mapping[str, Any]] = None):
         self.config = resolve_trainer_config(config)
         check_engine("train", engine, TRAIN_ENGINES)
-        if engine not in ("torch", "megatron"):
-            raise ValueError(f"train engine '{engine}' is not available in this build (config key backend.train)")
         self.engine_name = engine
         unknown = sorted(set(loss_inputs) - set(LOSS_INPUTS))
         if unknown:
@@ -152,6 +150,9 @@ class Trainer(WeightSender):
         if engine == "megatron":
             from roles.engines.megatron_trainer import MegatronTrainEngine
             self.engine = MegatronTrainEngine(build_model(self.model_config), options=engine_options or {}, **optim)
+        elif engine == "deepspeed":
+            from roles.engines.deepspeed_trainer import DeepSpeedTrainEngine
+            self.engine = DeepSpeedTrainEngine(build_model(self.model_config), options=engine_options or {}, **optim)
         else:
             self.engine = TorchTrainEngine(build_model(self.model_config), **optim)
         self.model, self.device = self.engine.model, device
@@ -193,12 +194,19 @@ class Trainer(WeightSender):
         join = getattr(self.engine, "join_rows", None)
         return join(batch) if join else (batch, slice(None))
 
+    def _idle_passes(self, n_local: int, backward: bool) -> int:
+        """Passes this rank adds so that it runs as many as the busiest rank: DeepSpeed ZeRO's
+        forwards/backwards are collectives. 0 for engines without that need."""
+        rounds = getattr(self.engine, "micro_batch_rounds", None)
+        return rounds(n_local, backward) - n_local if rounds else 0
+
     def train_step(self, batch: Batch, temperature: float = 1.0) -> dict[str, float]:
         """One optimizer update on `batch` (this rank's share); returns global metrics."""
         self.engine.check_live("train_step")
         batch, _ = self._join_rows(batch)
         size = self.config.micro_batch_per_device or len(batch)
         local = [float(batch.loss_mask.sum()), float(len(batch)), float(-(-len(batch) // size))]
+        idle = self._idle_passes(int(local[2]), backward=True)
         global_tokens, global_sequences, global_micro_batches = self.engine.all_reduce_sum(local)
         base = {"global_tokens": global_tokens, "global_sequences": global_sequences,
                 "global_micro_batches": global_micro_batches, "temperature": temperature}
@@ -216,6 +224,8 @@ class Trainer(WeightSender):
                     weighted[k] = weighted.get(k, 0.0) + float(v) * w
         finally:
             self.model.eval()
+        for _ in range(idle):
+            self.engine.idle_pass(backward=True)
         self.engine.reduce_gradients()
         keys = sorted(weighted)
         totals = self.engine.all_reduce_sum([loss_sum] + [weighted[k] for k in keys])
@@ -234,12 +244,15 @@ class Trainer(WeightSender):
         batch, own = self._join_rows(batch)
         B, T = batch.input_ids.shape
         lp, ent = torch.zeros(B, T), torch.zeros(B, T)
+        idle = self._idle_passes(-(-B // (self.config.micro_batch_per_device or max(B, 1))), backward=False)
         for start, stop, mb in self._micro_batches(batch):
             out, extras = self._forward(mb, temperature, ("entropy",) if entropy else ())
             width = out.shape[1]
             lp[start:stop, :width] = out.float().cpu()
             if entropy:
                 ent[start:stop, :width] = extras["entropy"].float().cpu()
+        for _ in range(idle):
+            self.engine.idle_pass(backward=False)
         return (lp[own], ent[own]) if entropy else lp[own]
 
     # ------------------------------------------------------------------ weights
