@@ -278,14 +278,6 @@ class DeepSpeedTrainEngine:
             raise RuntimeError(f"trainer {part} is offloaded; call onload() before {what}()")
 
     # ------------------------------------------------------------------ weights
-    def _unique_params(self) -> list[torch.nn.Parameter]:
-        seen, out = set(), []
-        for p in self.model.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-        return out
-
     def _refresh_full(self) -> None:
         """ZeRO-3: gather the full parameters (collective) and keep a host copy on rank 0."""
         if self.stage != 3:
@@ -293,7 +285,7 @@ class DeepSpeedTrainEngine:
         from deepspeed.runtime.zero import GatheredParameters
 
         full, bucket, size = {}, [], 0
-        params = self._unique_params()
+        params = list(self.model.parameters())
         for i, p in enumerate(params):
             bucket.append(p)
             size += p.ds_numel * p.element_size()
@@ -324,11 +316,8 @@ class DeepSpeedTrainEngine:
 
         with torch.random.fork_rng(devices=[]):
             hf = AutoModelForCausalLM.from_config(self.model.config)
-        masters, by_name = self._masters or {}, {}
-        for name, t in self.model.state_dict(keep_vars=True).items():
-            by_name[name] = masters.get(id(t))
-        state = {name: by_name[name] if by_name[name] is not None else t.float()
-                 for name, t in self.named_weights()}
+        masters = {name: (self._masters or {}).get(id(t)) for name, t in self.model.state_dict(keep_vars=True).items()}
+        state = {name: t.float() if masters[name] is None else masters[name] for name, t in self.named_weights()}
         if self.model.config.tie_word_embeddings:
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
         hf.load_state_dict(state)
@@ -340,7 +329,7 @@ class DeepSpeedTrainEngine:
         rank passes the same one and keeps its shard."""
         names = {id(t): n for n, t in reversed(list(self.model.state_dict(keep_vars=True).items()))}
         with torch.no_grad():
-            for p in self._unique_params():
+            for p in list(self.model.parameters()):
                 value = state[names[id(p)]].to(self.device, torch.float32)
                 self._set_full(p, value, None)
                 if self.stage == 3:
@@ -386,15 +375,12 @@ class DeepSpeedTrainEngine:
             self.zero._hp_optimizer_states_linked = False
             self.zero._lazy_init_hp_params_optimizer_state()
 
-    def _saved_step(self) -> Optional[float]:
-        states = [s for s in self.optimizer.state.values() if s]
-        return float(states[0]["step"]) if states else None
-
     def state_dict(self) -> dict:
         """Step, schedule and the full AdamW state in torch's per-parameter format (on rank 0;
         None elsewhere). Collective: every rank calls it; it also gathers the fp32 masters
         that `hf_model` writes."""
-        step = self._saved_step()
+        states = [s for s in self.optimizer.state.values() if s]  # none before the first update
+        step = float(states[0]["step"]) if states else None
         if step is not None:
             self._link_fragments()
         state, masters = {}, {}

@@ -16,7 +16,8 @@ TEACHER_ENGINES = ("torch", "vllm", "megatron")
 class DeepSpeedOptions:
     # ZeRO stage: 2 (optimizer state and gradients sharded across ranks) or 3 (parameters too).
     zero_stage: int = 2
-    # Keep the optimizer state (and its update) in host memory: ZeRO-Offload.
+    # Keep the optimizer state (and its update) in host memory: ZeRO-Offload. torch's AdamW
+    # updates the host partitions (DeepSpeedCPUAdam would need a compiled op).
     offload_optimizer: bool = False
     # Keep parameters in host memory between uses (ZeRO-3 only).
     offload_param: bool = False
