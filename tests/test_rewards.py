@@ -221,7 +221,10 @@ def test_prm_and_orm_local_and_ray_agree(ray_cluster):
         for g in groups:
             g.shutdown()
         placement.remove()
-    assert remote == local
+    # Rule scores agree exactly; the model ORM's float sums may differ in the last bit
+    # between processes (torch picks its reduction order by thread count).
+    assert remote[0] == local[0]
+    assert remote[1] == pytest.approx(local[1], rel=1e-6)
     step_scores, outcome = local
     prompts, completions, refs = _requests()
     assert step_scores == [[1.0] * len(c.splitlines()[:-1]) if i % 2 == 0 else [0.0] * len(c.splitlines()[:-1])
