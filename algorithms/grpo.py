@@ -340,20 +340,22 @@ def _parts(batch: Any, n: int) -> list:
 
 # ----------------------------------------------------------------------------- run
 
-def warm_start(cfg: GRPORunConfig, out_dir: Path) -> str:
-    """SFT on the task's reference solutions; returns the checkpoint GRPO starts from."""
+def warm_start(cfg: GRPORunConfig, train_ranks: int, out_dir: Path) -> str:
+    """SFT on the task's reference solutions with GRPO's engine, engine options and number of
+    trainer ranks (so its optimizer moments fit GRPO's trainer); returns its checkpoint."""
     a = cfg.algorithm
-    warm = SFTRunConfig(placement=cfg.placement, cluster=cfg.cluster, backend=cfg.backend, model=cfg.model,
-                        trainer=replace(cfg.trainer, lr=a.warmup_sft_lr, warmup_steps=min(20, a.warmup_sft_steps // 10),
-                                        total_steps=a.warmup_sft_steps, schedule="cosine",
-                                        micro_batch_per_device=a.warmup_sft_batch),
-                        rollout=cfg.rollout,
-                        data=replace(cfg.data, train_size=a.warmup_sft_examples or cfg.data.train_size),
-                        run=LoopConfig(steps=a.warmup_sft_steps, prompts_per_step=a.warmup_sft_batch,
-                                       eval_max_new_tokens=cfg.run.eval_max_new_tokens, save_final=True,
-                                       seed=cfg.run.seed))
+    same = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(RunConfig)}
+    warm = SFTRunConfig(**{**same,
+                           "trainer": replace(cfg.trainer, lr=a.warmup_sft_lr,
+                                              warmup_steps=min(20, a.warmup_sft_steps // 10),
+                                              total_steps=a.warmup_sft_steps, schedule="cosine",
+                                              micro_batch_per_device=a.warmup_sft_batch),
+                           "data": replace(cfg.data, train_size=a.warmup_sft_examples or cfg.data.train_size),
+                           "run": LoopConfig(steps=a.warmup_sft_steps, prompts_per_step=a.warmup_sft_batch,
+                                             eval_max_new_tokens=cfg.run.eval_max_new_tokens, save_final=True,
+                                             seed=cfg.run.seed)})
     print(f"grpo: SFT warm start of {cfg.model.name} for {a.warmup_sft_steps} steps")
-    record = sft.run(warm, make_plan({"train": {"gpus": 1}}), out_dir / "sft_warmup")
+    record = sft.run(warm, make_plan({"train": {"gpus": train_ranks}}), out_dir / "sft_warmup")
     return record["checkpoint"]
 
 
@@ -365,7 +367,7 @@ def run(cfg: GRPORunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> 
     train_set, eval_set, stats = load_task(cfg.data)
     a = cfg.algorithm
     model = as_dict(cfg.model)
-    warm = warm_start(cfg, out_dir) if a.warmup_sft_steps else None
+    warm = warm_start(cfg, plan["train"].world_size, out_dir) if a.warmup_sft_steps else None
     if warm:
         model["path"] = warm
     loss = make_loss("grpo", epsilon=a.epsilon, epsilon_high=a.epsilon_high, beta=a.beta, loss_type=a.loss_type,
