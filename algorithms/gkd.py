@@ -240,6 +240,15 @@ def check(cfg: GKDRunConfig, plan: Plan) -> None:
                           ("topk_mode", a.topk_mode in TOPK_MODES, f"one of {list(TOPK_MODES)}")):
         if not ok:
             raise ConfigError(f"config key 'algorithm.{key}'={getattr(a, key)!r} is invalid. Fix: use {want}")
+    if cfg.backend.teacher == "vllm":
+        if plan.gkd_logits_topk is None:
+            raise ConfigError("config key 'backend.teacher'=vllm serves top-k logprobs only, but "
+                              "placement.gkd_logits_topk is unset (full vocabulary). Fix: set "
+                              "placement.gkd_logits_topk (e.g. 64), or use backend.teacher=torch")
+        if plan.gkd_logits_topk > cfg.vllm.max_logprobs:
+            raise ConfigError(f"config key 'placement.gkd_logits_topk'={plan.gkd_logits_topk} exceeds "
+                              f"vllm.max_logprobs={cfg.vllm.max_logprobs}. Fix: raise vllm.max_logprobs to at "
+                              f"least {plan.gkd_logits_topk} or lower gkd_logits_topk")
     overlap.check_staleness(a.max_staleness, plan)
     gkd_loss(cfg, plan)
 

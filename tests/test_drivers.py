@@ -542,6 +542,8 @@ class Started(Exception):
     pytest.param("algorithm.beta=2", "algorithm.beta"),
     pytest.param("algorithm.topk_mode=bogus", "algorithm.topk_mode"),
     pytest.param("algorithm.lmbda=1.5", "algorithm.lmbda"),
+    pytest.param("backend.teacher=vllm", "backend.teacher"),  # full vocabulary: vLLM serves top-k only
+    pytest.param("backend.teacher=vllm placement.gkd_logits_topk=100", "placement.gkd_logits_topk"),
 ])
 def test_gkd_main_rejects_bad_options_before_run(monkeypatch, capsys, override, key):
     """gkd.main's body on a composed config: exit 2 naming the key, and run() never called."""
@@ -549,7 +551,7 @@ def test_gkd_main_rejects_bad_options_before_run(monkeypatch, capsys, override, 
         raise Started("run() was reached: the config was accepted")
 
     monkeypatch.setattr(gkd, "run", started)
-    cfg = composed(GKDRunConfig, ["+experiment=gkd_quickstart", override])
+    cfg = composed(GKDRunConfig, ["+experiment=gkd_quickstart", *override.split()])
     with pytest.raises(SystemExit) as exit_info:
         gkd.main.__wrapped__(cfg)
     assert exit_info.value.code == 2
