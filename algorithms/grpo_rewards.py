@@ -1,0 +1,79 @@
+"""GRPO's reward functions: each of `reward_funcs` (accuracy, format, the arithmetic PRM or
+a dotted path to a custom function) becomes an ORM/PRM role config, run in the driver or on
+the planned `orm`/`prm` roles, and combined as Σ weight * score."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from orchestration.launch import driver_group
+from orchestration.planner import Plan
+from roles.orm import ORM
+from roles.prm import PRM
+
+
+def reward_specs(algo: Any) -> list[tuple[str, float, type, dict]]:
+    """(label, weight, role class, role config) per reward function of a GRPOAlgorithm."""
+    weights = list(algo.reward_weights) or [1.0] * len(algo.reward_funcs)
+    specs = []
+    for name, weight in zip(algo.reward_funcs, weights):
+        if name == "accuracy":
+            specs.append((name, weight, ORM, {"kind": "numeric"}))
+        elif name == "format":
+            pattern = {"format_pattern": algo.format_pattern} if algo.format_pattern else {}
+            specs.append((name, weight, ORM, {"kind": "format", **pattern}))
+        elif name == "prm":
+            specs.append((name, weight, PRM, {"kind": "arithmetic", "aggregate": algo.prm_aggregate,
+                                              "answer_as_step": True}))
+        else:
+            specs.append((name.rpartition(".")[2], weight, ORM, {"kind": "custom", "reward_fn": name}))
+    return specs
+
+
+def planned_reward_configs(specs: list, plan: Plan) -> dict[str, dict]:
+    """Role configs of the planned orm/prm roles: every ORM function in one combined config."""
+    out = {}
+    orm = [s for s in specs if s[2] is ORM]
+    if "orm" in plan.roles and orm:
+        if len(orm) == 1:
+            out["orm"] = orm[0][3]
+        else:
+            merged = {k: v for _, _, _, c in orm for k, v in c.items() if k != "kind"}
+            out["orm"] = {**merged, "kind": "combined", "weights": {c["kind"]: w for _, w, _, c in orm}}
+    prm = [s for s in specs if s[2] is PRM]
+    if "prm" in plan.roles and prm:
+        out["prm"] = prm[0][3]
+    return out
+
+
+class Rewards:
+    """Scores completions with the reward functions: reward = Σ weight * score. Each function
+    runs in its own driver-local group, or the ORM ones together on a planned `orm` group
+    (reported as reward/orm, weights applied there) and the PRM on a planned `prm` group."""
+
+    def __init__(self, specs: list, planned: dict[str, Any]):
+        role_of = {ORM: "orm", PRM: "prm"}
+        self._local = [(label, weight, driver_group(cls, {"config": config}, f"reward_{label}"))
+                       for label, weight, cls, config in specs if role_of[cls] not in planned]
+        self.parts: list[tuple[str, float, Any]] = list(self._local)  # (label, weight, group)
+        orm = [s for s in specs if s[2] is ORM]
+        if "orm" in planned:
+            self.parts.append((orm[0][0], orm[0][1], planned["orm"]) if len(orm) == 1 else ("orm", 1.0, planned["orm"]))
+        if "prm" in planned:
+            label, weight, _, _ = next(s for s in specs if s[2] is PRM)
+            self.parts.append((label, weight, planned["prm"]))
+
+    def score(self, prompts: list[str], texts: list[str], references: list[str]) -> tuple[torch.Tensor, dict]:
+        """(rewards [N], {label: mean score}) for N completions."""
+        total, means = torch.zeros(len(texts)), {}
+        for label, weight, group in self.parts:
+            scores = torch.tensor(group.call("score", prompts, texts, references, dispatch="slice",
+                                             collect="flatten"), dtype=torch.float32)
+            total += weight * scores
+            means[label] = float(scores.mean()) if len(scores) else 0.0
+        return total, means
+
+    def shutdown(self) -> None:
+        for _, _, group in self._local:  # planned groups belong to the run's roles
+            group.shutdown()
