@@ -115,9 +115,9 @@ def grpo_warm_start(bench: BenchConfig, out: Path) -> str | None:
     """The GRPO policy's SFT warm start, once for every mode."""
     if not bench.grpo_warmup_steps:
         return None
-    _, typed, _ = composed("grpo", overrides(bench, "grpo", "colocate", None)
-                           + [f"algorithm.warmup_sft_steps={bench.grpo_warmup_steps}"])
-    return grpo.warm_start(typed, out)
+    _, typed, plan = composed("grpo", overrides(bench, "grpo", "colocate", None)
+                              + [f"algorithm.warmup_sft_steps={bench.grpo_warmup_steps}"])
+    return grpo.warm_start(typed, plan["train"].world_size, out)
 
 
 # ----------------------------------------------------------------------------- figures of one run
