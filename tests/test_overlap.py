@@ -7,6 +7,7 @@ colocated with its memory and bytes-moved figures."""
 import io
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import torch
@@ -249,17 +250,30 @@ def test_real_grpo_colocated_logs_memory_and_bytes_moved(ray_cluster, tmp_path):
     assert all(gen[k][1] <= train[k][0] for k in (1, 2, 3)) and all(train[k][1] <= gen[k + 1][0] for k in (1, 2))
 
 
-def test_benchmark_summary_of_a_run(tmp_path):
-    """benchmarks/colocate_vs_separate.py's figures from a run's metrics and timeline."""
+def benchmark_module():
+    """benchmarks/colocate_vs_separate.py, imported (benchmarks/ is not a package)."""
     import importlib.util
     import sys
-    from pathlib import Path
 
     path = Path(__file__).resolve().parent.parent / "benchmarks" / "colocate_vs_separate.py"
     spec = importlib.util.spec_from_file_location("colocate_vs_separate", path)
     bench = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = bench  # its dataclass looks its module up there
     spec.loader.exec_module(bench)
+    return bench
+
+
+def test_benchmark_grpo_warm_start_is_a_checkpoint(ray_cluster, tmp_path):
+    """The benchmark's shared GRPO warm start runs the driver's SFT and returns its checkpoint."""
+    bench = benchmark_module()
+    settings = bench.BenchConfig(grpo_warmup_steps=2, steps=3, prompts_per_step=4, grpo=[
+        "data.train_size=32", "data.eval_size=4", "run.eval_max_new_tokens=8", "algorithm.warmup_sft_batch=8"])
+    with initialize_config_module(config_module="conf", version_base=None):
+        checkpoint = bench.grpo_warm_start(settings, tmp_path)
+    assert (Path(checkpoint) / "config.json").is_file()
+def test_benchmark_summary_of_a_run(tmp_path):
+    """benchmarks/colocate_vs_separate.py's figures from a run's metrics and timeline."""
+    bench = benchmark_module()
     assert bench.busy_union([(0, 2), (1, 3), (5, 6), (9, 12)], 0, 10) == 5
     run_grpo(tmp_path / "overlap", max_staleness=1, steps=5)
     run_grpo(tmp_path / "separate", max_staleness=0, steps=5)
