@@ -42,6 +42,10 @@ class GroupFuture:
 class BaseWorkerGroup:
     role: str
     world_size: int
+    # Methods of the role class (its LOCKSTEP_METHODS) whose ranks meet in collectives: every
+    # rank is called, an empty slice included, since a skipped rank would leave the others
+    # waiting.
+    lockstep: frozenset = frozenset()
 
     def call(self, method: str, *args: Any, dispatch: dsp.Dispatch = "all", execute: dsp.Execute = "all",
              collect: dsp.Collect = "none", **kwargs: Any) -> Any:
@@ -54,7 +58,7 @@ class BaseWorkerGroup:
         if execute == "first":
             handles = [self._submit(0, method, args, kwargs)]
             return GroupFuture(lambda timeout: self._wait(handles, method, [0], timeout)[0])
-        per_worker = dsp.split(dispatch, self.world_size, args, kwargs)
+        per_worker = dsp.split(dispatch, self.world_size, args, kwargs, keep_empty=method in self.lockstep)
         indices = [i for i, a in enumerate(per_worker) if a is not None]
         handles = [self._submit(i, method, *per_worker[i]) for i in indices]
         return GroupFuture(lambda timeout: dsp.collect(collect, self._wait(handles, method, indices, timeout)))

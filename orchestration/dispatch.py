@@ -3,7 +3,8 @@
 dispatch: 'slice' splits every sequence-like argument (list, tuple, tensor, array, batch
           dataclass: one that defines __len__) along its first axis, first workers taking the remainder (10 over 4 ->
           3,3,2,2); scalars, strings and dicts go whole; workers with an empty slice are
-          skipped. 'all' sends the same arguments. A callable f(n, i, *args, **kw) returns
+          skipped, except for methods a role lists in LOCKSTEP_METHODS (its ranks meet in
+          collectives), which get the empty slice. 'all' sends the same arguments. A callable f(n, i, *args, **kw) returns
           (args, kwargs) for worker i of n.
 execute:  'first' runs on rank 0 only and returns its value unwrapped; 'all' runs everywhere.
 collect:  'none' returns one value per worker; 'flatten' concatenates them (lists, tuples
@@ -68,8 +69,10 @@ def slice_bounds(n_items: int, n_workers: int) -> list[tuple[int, int]]:
     return bounds
 
 
-def split(dispatch: Dispatch, n_workers: int, args: tuple, kwargs: dict) -> list[tuple[tuple, dict] | None]:
-    """Arguments for each worker; None marks a worker that gets nothing and is skipped."""
+def split(dispatch: Dispatch, n_workers: int, args: tuple, kwargs: dict,
+          keep_empty: bool = False) -> list[tuple[tuple, dict] | None]:
+    """Arguments for each worker; None marks a worker that gets nothing and is skipped
+    (with `keep_empty`, it gets its empty slice instead)."""
     if callable(dispatch):
         out = []
         for i in range(n_workers):
@@ -91,7 +94,7 @@ def split(dispatch: Dispatch, n_workers: int, args: tuple, kwargs: dict) -> list
     n_items = next(iter(lengths.values()))
     out = []
     for start, stop in slice_bounds(n_items, n_workers):
-        if start == stop:
+        if start == stop and not keep_empty:
             out.append(None)
             continue
         out.append((tuple(_take(a, start, stop) for a in args), {k: _take(v, start, stop) for k, v in kwargs.items()}))

@@ -34,6 +34,7 @@ class LocalWorkerGroup(BaseWorkerGroup):
                  init_args: tuple = (), env: dict[str, str] | None = None):
         self.role, self.plan_entry = plan_entry.role, plan_entry
         self.world_size = plan_entry.world_size
+        self.lockstep = frozenset(getattr(role_cls, "LOCKSTEP_METHODS", ()))
         self._envs = [{**(env or {}), "RANK": str(i), "WORLD_SIZE": str(self.world_size),
                        "LOCAL_RANK": str(i)} for i in range(self.world_size)]
         self.workers = []

@@ -48,6 +48,7 @@ class WorkerGroup(BaseWorkerGroup):
                  timeout_s: float | None = None):
         self.role, self.plan_entry = plan_entry.role, plan_entry
         self.world_size = plan_entry.world_size
+        self.lockstep = frozenset(getattr(role_cls, "LOCKSTEP_METHODS", ()))
         self.timeout_s = timeout_s
         self.workers = [
             _RemoteHost.options(name=None, max_concurrency=1, **placement.slot(plan_entry, i).actor_options()).remote()

@@ -127,6 +127,10 @@ def slice_batch(batch: Batch, start: int, stop: int, width: Optional[int] = None
 
 
 class Trainer(WeightSender):
+    # Ranks of a trainer group meet in collectives here (gradient and metric sums, ZeRO
+    # passes, tensor-parallel row joins): worker groups call every rank, empty slices too.
+    LOCKSTEP_METHODS = ("train_step", "logprobs")
+
     def __init__(self, model: ModelSpec = "tiny_qwen2", config: Union[TrainerConfig, Mapping, None] = None,
                  loss_fn: Optional[LossFn] = None, loss_inputs: Sequence[str] = (),
                  engine: str = "torch", engine_options: Optional[Mapping[str, Any]] = None):

@@ -8,6 +8,9 @@ import torch
 class Probe:
     """Reports where it runs and echoes what it receives."""
 
+    # Methods whose ranks would meet in collectives: every rank is called, empty slices too.
+    LOCKSTEP_METHODS = ("rank_and_len_lockstep",)
+
     def __init__(self, scale: float = 1.0):
         self.scale = scale
         self.rank = int(os.environ["RANK"])
@@ -24,6 +27,9 @@ class Probe:
         return x * self.scale
 
     def rank_and_len(self, items):
+        return [(self.rank, len(items))]
+
+    def rank_and_len_lockstep(self, items):
         return [(self.rank, len(items))]
 
     def pair(self, x):

@@ -292,3 +292,30 @@ def test_data_parallel_two_ranks_match_one_rank(ray_cluster):
         assert torch.equal(a, b), name  # replicas stay identical
         torch.testing.assert_close(a, ref_weights[name], atol=1e-5, rtol=0, msg=name)
     torch.testing.assert_close(dp_logprobs, single.logprobs(batch), atol=1e-5, rtol=0)
+
+
+def test_a_rank_with_an_empty_slice_still_joins_the_collectives(ray_cluster):
+    """One row over two data-parallel ranks: rank 1's slice is empty, yet it must take part
+    in the gradient and metric sums (skipping it would leave rank 0 waiting); the update
+    equals a single trainer's."""
+    from orchestration.placement import create_placement
+    from orchestration.worker_group import WorkerGroup
+
+    batch = sft_batch(1, seed=5)
+    kwargs = {"model": MODEL, "config": dict(lr=1e-3, device="cpu", dtype="float32", warmup_steps=0, total_steps=10)}
+    plan = make_plan({"device_groups": {"nproc_per_node": 1, "g": {"device": "CPU", "ranks": 2, "workers": ["train"]}}})
+    placement = create_placement(plan, timeout_s=60)
+    group = None
+    try:
+        group = WorkerGroup(Trainer, plan["train"], kwargs, placement=placement, timeout_s=120)
+        dp = group.call("train_step", batch, dispatch="slice")
+        dp_logprobs = group.call("logprobs", batch, dispatch="slice", collect="flatten")
+    finally:
+        if group is not None:
+            group.shutdown()
+        placement.remove()
+    single = Trainer(**kwargs)
+    want = single.train_step(batch)
+    assert len(dp) == 2 and dp[0] == dp[1] and dp[0]["sequences"] == 1
+    assert math.isclose(dp[0]["loss"], want["loss"], abs_tol=1e-5)
+    torch.testing.assert_close(dp_logprobs, single.logprobs(batch), atol=1e-5, rtol=0)

@@ -80,6 +80,8 @@ CASES = {
                                    [(0, 3), (1, 3), (2, 2), (3, 2)]),
     "slice fewer items than workers skips": (("rank_and_len", [7, 8]), dict(dispatch="slice", collect="flatten"),
                                              [(0, 1), (1, 1)]),
+    "slice fewer items than workers: lockstep methods get empty slices": (
+        ("rank_and_len_lockstep", [7, 8]), dict(dispatch="slice", collect="flatten"), [(0, 1), (1, 1), (2, 0), (3, 0)]),
     "slice tensor round trip": (("echo", torch.arange(10.0)), dict(dispatch="slice", collect="flatten"),
                                 torch.arange(10.0)),
     "slice array scaled": (("scaled", np.arange(6.0).reshape(6, 1)), dict(dispatch="slice", collect="flatten"),
