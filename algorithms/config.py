@@ -168,6 +168,13 @@ def prepare(cfg: DictConfig | dict, schema: type, swift_keys: dict[str, str]) ->
             raise ConfigError(f"config key 'backend.{role}'={getattr(run.backend, role)!r}. "
                               f"Fix: use one of {list(choices)}")
     check_weight_sync(run.weight_sync)
+    for role, entry in plan.roles.items():
+        if entry.tensor_parallel_size > 1:
+            # The planner places it; an engine spanning several ranks' devices is not built yet.
+            raise ConfigError(f"placement key '{role}.vllm_tensor_parallel_size'={entry.tensor_parallel_size}: "
+                              f"the drivers run one engine per {role} rank (data parallel), not one vLLM engine "
+                              f"over several devices. Fix: set it to 1 (each of the {entry.world_size} devices "
+                              "then serves its own copy of the model)")
     if run.run.steps < 1 or run.run.prompts_per_step < 1:
         raise ConfigError("config keys 'run.steps' and 'run.prompts_per_step' must be >= 1")
     trainer_ranks = max((plan[r].world_size for r in ("train", "default") if r in plan.roles), default=1)

