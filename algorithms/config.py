@@ -5,7 +5,7 @@ the composed config (unknown keys, types, placement) before any actor starts.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
@@ -83,6 +83,12 @@ class SFTAlgorithm:
 class SFTRunConfig(RunConfig):
     # SFT / pretraining options.
     algorithm: SFTAlgorithm = field(default_factory=SFTAlgorithm)
+
+
+def sft_phase(cfg: RunConfig, **changes: Any) -> SFTRunConfig:
+    """The config of an SFT phase inside another run (GRPO's warm start, distill's SFT): every
+    section of `cfg` (placement, engines and their options, weight sync, ...) with `changes`."""
+    return SFTRunConfig(**{**{f.name: getattr(cfg, f.name) for f in fields(RunConfig)}, **changes})
 
 
 @dataclass

@@ -32,7 +32,7 @@ import hydra
 from omegaconf import DictConfig
 
 from algorithms import common, sft
-from algorithms.config import LoopConfig, RunConfig, SFTRunConfig, as_dict, engine_args, prepare
+from algorithms.config import LoopConfig, RunConfig, as_dict, engine_args, prepare, sft_phase
 from algorithms.data import DataConfig, load_task
 from algorithms.runlog import RunLog, run_dir
 from algorithms.tasks import Example
@@ -213,9 +213,7 @@ def run_sft(cfg: DistillRunConfig, plan: Plan, model: Any, data: DataConfig, ste
     trainer = replace(cfg.trainer, lr=lr, total_steps=steps, warmup_steps=steps // 10)
     run = LoopConfig(steps=steps, prompts_per_step=cfg.algorithm.sft_batch, seed=cfg.run.seed,
                      eval_max_new_tokens=cfg.run.eval_max_new_tokens)
-    sft_cfg = SFTRunConfig(placement=cfg.placement, cluster=cfg.cluster, backend=cfg.backend,
-                           model=resolve_config(model), trainer=trainer, rollout=cfg.rollout, data=data, run=run,
-                           weight_sync=cfg.weight_sync)
+    sft_cfg = sft_phase(cfg, model=resolve_config(model), trainer=trainer, data=data, run=run)
     return sft.run(sft_cfg, sft_plan, out_dir)
 
 

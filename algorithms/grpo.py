@@ -39,7 +39,7 @@ from omegaconf import DictConfig
 
 from algorithms import common, overlap, sft
 from algorithms.advantages import group_advantages, zero_variance_groups
-from algorithms.config import LoopConfig, RunConfig, SFTRunConfig, SWIFT_COMMON_KEYS, as_dict, engine_args, prepare
+from algorithms.config import LoopConfig, RunConfig, SWIFT_COMMON_KEYS, as_dict, engine_args, prepare, sft_phase
 from algorithms.data import load_task
 from algorithms.grpo_rewards import Rewards, planned_reward_configs, reward_specs
 from algorithms.losses import LOSS_TYPES, make_loss
@@ -277,16 +277,14 @@ def warm_start(cfg: GRPORunConfig, train_ranks: int, out_dir: Path) -> str:
     """SFT on the task's reference solutions with GRPO's engine, engine options and number of
     trainer ranks (so its optimizer moments fit GRPO's trainer); returns its checkpoint."""
     a = cfg.algorithm
-    same = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(RunConfig)}
-    warm = SFTRunConfig(**{**same,
-                           "trainer": replace(cfg.trainer, lr=a.warmup_sft_lr,
-                                              warmup_steps=min(20, a.warmup_sft_steps // 10),
-                                              total_steps=a.warmup_sft_steps, schedule="cosine",
-                                              micro_batch_per_device=a.warmup_sft_batch),
-                           "data": replace(cfg.data, train_size=a.warmup_sft_examples or cfg.data.train_size),
-                           "run": LoopConfig(steps=a.warmup_sft_steps, prompts_per_step=a.warmup_sft_batch,
-                                             eval_max_new_tokens=cfg.run.eval_max_new_tokens, save_final=True,
-                                             seed=cfg.run.seed)})
+    warm = sft_phase(cfg,
+                     trainer=replace(cfg.trainer, lr=a.warmup_sft_lr, warmup_steps=min(20, a.warmup_sft_steps // 10),
+                                     total_steps=a.warmup_sft_steps, schedule="cosine",
+                                     micro_batch_per_device=a.warmup_sft_batch),
+                     data=replace(cfg.data, train_size=a.warmup_sft_examples or cfg.data.train_size),
+                     run=LoopConfig(steps=a.warmup_sft_steps, prompts_per_step=a.warmup_sft_batch,
+                                    eval_max_new_tokens=cfg.run.eval_max_new_tokens, save_final=True,
+                                    seed=cfg.run.seed))
     print(f"grpo: SFT warm start of {cfg.model.name} for {a.warmup_sft_steps} steps")
     record = sft.run(warm, make_plan({"train": {"gpus": train_ranks}}), out_dir / "sft_warmup")
     return record["checkpoint"]

@@ -205,3 +205,18 @@ def test_every_experiment_validates_against_its_driver(name):
         cfg = compose(config_name="config", overrides=[f"+experiment={name}"])
     typed, plan = prepare(cfg, schema, {})
     assert plan.roles and typed.run.steps >= 1
+
+
+def test_sft_phase_keeps_the_runs_engine_sections():
+    """GRPO's warm start and distill's SFT run with the run's engines and their options (a
+    phase built from a few sections ran Megatron at TP=1 under a TP=2 run)."""
+    from algorithms.config import LoopConfig, sft_phase
+    from algorithms.grpo import GRPORunConfig
+
+    run = GRPORunConfig()
+    run.backend.train, run.megatron.tensor_parallel_size, run.deepspeed.zero_stage = "megatron", 2, 3
+    run.weight_sync.bucket_mb = 8.0
+    phase = sft_phase(run, run=LoopConfig(steps=3))
+    assert phase.backend.train == "megatron" and phase.megatron.tensor_parallel_size == 2
+    assert phase.deepspeed.zero_stage == 3 and phase.weight_sync.bucket_mb == 8.0
+    assert phase.run.steps == 3 and type(phase.algorithm).__name__ == "SFTAlgorithm"
