@@ -22,8 +22,8 @@ sleep, wake_up) and mem/<role>_* (host RSS, peak device memory); timeline.jsonl 
 each role was busy.
 
 Rewards run in this process, or on the `orm`/`prm` roles when the placement plans them
-(device_groups form). The reference policy for `beta` lives in this process (fine for tiny
-models); a planned reference role on its own devices is future work.
+(device_groups form). With `beta` > 0 the reference policy is a role of its own on the
+trainer's devices and engine (offloaded between uses when the trainer offloads).
 """
 from __future__ import annotations
 
@@ -47,8 +47,8 @@ from algorithms.runlog import RunLog, run_dir, timed_call
 from orchestration.cluster import init_cluster
 from orchestration.config import ConfigError, register_schema
 from orchestration.dispatch import flatten, slice_bounds
-from orchestration.launch import driver_group, start_roles
-from orchestration.planner import Plan, make_plan
+from orchestration.launch import start_roles
+from orchestration.planner import Plan, make_plan, with_colocated_role
 from roles.batch import Completions, SamplingParams
 from roles.models import load_tokenizer
 from roles.orm import ORM
@@ -145,6 +145,7 @@ def train(cfg: GRPORunConfig, plan: Plan, trainer: Any, rollout: Any, reference:
     overlap.check_staleness(algo.max_staleness, plan)
     offload_train = plan["train"].offload_model or plan["train"].offload_optimizer
     offload_args = (plan["train"].offload_model, plan["train"].offload_optimizer)
+    offload_reference = "reference" in plan.roles and plan["reference"].offload_model
     sleep_level = plan["rollout"].sleep_level
     sampling = SamplingParams(temperature=algo.temperature, max_new_tokens=algo.max_new_tokens, n=G)
     stream = common.prompt_stream(train_set, cfg.run.prompts_per_step, cfg.run.seed)
@@ -188,8 +189,13 @@ def train(cfg: GRPORunConfig, plan: Plan, trainer: Any, rollout: Any, reference:
                             "advantages/min": float(advantages.min()), "advantages/max": float(advantages.max())})
             # Reference logprobs: the initial policy's, for the KL penalty.
             if reference is not None:
+                if offload_reference:
+                    timed_call(log, "reference", reference, "onload")
                 with log.phase("ref_logprobs", "reference"):
-                    batch.ref_logprobs = reference.call("logprobs", batch, algo.temperature, execute="first")
+                    batch.ref_logprobs = reference.call("logprobs", batch, algo.temperature, dispatch="slice",
+                                                        collect="flatten")
+                if offload_reference:
+                    timed_call(log, "reference", reference, "offload", True, False)
             # Train: steps_per_generation updates, each on its part of the batch.
             if offload_train:
                 timed_call(log, "train", trainer, "onload")
@@ -223,8 +229,9 @@ def train(cfg: GRPORunConfig, plan: Plan, trainer: Any, rollout: Any, reference:
             if offload_train:
                 timed_call(log, "train", trainer, "offload", *offload_args)
         # Memory: each role's host RSS and peak device memory (both roles idle here).
-        for role, group in (("train", trainer), ("rollout", rollout)):
-            log.memory(role, group.call("memory"))
+        for role, group in (("train", trainer), ("rollout", rollout), ("reference", reference)):
+            if group is not None:
+                log.memory(role, group.call("memory"))
         record = log.step(step, metrics)
     if cfg.run.save_final:
         if offload_train:
@@ -307,15 +314,21 @@ def run(cfg: GRPORunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> 
     trainer_cfg = {**as_dict(cfg.trainer), "total_steps": cfg.run.steps * a.steps_per_generation}
     specs = reward_specs(a)
     planned = planned_reward_configs(specs, plan)
+    if a.beta:  # the initial policy for the KL term, on the trainer's devices and with its engine
+        plan = with_colocated_role(plan, "reference", "train", offload_model=plan["train"].offload_model)
     roles = start_roles(cfg, plan, {
         "train": (Trainer, {"model": model, "config": trainer_cfg, "loss_fn": loss, "loss_inputs": ("entropy",),
                             **engine_args(cfg, "train")}),
         "rollout": (Rollout, {"model": model, "config": as_dict(cfg.rollout), **engine_args(cfg, "rollout")}),
+        **({"reference": (Trainer, {"model": model, "config": trainer_cfg, **engine_args(cfg, "train")})}
+           if a.beta else {}),
         **{role: ({"orm": ORM, "prm": PRM}[role], {"config": c}) for role, c in planned.items()}})
     if warm and a.warmup_keep_optimizer:
         roles["train"].call("load_optimizer_moments", warm)
     rewards = Rewards(specs, {role: roles[role] for role in planned})
-    reference = driver_group(Trainer, {"model": model, "config": trainer_cfg}, "reference") if a.beta else None
+    reference = roles["reference"] if a.beta else None
+    if reference is not None and plan["reference"].offload_model:
+        reference.call("offload", True, False)
     log = RunLog(out_dir, cfg.run.steps, resolved_config=resolved)
     print(f"grpo: {len(train_set)} train / {len(eval_set)} held-out examples; {cfg.run.steps} steps x "
           f"{cfg.run.prompts_per_step} prompts x {a.num_generations} completions = "
@@ -327,8 +340,6 @@ def run(cfg: GRPORunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> 
     finally:
         log.close()
         rewards.shutdown()
-        if reference is not None:
-            reference.shutdown()
         roles.shutdown()
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ast
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping
 
 ROLES = ("train", "rollout", "teacher", "sampler", "prm", "orm", "default")
@@ -85,6 +85,21 @@ class Plan:
         for r in self.roles.values():
             seen[r.device].update(r.ranks)
         return {k: float(len(v)) for k, v in seen.items()}
+
+
+def with_colocated_role(plan: Plan, role: str, beside: str, offload_model: bool) -> Plan:
+    """`plan` plus `role` on exactly the devices of role `beside`, sharing its bundles (and
+    those of every role colocated with it), e.g. GRPO's reference policy beside the trainer.
+    With `offload_model` the new role keeps its weights in host memory between uses."""
+    base = plan[beside]
+    if role in plan.roles:
+        raise PlanError(role, f"role '{role}' is already planned", f"remove '{role}' from the placement config")
+    mates = (beside, *base.colocated_with)
+    roles = {name: replace(r, colocated_with=(*r.colocated_with, role)) if name in mates else r
+             for name, r in plan.roles.items()}
+    roles[role] = replace(base, role=role, colocated_with=mates, offload_model=offload_model,
+                          offload_optimizer=False, sleep_level=0, tensor_parallel_size=1, model=None)
+    return replace(plan, roles=roles)
 
 
 def make_plan(cfg: Mapping[str, Any], *, any_role_names: bool = False) -> Plan:

@@ -188,6 +188,9 @@ def test_tiny_run_end_to_end_on_ray(ray_cluster, tmp_path):
                 "time/ref_logprobs", "time/train", "time/sync_weights"):
         assert key in rows[1], key
     assert rows[-1]["train/step"] == 4  # 2 steps x 2 updates each
+    # The reference policy is a role on the trainer's (shared) device, offloaded between uses.
+    assert rows[1]["move/reference_onload_bytes"] > 0 and rows[1]["move/reference_offload_bytes"] > 0
+    assert rows[1]["mem/reference_rss_bytes"] > 0
     assert (tmp_path / "sft_warmup" / "metrics.jsonl").is_file()
     assert (tmp_path / "checkpoints" / "step_2" / "config.json").is_file() and record["checkpoint"]
 

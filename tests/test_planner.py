@@ -210,3 +210,20 @@ def test_any_role_names_for_the_decorator_front_end():
     bad = {"device_groups": {"nproc_per_node": 1, "a": {"device": "GPU", "ranks": 1, "workers": ["no spaces"]}}}
     with pytest.raises(PlanError, match="unknown role 'no spaces'"):
         make_plan(bad, any_role_names=True)
+
+
+def test_a_role_colocated_beside_another_shares_its_bundles():
+    """GRPO's reference policy: added beside the trainer, it takes the trainer's devices and
+    joins every colocation of them."""
+    from orchestration.planner import with_colocated_role
+
+    plan = make_plan({"colocate_groups": [["train", "rollout"]], "train": {"gpus": 2}, "rollout": {"gpus": 2},
+                      "offload_model": True, "sleep_level": 1})
+    both = with_colocated_role(plan, "reference", "train", offload_model=True)
+    ref, train = both["reference"], both["train"]
+    assert ref.ranks == train.ranks and ref.nodes == train.nodes and ref.local_devices == train.local_devices
+    assert set(ref.colocated_with) == {"train", "rollout"} and ref.offload_model and not ref.offload_optimizer
+    assert "reference" in train.colocated_with and "reference" in both["rollout"].colocated_with
+    assert both.demand() == plan.demand() and "reference" not in plan.roles
+    with pytest.raises(PlanError, match="already planned"):
+        with_colocated_role(both, "reference", "train", offload_model=False)
