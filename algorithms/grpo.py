@@ -11,19 +11,16 @@ them. Advantages are relative to the prompt's group (`scale_rewards`, `leave_one
 with `dynamic_sample`, groups whose rewards are all equal are dropped and fresh prompts
 generated. The trainer takes `steps_per_generation` clipped-ratio updates on the batch
 (ratios against the rollout's own sampling logprobs, so stale weights stay correct), with
-a k3 KL penalty to the initial weights when `beta` > 0, and the new weights go to the
-rollout. With separate placement and `max_staleness` N > 0, the rollout generates the
+a k3 KL penalty to the initial weights when `beta` > 0 (the reference policy: a role on the
+trainer's devices and engine, offloaded between uses when the trainer offloads), and the
+new weights go to the rollout. With separate placement and `max_staleness` N > 0, the rollout generates the
 batches of the next N steps while the trainer trains (samples at most N weight versions
 old; staleness/max and staleness/mean are logged). With `warmup_sft_steps`, the policy is
 first trained by SFT on the task's reference solutions and GRPO starts from that
 checkpoint. eval/accuracy (greedy, held-out) is logged at step 0, every run.eval_every
 steps and at the end. Per step: time/<phase>, move/<role>_<op>_{bytes,s} (offload, onload,
 sleep, wake_up) and mem/<role>_* (host RSS, peak device memory); timeline.jsonl holds when
-each role was busy.
-
-Rewards run in this process, or on the `orm`/`prm` roles when the placement plans them
-(device_groups form). With `beta` > 0 the reference policy is a role of its own on the
-trainer's devices and engine (offloaded between uses when the trainer offloads).
+each role was busy. Rewards run in this process, or on the planned `orm`/`prm` roles.
 """
 from __future__ import annotations
 
@@ -302,7 +299,7 @@ def run(cfg: GRPORunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> 
     out_dir = Path(out_dir)
     if cfg.backend.workers == "ray":  # sized for this plan before the warm start uses it
         init_cluster(cfg.cluster, plan.demand())
-    train_set, eval_set, stats = load_task(cfg.data)
+    train_set, eval_set, _ = load_task(cfg.data)
     a = cfg.algorithm
     model = as_dict(cfg.model)
     warm = warm_start(cfg, plan["train"].world_size, out_dir) if a.warmup_sft_steps else None
@@ -316,12 +313,11 @@ def run(cfg: GRPORunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> 
     planned = planned_reward_configs(specs, plan)
     if a.beta:  # the initial policy for the KL term, on the trainer's devices and with its engine
         plan = with_colocated_role(plan, "reference", "train", offload_model=plan["train"].offload_model)
+    policy = {"model": model, "config": trainer_cfg, **engine_args(cfg, "train")}
     roles = start_roles(cfg, plan, {
-        "train": (Trainer, {"model": model, "config": trainer_cfg, "loss_fn": loss, "loss_inputs": ("entropy",),
-                            **engine_args(cfg, "train")}),
+        "train": (Trainer, {**policy, "loss_fn": loss, "loss_inputs": ("entropy",)}),
         "rollout": (Rollout, {"model": model, "config": as_dict(cfg.rollout), **engine_args(cfg, "rollout")}),
-        **({"reference": (Trainer, {"model": model, "config": trainer_cfg, **engine_args(cfg, "train")})}
-           if a.beta else {}),
+        **({"reference": (Trainer, policy)} if a.beta else {}),
         **{role: ({"orm": ORM, "prm": PRM}[role], {"config": c}) for role, c in planned.items()}})
     if warm and a.warmup_keep_optimizer:
         roles["train"].call("load_optimizer_moments", warm)
