@@ -287,6 +287,10 @@ def check(cfg: DistillRunConfig, plan: Plan) -> None:
     if (algo.sft_steps or algo.warmup_sft_steps) and algo.sft_batch < ranks:
         raise ConfigError(f"config key 'algorithm.sft_batch'={algo.sft_batch} is below the {ranks} SFT ranks "
                           f"(the sampler's). Fix: raise it to at least {ranks}")
+    tp = cfg.megatron.tensor_parallel_size if cfg.backend.train == "megatron" else 1
+    if (algo.sft_steps or algo.warmup_sft_steps) and ranks % tp:
+        raise ConfigError(f"config key 'megatron.tensor_parallel_size'={tp} does not divide the {ranks} SFT ranks "
+                          f"(the sampler's, 1 with backend.workers=local). Fix: a size that divides {ranks}")
 
 
 register_schema(DistillRunConfig)

@@ -192,7 +192,7 @@ def train(cfg: GRPORunConfig, plan: Plan, trainer: Any, rollout: Any, reference:
                     batch.ref_logprobs = reference.call("logprobs", batch, algo.temperature, dispatch="slice",
                                                         collect="flatten")
                 if offload_reference:
-                    timed_call(log, "reference", reference, "offload", True, False)
+                    timed_call(log, "reference", reference, "offload", True, True)
             # Train: steps_per_generation updates, each on its part of the batch.
             if offload_train:
                 timed_call(log, "train", trainer, "onload")
@@ -302,8 +302,7 @@ def run(cfg: GRPORunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> 
     train_set, eval_set, _ = load_task(cfg.data)
     a = cfg.algorithm
     model = as_dict(cfg.model)
-    warm = warm_start(cfg, plan["train"].world_size, out_dir) if a.warmup_sft_steps else None
-    if warm:
+    if warm := warm_start(cfg, plan["train"].world_size, out_dir) if a.warmup_sft_steps else None:
         model["path"] = warm
     loss = make_loss("grpo", epsilon=a.epsilon, epsilon_high=a.epsilon_high, beta=a.beta, loss_type=a.loss_type,
                      max_completion_length=a.max_new_tokens)
@@ -324,7 +323,7 @@ def run(cfg: GRPORunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> 
     rewards = Rewards(specs, {role: roles[role] for role in planned})
     reference = roles["reference"] if a.beta else None
     if reference is not None and plan["reference"].offload_model:
-        reference.call("offload", True, False)
+        reference.call("offload", True, True)  # it never steps: its optimizer state can stay on the host
     log = RunLog(out_dir, cfg.run.steps, resolved_config=resolved)
     print(f"grpo: {len(train_set)} train / {len(eval_set)} held-out examples; {cfg.run.steps} steps x "
           f"{cfg.run.prompts_per_step} prompts x {a.num_generations} completions = "
@@ -373,6 +372,9 @@ def check(cfg: GRPORunConfig, plan: Plan) -> None:
         if role in plan.roles and not used:
             raise ConfigError(f"the placement plans an {role} role but algorithm.reward_funcs uses none. "
                               f"Fix: add a reward function it serves, or remove {role} from the placement")
+    if a.warmup_sft_steps and a.warmup_sft_batch < (n := plan["train"].world_size):
+        raise ConfigError(f"config key 'algorithm.warmup_sft_batch'={a.warmup_sft_batch} is below the {n} "
+                          f"trainer ranks. Fix: raise it to at least {n}")
     per_update = cfg.run.prompts_per_step * a.num_generations // max(a.steps_per_generation, 1)
     if a.steps_per_generation < 1 or per_update < plan["train"].world_size:
         raise ConfigError(f"config key 'algorithm.steps_per_generation'={a.steps_per_generation}: each update needs "

@@ -102,7 +102,7 @@ class Teacher(WeightReceiver):
         values = torch.zeros(B, T, width)
         indices = torch.zeros(B, T, width, dtype=torch.long) if topk is not None else None
         tails = torch.zeros(B, T) if tail else None
-        size = self.config.micro_batch_per_device or B
+        size = self.config.micro_batch_per_device or max(B, 1)
         for start in range(0, B, size):
             rows = slice(start, min(start + size, B))
             ids = batch.input_ids[rows].to(self.device)

@@ -170,7 +170,7 @@ class Trainer(WeightSender):
     # ------------------------------------------------------------------ compute
     def _micro_batches(self, batch: Batch):
         n = len(batch)
-        size = self.config.micro_batch_per_device or n
+        size = self.config.micro_batch_per_device or max(n, 1)
         for start in range(0, n, size):
             stop = min(start + size, n)
             # Trailing positions that are padding in every row of the micro-batch are cut.
@@ -208,10 +208,11 @@ class Trainer(WeightSender):
         """One optimizer update on `batch` (this rank's share); returns global metrics."""
         self.engine.check_live("train_step")
         batch, _ = self._join_rows(batch)
-        size = self.config.micro_batch_per_device or len(batch)
-        local = [float(batch.loss_mask.sum()), float(len(batch)), float(-(-len(batch) // size))]
+        size = self.config.micro_batch_per_device or max(len(batch), 1)
+        local = [float(batch.loss_mask.sum()), float(len(batch)), float(-(-len(batch) // size)),
+                 float(len(batch) == 0)]
         idle = self._idle_passes(int(local[2]), backward=True)
-        global_tokens, global_sequences, global_micro_batches = self.engine.all_reduce_sum(local)
+        global_tokens, global_sequences, global_micro_batches, empty_ranks = self.engine.all_reduce_sum(local)
         base = {"global_tokens": global_tokens, "global_sequences": global_sequences,
                 "global_micro_batches": global_micro_batches, "temperature": temperature}
         lr = self.engine.current_lr()
@@ -232,7 +233,9 @@ class Trainer(WeightSender):
             self.engine.idle_pass(backward=True)
         self.engine.reduce_gradients()
         keys = sorted(weighted)
-        totals = self.engine.all_reduce_sum([loss_sum] + [weighted[k] for k in keys])
+        if empty_ranks:  # a rank without rows ran no loss: every rank sums the same metric names
+            keys = sorted(set().union(*self.engine.all_gather_object(keys)))
+        totals = self.engine.all_reduce_sum([loss_sum] + [weighted.get(k, 0.0) for k in keys])
         grad_norm, _ = self.engine.optimizer_step(self.config.grad_clip)
         out = {"loss": totals[0], "grad_norm": grad_norm, "lr": lr, "tokens": global_tokens,
                "sequences": global_sequences, "step": float(self.engine.step)}

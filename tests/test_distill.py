@@ -219,3 +219,7 @@ def test_quickstart_composes_validates_and_plans():
     assert plan["sampler"].device == "GPU" and plan["prm"].device == "CPU" and plan["prm"].world_size == 2
     assert typed.prm.kind == "arithmetic" and typed.orm.kind == "numeric"
     assert typed.algorithm.warmup_sft_steps > 0 and typed.algorithm.sft_steps > 0
+    # Its SFT phases run on the sampler's single rank: a Megatron TP of 2 cannot split it.
+    typed.backend.train, typed.megatron.tensor_parallel_size = "megatron", 2
+    with pytest.raises(ConfigError, match="megatron.tensor_parallel_size"):
+        check(typed, plan)

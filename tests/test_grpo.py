@@ -156,6 +156,11 @@ def test_check_rejects_bad_settings():
                  dict(reward_funcs=["nope"]), dict(reward_weights=[1.0, 2.0]), dict(steps_per_generation=0)]:
         with pytest.raises(ConfigError):
             grpo.check(grpo.GRPORunConfig(run=LoopConfig(prompts_per_step=4), algorithm=grpo.GRPOAlgorithm(**algo)), plan)
+    # The warm start runs on the trainer's ranks: each needs a share of every SFT batch.
+    two = make_plan({"train": {"gpus": 2}, "rollout": {"gpus": 1}})
+    with pytest.raises(ConfigError, match="warmup_sft_batch"):
+        grpo.check(grpo.GRPORunConfig(run=LoopConfig(prompts_per_step=4), algorithm=grpo.GRPOAlgorithm(
+            warmup_sft_steps=5, warmup_sft_batch=1)), two)
 
 
 def test_reward_functions_weighted_in_process():

@@ -294,15 +294,20 @@ def test_data_parallel_two_ranks_match_one_rank(ray_cluster):
     torch.testing.assert_close(dp_logprobs, single.logprobs(batch), atol=1e-5, rtol=0)
 
 
-def test_a_rank_with_an_empty_slice_still_joins_the_collectives(ray_cluster):
+@pytest.mark.parametrize("micro_batch", [0, 2])
+def test_a_rank_with_an_empty_slice_still_joins_the_collectives(ray_cluster, micro_batch):
     """One row over two data-parallel ranks: rank 1's slice is empty, yet it must take part
-    in the gradient and metric sums (skipping it would leave rank 0 waiting); the update
-    equals a single trainer's."""
+    in the gradient and metric sums (skipping it would leave rank 0 waiting; summing fewer
+    metric names than rank 0 would too); the update equals a single trainer's. Micro-batch 0
+    (the whole share at once) included."""
+    from algorithms.losses import make_loss
     from orchestration.placement import create_placement
     from orchestration.worker_group import WorkerGroup
 
     batch = sft_batch(1, seed=5)
-    kwargs = {"model": MODEL, "config": dict(lr=1e-3, device="cpu", dtype="float32", warmup_steps=0, total_steps=10)}
+    kwargs = {"model": MODEL, "loss_fn": make_loss("sft"),  # a loss that reports metrics (nll)
+              "config": dict(lr=1e-3, device="cpu", dtype="float32", warmup_steps=0, total_steps=10,
+                             micro_batch_per_device=micro_batch)}
     plan = make_plan({"device_groups": {"nproc_per_node": 1, "g": {"device": "CPU", "ranks": 2, "workers": ["train"]}}})
     placement = create_placement(plan, timeout_s=60)
     group = None
@@ -318,4 +323,5 @@ def test_a_rank_with_an_empty_slice_still_joins_the_collectives(ray_cluster):
     want = single.train_step(batch)
     assert len(dp) == 2 and dp[0] == dp[1] and dp[0]["sequences"] == 1
     assert math.isclose(dp[0]["loss"], want["loss"], abs_tol=1e-5)
+    assert math.isclose(dp[0]["nll"], want["nll"], abs_tol=1e-5)
     torch.testing.assert_close(dp_logprobs, single.logprobs(batch), atol=1e-5, rtol=0)

@@ -212,6 +212,14 @@ class DeepSpeedTrainEngine:
         dist.all_reduce(t)
         return t.tolist()
 
+    def all_gather_object(self, obj: object) -> list:
+        """`obj` of every rank (a picklable value), in rank order."""
+        if self.world_size == 1:
+            return [obj]
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier()

@@ -320,6 +320,14 @@ class MegatronTrainEngine(TorchTrainEngine):
         dist.all_reduce(t, group=self.dp_group)
         return t.tolist()
 
+    def all_gather_object(self, obj: object) -> list:
+        """`obj` of every data-parallel rank (TP peers share theirs), in rank order."""
+        if self.dp_size == 1:
+            return [obj]
+        out: list = [None] * self.dp_size
+        dist.all_gather_object(out, obj, group=self.dp_group)
+        return out
+
     # ------------------------------------------------------------------ weights
     def _local_shard(self) -> dict[str, torch.Tensor]:
         host = {id(t): h for t, h, _ in self._host_model or []}
