@@ -41,6 +41,10 @@ class TeacherConfig:
 
 
 class Teacher(WeightReceiver):
+    # Tensor-parallel Megatron peers join their rows here: worker groups call every rank,
+    # empty slices too (an empty call returns empty tensors).
+    LOCKSTEP_METHODS = ("logits",)
+
     def __init__(self, model: ModelSpec = "small_qwen2", config: Union[TeacherConfig, Mapping[str, Any], None] = None,
                  engine: str = "torch", engine_options: Optional[Mapping[str, Any]] = None):
         check_engine("teacher", engine, TEACHER_ENGINES)
@@ -91,7 +95,7 @@ class Teacher(WeightReceiver):
             raise ValueError("tail=True needs topk; the full distribution has no tail")
         if temperature <= 0:
             raise ValueError(f"temperature={temperature} must be > 0")
-        if self._vllm:
+        if self._vllm and len(batch.input_ids):
             return self._vllm.topk_logprobs(batch.input_ids, batch.attention_mask, topk, tail, temperature)
         own = slice(None)
         if self.engine == "megatron":

@@ -128,3 +128,9 @@ def test_teacher_under_local_worker_group(teacher, batch):
     m = valid(batch)
     torch.testing.assert_close(values[:, 1:][m], ref_values[:, 1:][m], atol=1e-5, rtol=0)
     assert torch.equal(indices[:, 1:][m], ref_indices[:, 1:][m])
+    # One row over two ranks: the second rank is called with an empty slice (lockstep) and
+    # returns empty tensors of the same trailing shape.
+    one = Batch(input_ids=batch.input_ids[:1], attention_mask=batch.attention_mask[:1], loss_mask=batch.loss_mask[:1])
+    values, indices, tails = group.call("logits", one, topk=4, tail=True, dispatch="slice", collect="none")[1]
+    assert values.shape == (0, batch.input_ids.shape[1], 4) and indices.shape == values.shape
+    assert tails.shape == (0, batch.input_ids.shape[1])
