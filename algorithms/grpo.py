@@ -11,16 +11,17 @@ them. Advantages are relative to the prompt's group (`scale_rewards`, `leave_one
 with `dynamic_sample`, groups whose rewards are all equal are dropped and fresh prompts
 generated. The trainer takes `steps_per_generation` clipped-ratio updates on the batch
 (ratios against the rollout's own sampling logprobs, so stale weights stay correct), with
-a k3 KL penalty to the initial weights when `beta` > 0 (the reference policy: a role on the
-trainer's devices and engine, offloaded between uses when the trainer offloads), and the
-new weights go to the rollout. With separate placement and `max_staleness` N > 0, the rollout generates the
-batches of the next N steps while the trainer trains (samples at most N weight versions
-old; staleness/max and staleness/mean are logged). With `warmup_sft_steps`, the policy is
-first trained by SFT on the task's reference solutions and GRPO starts from that
-checkpoint. eval/accuracy (greedy, held-out) is logged at step 0, every run.eval_every
-steps and at the end. Per step: time/<phase>, move/<role>_<op>_{bytes,s} (offload, onload,
-sleep, wake_up) and mem/<role>_* (host RSS, peak device memory); timeline.jsonl holds when
-each role was busy. Rewards run in this process, or on the planned `orm`/`prm` roles.
+a k3 KL penalty to the initial weights when `beta` > 0 (the reference policy: a role on
+the trainer's devices and engine, offloaded between uses when the trainer offloads), and
+the new weights go to the rollout. With separate placement and `max_staleness` N > 0, the
+rollout generates the batches of the next N steps while the trainer trains (samples at
+most N weight versions old; staleness/max and staleness/mean are logged). With
+`warmup_sft_steps`, the policy is first trained by SFT on the task's reference solutions
+and GRPO starts from that checkpoint. eval/accuracy (greedy, held-out) is logged at step
+0, every run.eval_every steps and at the end. Per step: time/<phase>,
+move/<role>_<op>_{bytes,s} (offload, onload, sleep, wake_up) and mem/<role>_* (host RSS,
+peak device memory); timeline.jsonl holds when each role was busy. Rewards run in this
+process, or on the planned `orm`/`prm` roles.
 """
 from __future__ import annotations
 

@@ -4,8 +4,8 @@ dispatch: 'slice' splits every sequence-like argument (list, tuple, tensor, arra
           dataclass: one that defines __len__) along its first axis, first workers taking the remainder (10 over 4 ->
           3,3,2,2); scalars, strings and dicts go whole; workers with an empty slice are
           skipped, except for methods a role lists in LOCKSTEP_METHODS (its ranks meet in
-          collectives), which get the empty slice. 'all' sends the same arguments. A callable f(n, i, *args, **kw) returns
-          (args, kwargs) for worker i of n.
+          collectives), which get the empty slice. 'all' sends the same arguments. A
+          callable f(n, i, *args, **kw) returns (args, kwargs) for worker i of n.
 execute:  'first' runs on rank 0 only and returns its value unwrapped; 'all' runs everywhere.
 collect:  'none' returns one value per worker; 'flatten' concatenates them (lists, tuples
           element-wise, tensors, arrays, batch dataclasses, dicts key-wise); a callable gets

@@ -168,9 +168,13 @@ class Trainer(WeightSender):
         return self.engine.step
 
     # ------------------------------------------------------------------ compute
+    def _micro_size(self, n: int) -> int:
+        """Rows per forward pass for a share of n rows (micro_batch_per_device 0: all of them)."""
+        return self.config.micro_batch_per_device or max(n, 1)
+
     def _micro_batches(self, batch: Batch):
         n = len(batch)
-        size = self.config.micro_batch_per_device or max(n, 1)
+        size = self._micro_size(n)
         for start in range(0, n, size):
             stop = min(start + size, n)
             # Trailing positions that are padding in every row of the micro-batch are cut.
@@ -208,10 +212,10 @@ class Trainer(WeightSender):
         """One optimizer update on `batch` (this rank's share); returns global metrics."""
         self.engine.check_live("train_step")
         batch, _ = self._join_rows(batch)
-        size = self.config.micro_batch_per_device or max(len(batch), 1)
-        local = [float(batch.loss_mask.sum()), float(len(batch)), float(-(-len(batch) // size)),
+        micro_batches = -(-len(batch) // self._micro_size(len(batch)))
+        local = [float(batch.loss_mask.sum()), float(len(batch)), float(micro_batches),
                  float(len(batch) == 0)]
-        idle = self._idle_passes(int(local[2]), backward=True)
+        idle = self._idle_passes(micro_batches, backward=True)
         global_tokens, global_sequences, global_micro_batches, empty_ranks = self.engine.all_reduce_sum(local)
         base = {"global_tokens": global_tokens, "global_sequences": global_sequences,
                 "global_micro_batches": global_micro_batches, "temperature": temperature}
@@ -251,7 +255,7 @@ class Trainer(WeightSender):
         batch, own = self._join_rows(batch)
         B, T = batch.input_ids.shape
         lp, ent = torch.zeros(B, T), torch.zeros(B, T)
-        idle = self._idle_passes(-(-B // (self.config.micro_batch_per_device or max(B, 1))), backward=False)
+        idle = self._idle_passes(-(-B // self._micro_size(B)), backward=False)
         for start, stop, mb in self._micro_batches(batch):
             out, extras = self._forward(mb, temperature, ("entropy",) if entropy else ())
             width = out.shape[1]

@@ -1,5 +1,6 @@
 """Trainer on tiny presets (CPU, fp32): training, micro-batching, offload, checkpoints,
 weight buckets, and data parallel over a real 2-rank Ray worker group."""
+import contextlib
 import math
 
 import pytest
@@ -260,25 +261,32 @@ def test_trainer_under_local_worker_group_equals_direct(batch):
     assert torch.equal(group.call("logprobs", batch, dispatch="slice", collect="flatten"), direct.logprobs(batch))
 
 
-def test_data_parallel_two_ranks_match_one_rank(ray_cluster):
+@contextlib.contextmanager
+def two_rank_trainer(kwargs: dict):
+    """A Trainer group of two CPU ranks on the test cluster (a real gloo process group)."""
     from orchestration.placement import create_placement
     from orchestration.worker_group import WorkerGroup
 
-    batch = sft_batch(7, seed=3)  # sliced 4 + 3: uneven token counts and micro-batch counts
-    kwargs = {"model": MODEL, "config": dict(lr=1e-3, micro_batch_per_device=2, device="cpu", dtype="float32",
-                                             warmup_steps=0, total_steps=10)}
     plan = make_plan({"device_groups": {"nproc_per_node": 1, "g": {"device": "CPU", "ranks": 2, "workers": ["train"]}}})
     placement = create_placement(plan, timeout_s=60)
     group = None
     try:
         group = WorkerGroup(Trainer, plan["train"], kwargs, placement=placement, timeout_s=180)
-        dp = [group.call("train_step", batch, dispatch="slice") for _ in range(2)]
-        replicas = group.call("state_dict_buckets", 1024)
-        dp_logprobs = group.call("logprobs", batch, dispatch="slice", collect="flatten")
+        yield group
     finally:
         if group is not None:
             group.shutdown()
         placement.remove()
+
+
+def test_data_parallel_two_ranks_match_one_rank(ray_cluster):
+    batch = sft_batch(7, seed=3)  # sliced 4 + 3: uneven token counts and micro-batch counts
+    kwargs = {"model": MODEL, "config": dict(lr=1e-3, micro_batch_per_device=2, device="cpu", dtype="float32",
+                                             warmup_steps=0, total_steps=10)}
+    with two_rank_trainer(kwargs) as group:
+        dp = [group.call("train_step", batch, dispatch="slice") for _ in range(2)]
+        replicas = group.call("state_dict_buckets", 1024)
+        dp_logprobs = group.call("logprobs", batch, dispatch="slice", collect="flatten")
     single = Trainer(**kwargs)
     ref = [single.train_step(batch) for _ in range(2)]
     for ranks, want in zip(dp, ref):
@@ -301,24 +309,14 @@ def test_a_rank_with_an_empty_slice_still_joins_the_collectives(ray_cluster, mic
     metric names than rank 0 would too); the update equals a single trainer's. Micro-batch 0
     (the whole share at once) included."""
     from algorithms.losses import make_loss
-    from orchestration.placement import create_placement
-    from orchestration.worker_group import WorkerGroup
 
     batch = sft_batch(1, seed=5)
     kwargs = {"model": MODEL, "loss_fn": make_loss("sft"),  # a loss that reports metrics (nll)
               "config": dict(lr=1e-3, device="cpu", dtype="float32", warmup_steps=0, total_steps=10,
                              micro_batch_per_device=micro_batch)}
-    plan = make_plan({"device_groups": {"nproc_per_node": 1, "g": {"device": "CPU", "ranks": 2, "workers": ["train"]}}})
-    placement = create_placement(plan, timeout_s=60)
-    group = None
-    try:
-        group = WorkerGroup(Trainer, plan["train"], kwargs, placement=placement, timeout_s=120)
+    with two_rank_trainer(kwargs) as group:
         dp = group.call("train_step", batch, dispatch="slice")
         dp_logprobs = group.call("logprobs", batch, dispatch="slice", collect="flatten")
-    finally:
-        if group is not None:
-            group.shutdown()
-        placement.remove()
     single = Trainer(**kwargs)
     want = single.train_step(batch)
     assert len(dp) == 2 and dp[0] == dp[1] and dp[0]["sequences"] == 1

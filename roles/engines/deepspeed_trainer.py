@@ -41,7 +41,8 @@ import torch
 import torch.distributed as dist
 
 from roles.engines.options import DeepSpeedOptions
-from roles.engines.torch_trainer import DIST_TIMEOUT, init_data_parallel, lr_multiplier, to_device, to_host
+from roles.engines.torch_trainer import (DIST_TIMEOUT, DataParallelCollectives, init_data_parallel, lr_multiplier,
+                                         to_device, to_host)
 
 # Parameters are gathered (ZeRO-3) in groups of about this size.
 GATHER_BUCKET_BYTES = 64 * 2**20
@@ -91,7 +92,7 @@ def _without_shm_op():
         ds_torch.build_shm_op = build
 
 
-class DeepSpeedTrainEngine:
+class DeepSpeedTrainEngine(DataParallelCollectives):
     def __init__(self, model: torch.nn.Module, *, options: Mapping[str, Any], device: torch.device, dtype: str,
                  lr: float, weight_decay: float, betas: tuple[float, float], warmup_steps: int, total_steps: int,
                  schedule: str, seed: int):
@@ -204,25 +205,6 @@ class DeepSpeedTrainEngine:
             self.step += 1
             self._refresh_full()
         return norm, applied
-
-    def all_reduce_sum(self, values: list[float]) -> list[float]:
-        if self.world_size == 1:
-            return list(values)
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
-        return t.tolist()
-
-    def all_gather_object(self, obj: object) -> list:
-        """`obj` of every rank (a picklable value), in rank order."""
-        if self.world_size == 1:
-            return [obj]
-        out: list = [None] * self.world_size
-        dist.all_gather_object(out, obj)
-        return out
-
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            dist.barrier()
 
     # ------------------------------------------------------------------ memory
     def offload(self, model: bool, optimizer: bool) -> dict:

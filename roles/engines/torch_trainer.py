@@ -109,7 +109,35 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-class TorchTrainEngine:
+class DataParallelCollectives:
+    """Metric sums, object gathers and barriers over the default process group, for engines
+    whose ranks all hold the same model (plain data parallel, ZeRO); needs `world_size` and
+    `device`."""
+
+    world_size: int
+    device: torch.device
+
+    def all_reduce_sum(self, values: list[float]) -> list[float]:
+        if self.world_size == 1:
+            return list(values)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    def all_gather_object(self, obj: object) -> list:
+        """`obj` of every rank (a picklable value), in rank order."""
+        if self.world_size == 1:
+            return [obj]
+        out: list = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            dist.barrier()
+
+
+class TorchTrainEngine(DataParallelCollectives):
     def __init__(self, model: torch.nn.Module, *, device: torch.device, dtype: str, lr: float,
                  weight_decay: float, betas: tuple[float, float], warmup_steps: int, total_steps: int,
                  schedule: str, seed: int):
@@ -184,25 +212,6 @@ class TorchTrainEngine:
             self.step += 1
         self.optimizer.zero_grad(set_to_none=True)
         return norm, applied
-
-    def all_reduce_sum(self, values: list[float]) -> list[float]:
-        if self.world_size == 1:
-            return list(values)
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
-        return t.tolist()
-
-    def all_gather_object(self, obj: object) -> list:
-        """`obj` of every rank (a picklable value), in rank order."""
-        if self.world_size == 1:
-            return [obj]
-        out: list = [None] * self.world_size
-        dist.all_gather_object(out, obj)
-        return out
-
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            dist.barrier()
 
     # ------------------------------------------------------------------ memory
     @property
