@@ -5,7 +5,9 @@ the composed config (unknown keys, types, placement) before any actor starts.
 """
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
@@ -174,13 +176,7 @@ def prepare(cfg: DictConfig | dict, schema: type, swift_keys: dict[str, str]) ->
             raise ConfigError(f"config key 'backend.{role}'={getattr(run.backend, role)!r}. "
                               f"Fix: use one of {list(choices)}")
     check_weight_sync(run.weight_sync)
-    for role, entry in plan.roles.items():
-        if entry.tensor_parallel_size > 1:
-            # The planner places it; an engine spanning several ranks' devices is not built yet.
-            raise ConfigError(f"placement key '{role}.vllm_tensor_parallel_size'={entry.tensor_parallel_size}: "
-                              f"the drivers run one engine per {role} rank (data parallel), not one vLLM engine "
-                              f"over several devices. Fix: set it to 1 (each of the {entry.world_size} devices "
-                              "then serves its own copy of the model)")
+    check_vllm_tensor_parallel(run, plan)
     if run.run.steps < 1 or run.run.prompts_per_step < 1:
         raise ConfigError("config keys 'run.steps' and 'run.prompts_per_step' must be >= 1")
     trainer_ranks = max((plan[r].world_size for r in ("train", "default") if r in plan.roles), default=1)
@@ -189,6 +185,33 @@ def prepare(cfg: DictConfig | dict, schema: type, swift_keys: dict[str, str]) ->
         raise ConfigError(f"config key 'run.prompts_per_step'={run.run.prompts_per_step} is below the "
                           f"{trainer_ranks} trainer ranks. Fix: raise it to at least {trainer_ranks}")
     return run, plan
+
+
+# Planned roles that can run a vLLM engine, and the backend key choosing their engine.
+VLLM_ROLES = {"rollout": "rollout", "sampler": "rollout", "teacher": "teacher"}
+
+
+def check_vllm_tensor_parallel(cfg: RunConfig, plan: Plan) -> None:
+    """`<role>.vllm_tensor_parallel_size` > 1 needs a vLLM engine, one process per rank, and a
+    model whose attention heads split evenly over the engine's ranks."""
+    for role, entry in plan.roles.items():
+        tp = entry.tensor_parallel_size
+        if tp == 1:
+            continue
+        key = f"placement key '{role}.vllm_tensor_parallel_size'={tp}"
+        if role not in VLLM_ROLES or getattr(cfg.backend, VLLM_ROLES[role]) != "vllm":
+            fix = (f"set backend.{VLLM_ROLES[role]}=vllm" if role in VLLM_ROLES else "remove it") + ", or set it to 1"
+            raise ConfigError(f"{key}: only a vLLM engine spans several ranks; the {role} runs "
+                              f"{getattr(cfg.backend, VLLM_ROLES.get(role, ''), 'no vLLM engine')}. Fix: {fix}")
+        if cfg.backend.workers != "ray":
+            raise ConfigError(f"{key}: the ranks of one engine are separate processes. Fix: set "
+                              "backend.workers=ray, or set it to 1")
+        model = resolve_config(entry.model or (cfg.teacher.model if role == "teacher" else cfg.model))
+        heads = (json.loads((Path(model.path) / "config.json").read_text())["num_attention_heads"] if model.path
+                 else model.num_attention_heads)
+        if heads % tp:
+            raise ConfigError(f"{key} does not divide the model's {heads} attention heads. Fix: use a divisor "
+                              f"of {heads}")
 
 
 def engine_args(cfg: RunConfig, role: str) -> dict:

@@ -42,6 +42,10 @@ class GroupFuture:
 class BaseWorkerGroup:
     role: str
     world_size: int
+    # Ranks per engine (the plan's vllm_tensor_parallel_size): consecutive ranks that hold
+    # one model together. They get identical arguments and only the first one's result is
+    # collected, so a group of 4 ranks with 2 per engine takes data as 2 members.
+    tensor_parallel: int = 1
     # Methods of the role class (its LOCKSTEP_METHODS) whose ranks meet in collectives: every
     # rank is called, an empty slice included, since a skipped rank would leave the others
     # waiting.
@@ -55,13 +59,22 @@ class BaseWorkerGroup:
     def async_call(self, method: str, *args: Any, dispatch: dsp.Dispatch = "all", execute: dsp.Execute = "all",
                    collect: dsp.Collect = "none", **kwargs: Any) -> GroupFuture:
         dsp.check_execute(execute)
-        if execute == "first":
-            handles = [self._submit(0, method, args, kwargs)]
-            return GroupFuture(lambda timeout: self._wait(handles, method, [0], timeout)[0])
-        per_worker = dsp.split(dispatch, self.world_size, args, kwargs, keep_empty=method in self.lockstep)
+        tp = self.tensor_parallel
+        if execute == "first":  # the first engine: rank 0 and its tensor-parallel peers
+            handles = [self._submit(i, method, args, kwargs) for i in range(tp)]
+            return GroupFuture(lambda timeout: self._wait(handles, method, list(range(tp)), timeout)[0])
+        if callable(dispatch):  # a custom dispatch is asked for every rank
+            per_worker = dsp.split(dispatch, self.world_size, args, kwargs)
+        else:  # one share per engine, the same for each of its ranks
+            shares = dsp.split(dispatch, self.world_size // tp, args, kwargs, keep_empty=method in self.lockstep)
+            per_worker = [shares[i // tp] for i in range(self.world_size)]
         indices = [i for i, a in enumerate(per_worker) if a is not None]
         handles = [self._submit(i, method, *per_worker[i]) for i in indices]
-        return GroupFuture(lambda timeout: dsp.collect(collect, self._wait(handles, method, indices, timeout)))
+
+        def finish(timeout: float | None) -> Any:
+            results = self._wait(handles, method, indices, timeout)
+            return dsp.collect(collect, [r for i, r in zip(indices, results) if i % tp == 0])
+        return GroupFuture(finish)
 
     def _submit(self, index: int, method: str, args: tuple, kwargs: dict) -> Any:
         raise NotImplementedError

@@ -10,6 +10,10 @@ execute:  'first' runs on rank 0 only and returns its value unwrapped; 'all' run
 collect:  'none' returns one value per worker; 'flatten' concatenates them (lists, tuples
           element-wise, tensors, arrays, batch dataclasses, dicts key-wise); a callable gets
           the list.
+Tensor-parallel engines (a plan's vllm_tensor_parallel_size = k > 1): k consecutive ranks
+hold one engine and count as one worker above. Each gets that worker's arguments ('first'
+runs ranks 0..k-1), and only the first rank's result is collected. A callable dispatch is
+still asked for every rank (n = all ranks).
 """
 from __future__ import annotations
 

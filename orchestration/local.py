@@ -34,6 +34,9 @@ class LocalWorkerGroup(BaseWorkerGroup):
                  init_args: tuple = (), env: dict[str, str] | None = None):
         self.role, self.plan_entry = plan_entry.role, plan_entry
         self.world_size = plan_entry.world_size
+        if plan_entry.tensor_parallel_size > 1:
+            raise ValueError(f"{self.role}: vllm_tensor_parallel_size={plan_entry.tensor_parallel_size} needs one "
+                             "process per rank; use backend.workers=ray, or set the size to 1")
         self.lockstep = frozenset(getattr(role_cls, "LOCKSTEP_METHODS", ()))
         self._envs = [{**(env or {}), "RANK": str(i), "WORLD_SIZE": str(self.world_size),
                        "LOCAL_RANK": str(i)} for i in range(self.world_size)]

@@ -3,7 +3,9 @@
 `ray.remote` is applied here, to a small host actor that builds the plain role class in
 its own process after RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT are set, so a
 role may start torch.distributed in its constructor. Calls go through
-`BaseWorkerGroup.call` (dispatch/execute/collect); failures come back as `WorkerError`
+`BaseWorkerGroup.call` (dispatch/execute/collect). The ranks of a tensor-parallel engine
+(vllm_tensor_parallel_size > 1) also get ENGINE_TP_SIZE/RANK/MASTER_ADDR/MASTER_PORT:
+where they meet, on the first rank of their engine. Failures come back as `WorkerError`
 naming role, rank and method, with the remote traceback; a dead actor is reported, not
 waited for.
 """
@@ -24,10 +26,11 @@ class _RoleHost:
     """Actor body: holds one instance of a plain role class."""
 
     def node_info(self) -> dict:
-        with socket.socket() as s:
+        with socket.socket() as s, socket.socket() as t:  # the role's group, a tensor-parallel engine's
             s.bind(("", 0))
-            port = s.getsockname()[1]
-        return {"ip": ray.util.get_node_ip_address(), "port": port, "pid": os.getpid(),
+            t.bind(("", 0))
+            port, tp_port = s.getsockname()[1], t.getsockname()[1]
+        return {"ip": ray.util.get_node_ip_address(), "port": port, "tp_port": tp_port, "pid": os.getpid(),
                 "node_id": ray.get_runtime_context().get_node_id(),
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
 
@@ -48,6 +51,7 @@ class WorkerGroup(BaseWorkerGroup):
                  timeout_s: float | None = None):
         self.role, self.plan_entry = plan_entry.role, plan_entry
         self.world_size = plan_entry.world_size
+        self.tensor_parallel = plan_entry.tensor_parallel_size
         self.lockstep = frozenset(getattr(role_cls, "LOCKSTEP_METHODS", ()))
         self.timeout_s = timeout_s
         self.workers = [
@@ -58,9 +62,19 @@ class WorkerGroup(BaseWorkerGroup):
         master = self.infos[0]
         envs = [{**(env or {}), "RANK": str(i), "WORLD_SIZE": str(self.world_size),
                  "LOCAL_RANK": str(plan_entry.local_devices[i]), "MASTER_ADDR": master["ip"],
-                 "MASTER_PORT": str(master["port"]), "ROLE_NAME": self.role} for i in range(self.world_size)]
+                 "MASTER_PORT": str(master["port"]), "ROLE_NAME": self.role, **self._engine_env(i)}
+                for i in range(self.world_size)]
         refs = [w.setup.remote(role_cls, envs[i], init_args, init_kwargs or {}) for i, w in enumerate(self.workers)]
         self._wait(refs, "__init__", list(range(self.world_size)), timeout_s)
+
+    def _engine_env(self, rank: int) -> dict[str, str]:
+        """Where rank `rank` meets the other ranks of its tensor-parallel engine (none at size 1)."""
+        tp = self.tensor_parallel
+        if tp == 1:
+            return {}
+        leader = self.infos[rank - rank % tp]
+        return {"ENGINE_TP_SIZE": str(tp), "ENGINE_TP_RANK": str(rank % tp),
+                "ENGINE_TP_MASTER_ADDR": leader["ip"], "ENGINE_TP_MASTER_PORT": str(leader["tp_port"])}
 
     def _submit(self, index: int, method: str, args: tuple, kwargs: dict) -> Any:
         return self.workers[index].call.remote(method, args, kwargs)

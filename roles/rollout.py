@@ -342,6 +342,13 @@ class Rollout(WeightReceiver):
         self._host, self._sleep_level = None, 0
         return {"model_bytes": restored, "seconds": time.perf_counter() - start}
 
+    def engine_info(self) -> dict[str, Any]:
+        """Engine name, this rank's place in a tensor-parallel engine, weight bytes it holds."""
+        if self._vllm:
+            return self._vllm.info()
+        return {"engine": "torch", "tensor_parallel_size": 1, "tensor_parallel_rank": 0,
+                "weight_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters())}
+
     def memory(self) -> dict[str, int]:
         """Host RSS (now, peak) and peak device memory of this rank's process."""
         return process_memory(self.device)

@@ -180,6 +180,17 @@ class Teacher(WeightReceiver):
         self._host = None
         return {"model_bytes": moved}
 
+    def engine_info(self) -> dict[str, Any]:
+        """Engine name, this rank's place in a tensor-parallel engine, weight bytes it holds."""
+        if self._vllm:
+            return self._vllm.info()
+        size, rank = 1, 0
+        if self.engine == "megatron":
+            from roles.engines import megatron_trainer as mt
+            rank, size, _ = mt.tp_info()
+        return {"engine": self.engine, "tensor_parallel_size": size, "tensor_parallel_rank": rank,
+                "weight_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters())}
+
     def memory(self) -> dict[str, int]:
         """Host RSS (now, peak) and peak device memory of this rank's process."""
         return process_memory(self.device)

@@ -14,7 +14,9 @@ class Probe:
     def __init__(self, scale: float = 1.0):
         self.scale = scale
         self.rank = int(os.environ["RANK"])
-        self.env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+        self.env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT",
+                                                 "ENGINE_TP_SIZE", "ENGINE_TP_RANK", "ENGINE_TP_MASTER_ADDR",
+                                                 "ENGINE_TP_MASTER_PORT")}
 
     def whoami(self) -> dict:
         return {"rank": self.rank, "env": self.env, "cuda": os.environ.get("CUDA_VISIBLE_DEVICES", ""),

