@@ -187,10 +187,6 @@ def prepare(cfg: DictConfig | dict, schema: type, swift_keys: dict[str, str]) ->
     return run, plan
 
 
-# Planned roles that can run a vLLM engine, and the backend key choosing their engine.
-VLLM_ROLES = {"rollout": "rollout", "sampler": "rollout", "teacher": "teacher"}
-
-
 def check_vllm_tensor_parallel(cfg: RunConfig, plan: Plan) -> None:
     """`<role>.vllm_tensor_parallel_size` > 1 needs a vLLM engine, one process per rank, and a
     model whose attention heads split evenly over the engine's ranks."""
@@ -198,11 +194,12 @@ def check_vllm_tensor_parallel(cfg: RunConfig, plan: Plan) -> None:
         tp = entry.tensor_parallel_size
         if tp == 1:
             continue
-        key = f"placement key '{role}.vllm_tensor_parallel_size'={tp}"
-        if role not in VLLM_ROLES or getattr(cfg.backend, VLLM_ROLES[role]) != "vllm":
-            fix = (f"set backend.{VLLM_ROLES[role]}=vllm" if role in VLLM_ROLES else "remove it") + ", or set it to 1"
+        where = f"device_groups.{entry.group}" if plan.form == "device_groups" else role
+        key = f"placement key '{where}.vllm_tensor_parallel_size'={tp}"
+        backend = "teacher" if role == "teacher" else "rollout"  # the sampler runs the rollout's engine
+        if getattr(cfg.backend, backend) != "vllm":
             raise ConfigError(f"{key}: only a vLLM engine spans several ranks; the {role} runs "
-                              f"{getattr(cfg.backend, VLLM_ROLES.get(role, ''), 'no vLLM engine')}. Fix: {fix}")
+                              f"{getattr(cfg.backend, backend)}. Fix: set backend.{backend}=vllm, or set it to 1")
         if cfg.backend.workers != "ray":
             raise ConfigError(f"{key}: the ranks of one engine are separate processes. Fix: set "
                               "backend.workers=ray, or set it to 1")

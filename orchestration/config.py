@@ -59,7 +59,8 @@ class PlacementConfig:
     rollout: Optional[RoleDevices] = None
     # Standalone teacher group (its own devices).
     teacher: Optional[RoleDevices] = None
-    # Swift-Ray form: {nproc_per_node: N, <group>: {device: GPU|CPU, ranks, workers: [...]}}.
+    # Swift-Ray form: {nproc_per_node: N, <group>: {device: GPU|CPU, ranks, workers: [...]}};
+    # a group may add vllm_tensor_parallel_size (ranks per vLLM engine of its vLLM roles).
     device_groups: Optional[Dict[str, Any]] = None
 
 

@@ -17,13 +17,15 @@ from typing import Any, Mapping
 
 ROLES = ("train", "rollout", "teacher", "sampler", "prm", "orm", "default")
 MEGATRON_ROLES = ("train", "rollout", "teacher")
+# Roles that can run a vLLM engine, so may set vllm_tensor_parallel_size.
+VLLM_ROLES = ("rollout", "sampler", "teacher")
 # Keys shared by both forms, then the keys of each form.
 COMMON_KEYS = {"offload_model", "offload_optimizer", "sleep_level", "nnodes", "gkd_logits_topk"}
 MEGATRON_KEYS = COMMON_KEYS | {"colocate_groups", "teacher_model", "offload_teacher_model",
                                "nproc_per_node", *MEGATRON_ROLES}
 SWIFT_KEYS = COMMON_KEYS | {"device_groups"}
 ROLE_ENTRY_KEYS = {"gpus", "model", "vllm_tensor_parallel_size"}
-GROUP_ENTRY_KEYS = {"device", "ranks", "workers"}
+GROUP_ENTRY_KEYS = {"device", "ranks", "workers", "vllm_tensor_parallel_size"}
 
 
 class PlanError(ValueError):
@@ -317,7 +319,7 @@ def _plan_device_groups(cfg: dict, any_role_names: bool = False) -> Plan:
                         "set device_groups.nproc_per_node to the devices per node")
     per_node = _positive_int(dg.pop("nproc_per_node"), "device_groups.nproc_per_node")
 
-    parsed = []  # (name, device, ranks|count, workers)
+    parsed = []  # (name, device, ranks|count, workers, vLLM tensor parallel size)
     owner: dict[str, str] = {}
     for name, group in dg.items():
         key = f"device_groups.{name}"
@@ -348,11 +350,20 @@ def _plan_device_groups(cfg: dict, any_role_names: bool = False) -> Plan:
                 raise PlanError(f"{key}.workers", f"role '{role}' is already in group '{owner[role]}'",
                                 "list each role in exactly one group")
             owner[role] = name
-        parsed.append((name, device, ranks, list(workers)))
+        # Beyond ms-swift's form: ranks per vLLM engine of the group's rollout/sampler/teacher.
+        tp = _positive_int(group.get("vllm_tensor_parallel_size", 1), f"{key}.vllm_tensor_parallel_size")
+        count = len(ranks) if isinstance(ranks, list) else ranks
+        if tp > 1 and (device == "CPU" or count % tp or not set(workers) & set(VLLM_ROLES)):
+            problem = ("CPU groups run no vLLM engine" if device == "CPU" else
+                       f"tensor parallel size {tp} does not divide the group's {count} ranks" if count % tp else
+                       f"no role of {list(workers)} runs a vLLM engine")
+            raise PlanError(f"{key}.vllm_tensor_parallel_size", problem,
+                            f"set it on a GPU group holding one of {list(VLLM_ROLES)}, dividing its ranks")
+        parsed.append((name, device, ranks, list(workers), tp))
 
     # Explicit GPU ranks first; counts then take the lowest free ranks, in group order.
     taken: dict[int, str] = {}
-    for name, device, ranks, _ in parsed:
+    for name, device, ranks, _, _ in parsed:
         if device == "GPU" and isinstance(ranks, list):
             for r in ranks:
                 if r in taken:
@@ -362,7 +373,7 @@ def _plan_device_groups(cfg: dict, any_role_names: bool = False) -> Plan:
                 taken[r] = name
     resolved: dict[str, list[int]] = {}
     next_cpu = 0
-    for name, device, ranks, _ in parsed:
+    for name, device, ranks, _, _ in parsed:
         if device == "CPU":
             resolved[name] = list(range(next_cpu, next_cpu + ranks))
             next_cpu += ranks
@@ -377,7 +388,7 @@ def _plan_device_groups(cfg: dict, any_role_names: bool = False) -> Plan:
                 r += 1
             resolved[name] = free
 
-    gpu_ranks = [r for name, device, _, _ in parsed if device == "GPU" for r in resolved[name]]
+    gpu_ranks = [r for name, device, _, _, _ in parsed if device == "GPU" for r in resolved[name]]
     if "nnodes" in cfg:
         nnodes = _positive_int(cfg["nnodes"], "nnodes")
         _check_capacity(gpu_ranks, nnodes, per_node, "nnodes")
@@ -385,7 +396,7 @@ def _plan_device_groups(cfg: dict, any_role_names: bool = False) -> Plan:
         nnodes = (max(gpu_ranks) // per_node + 1) if gpu_ranks else 1
 
     roles = {}
-    for name, device, _, workers in parsed:
+    for name, device, _, workers, tp in parsed:
         ranks = tuple(resolved[name])
         gpu = device == "GPU"
         for role in workers:
@@ -397,6 +408,7 @@ def _plan_device_groups(cfg: dict, any_role_names: bool = False) -> Plan:
                 group=name, colocated_with=mates,
                 offload_model=bool(mates) and role not in ("rollout", "sampler") and common["offload_model"],
                 offload_optimizer=bool(mates) and role in ("train", "default") and common["offload_optimizer"],
-                sleep_level=common["sleep_level"] if (mates and role in ("rollout", "sampler")) else 0)
+                sleep_level=common["sleep_level"] if (mates and role in ("rollout", "sampler")) else 0,
+                tensor_parallel_size=tp if role in VLLM_ROLES else 1)
     return Plan(roles=roles, nnodes=nnodes, devices_per_node=per_node, form="device_groups",
                 gkd_logits_topk=common["gkd_logits_topk"])

@@ -150,6 +150,22 @@ def test_end_to_end_on_ray_with_a_cpu_reward_group(ray_cluster, tmp_path):
     check_outputs(tmp_path, record, prompts=6)
 
 
+def test_end_to_end_on_ray_with_a_tensor_parallel_vllm_sampler(ray_cluster, tmp_path):
+    """The sampler's two ranks hold one vLLM engine (device_groups.<group>.vllm_tensor_parallel_size)."""
+    pytest.importorskip("vllm")
+    groups = {**DEVICE_GROUPS, "nproc_per_node": 2, "sample_group": {
+        "device": "GPU", "ranks": [0, 1], "workers": ["sampler"], "vllm_tensor_parallel_size": 2}}
+    typed, plan = prepare({**tiny_config({"device_groups": groups}), "backend": {"rollout": "vllm"}},
+                          DistillRunConfig, SWIFT_DISTILL_KEYS)
+    check(typed, plan)
+    assert plan["sampler"].world_size == 2 and plan["sampler"].tensor_parallel_size == 2
+    record = run(typed, plan, tmp_path)
+    check_outputs(tmp_path, record, prompts=6)
+    local = {**tiny_config({"device_groups": groups}), "backend": {"rollout": "vllm", "workers": "local"}}
+    with pytest.raises(ConfigError, match="device_groups.sample_group.vllm_tensor_parallel_size"):
+        prepare(local, DistillRunConfig, SWIFT_DISTILL_KEYS)
+
+
 def test_end_to_end_local_with_warmup_and_sft_on_the_kept_rows(tmp_path):
     cfg = tiny_config({"device_groups": DEVICE_GROUPS}, warmup_sft_steps=2, sft_steps=2)
     typed, plan = prepare({**cfg, "backend": {"workers": "local"}}, DistillRunConfig, SWIFT_DISTILL_KEYS)

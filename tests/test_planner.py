@@ -118,6 +118,16 @@ def test_teacher_group_tp_and_demand():
     assert make_plan(SAMPLING_CPU_RM).demand() == {"GPU": 2.0, "CPU": 3.0}
 
 
+def test_device_groups_tp_goes_to_the_vllm_roles_of_the_group():
+    """vllm_tensor_parallel_size in a device group (beyond ms-swift's form): its vLLM roles get it,
+    a trainer colocated in the same group keeps one rank per model copy."""
+    plan = make_plan({"device_groups": {"nproc_per_node": 4, "g": {"device": "GPU", "ranks": 4,
+                                                                   "workers": ["sampler", "train"],
+                                                                   "vllm_tensor_parallel_size": 2}}})
+    assert plan["sampler"].tensor_parallel_size == 2 and plan["train"].tensor_parallel_size == 1
+    assert plan["sampler"].ranks == plan["train"].ranks == (0, 1, 2, 3)
+
+
 def test_two_node_local_devices():
     plan = make_plan({"nnodes": 2, "nproc_per_node": 4, "train": {"gpus": 4}, "rollout": {"gpus": 4}})
     assert plan["rollout"].local_devices == (0, 1, 2, 3) and plan["rollout"].nodes == (1, 1, 1, 1)
@@ -186,6 +196,15 @@ INVALID = [
     ("unknown group key", {"device_groups": {
         "nproc_per_node": 1, "g": {"device": "GPU", "ranks": 1, "workers": ["orm"], "gpus": 1}}},
      "device_groups.g.gpus", "unknown key"),
+    ("device_groups tp on a CPU group", {"device_groups": {
+        "nproc_per_node": 1, "g": {"device": "CPU", "ranks": 2, "workers": ["sampler"], "vllm_tensor_parallel_size": 2}}},
+     "device_groups.g.vllm_tensor_parallel_size", "CPU groups run no vLLM engine"),
+    ("device_groups tp does not divide", {"device_groups": {
+        "nproc_per_node": 4, "g": {"device": "GPU", "ranks": 3, "workers": ["sampler"], "vllm_tensor_parallel_size": 2}}},
+     "device_groups.g.vllm_tensor_parallel_size", "does not divide the group's 3 ranks"),
+    ("device_groups tp without a vLLM role", {"device_groups": {
+        "nproc_per_node": 2, "g": {"device": "GPU", "ranks": 2, "workers": ["train"], "vllm_tensor_parallel_size": 2}}},
+     "device_groups.g.vllm_tensor_parallel_size", "no role of ['train'] runs a vLLM engine"),
     ("no roles", {"offload_model": True}, "train", "no role has devices"),
 ]
 
