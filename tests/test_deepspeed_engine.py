@@ -135,7 +135,7 @@ def test_sft_driver_end_to_end_with_zero3_on_two_ranks(ray_cluster, tmp_path):
     in-process on the test cluster: weight syncs to the evaluator come from rank 0's copy."""
     from algorithms import sft
     from algorithms.config import SFTRunConfig
-    from tests.test_drivers import TINY, check_checkpoint, check_outputs, prepared
+    from tests.driver_helpers import TINY, check_checkpoint, check_outputs, prepared
 
     cfg, typed, plan = prepared(SFTRunConfig, ["+experiment=sft_quickstart", *TINY, "placement.train.gpus=2",
                                                "backend.train=deepspeed", "deepspeed.zero_stage=3"])

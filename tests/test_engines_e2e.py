@@ -8,7 +8,7 @@ import math
 import pytest
 
 from algorithms import grpo
-from tests.test_drivers import prepared
+from tests.driver_helpers import prepared
 
 pytest.importorskip("deepspeed")
 pytest.importorskip("megatron.core")

@@ -1,8 +1,7 @@
-"""Drivers: the call order of the SFT and GKD loops with fake roles (colocated turns, weight
-sync after every update, eval cadence, on-policy fraction), real end-to-end runs on tiny
-models (in-process on Ray and on the local backend, and through the CLI), and config
-errors that stop before anything starts."""
-import io
+"""GKD driver: the call order with fake roles (colocated turns, weight sync after every
+update, eval cadence, on-policy fraction), real end-to-end runs on tiny models (local, on
+Ray and through the CLI, a --multirun sweep), and config errors that stop before anything
+starts."""
 import math
 import os
 import subprocess
@@ -10,204 +9,17 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
-from hydra import compose, initialize_config_module
 
-from algorithms import gkd, sft
-from algorithms.config import GKDRunConfig, SFTRunConfig, SWIFT_COMMON_KEYS, SWIFT_GKD_KEYS, as_dict, prepare
+from algorithms import gkd
+from algorithms.config import GKDRunConfig, as_dict
 from algorithms.data import load_task
-from algorithms.runlog import RunLog, read_metrics
-from orchestration.base_group import BaseWorkerGroup
-from orchestration.config import register_schema
+from algorithms.runlog import read_metrics
 from orchestration.planner import make_plan
-from roles.batch import Completions
 from roles.models import load_tokenizer
-
-REPO = Path(__file__).resolve().parent.parent
-# Small enough for seconds per run; eval_size differs from prompts_per_step so a generate
-# call's size tells a training generation from an eval one.
-TINY = ["run.steps=3", "run.prompts_per_step=4", "data.train_size=50", "data.eval_size=3",
-        "run.eval_max_new_tokens=12", "trainer.warmup_steps=1"]
-TINY_GKD = TINY + ["algorithm.max_new_tokens=12", "placement.teacher_model=tiny_llama", "teacher.warmup_steps=2",
-                   "teacher.warmup_batch=4"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: on a busy 2-core machine a second spinning thread costs 10x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def composed(schema: type, overrides: list[str]):
-    register_schema(schema)
-    with initialize_config_module(config_module="conf", version_base=None):
-        return compose(config_name="config", overrides=overrides)
-
-
-def prepared(schema: type, overrides: list[str]):
-    """(composed DictConfig, typed config, plan), as the driver's main builds them."""
-    cfg = composed(schema, overrides)
-    typed, plan = prepare(cfg, schema, SWIFT_GKD_KEYS if schema is GKDRunConfig else SWIFT_COMMON_KEYS)
-    return cfg, typed, plan
-
-
-# ----------------------------------------------------------------------------- fake roles
-
-class FakeTrainer:
-    """Refuses to compute or save while offloaded, like the real Trainer."""
-
-    def __init__(self, needs_teacher: bool = False):
-        self.offloaded, self.steps, self.needs_teacher = False, 0, needs_teacher
-
-    def _live(self, what):
-        if self.offloaded:
-            raise RuntimeError(f"fake trainer is offloaded; call onload() before {what}()")
-
-    def train_step(self, batch):
-        self._live("train_step")
-        assert len(batch) > 0 and batch.loss_mask.sum() > 0
-        if self.needs_teacher:
-            assert batch.teacher_logprobs is not None and batch.teacher_logprobs.shape[:2] == batch.input_ids.shape
-        self.steps += 1
-        return {"loss": 1.0 / self.steps, "grad_norm": 0.5}
-
-    def state_dict_buckets(self, bucket_mb):
-        # Like the real Trainer, buckets are read from host buffers while offloaded.
-        return [[("w", torch.full((2,), float(self.steps)))]]
-
-    def offload(self, model=True, optimizer=True):
-        self.offloaded = True
-        return {}
-
-    def onload(self):
-        self.offloaded = False
-        return {}
-
-    def save(self, path):
-        self._live("save")
-        Path(path).mkdir(parents=True, exist_ok=True)
-        return Path(path)
-
-    def memory(self):
-        return {"rss_bytes": 1}
-
-
-class FakeRollout:
-    """Asleep it refuses to generate; sleep(2) discards the weights until the next update."""
-
-    def __init__(self):
-        self.asleep, self.has_weights, self.version = False, True, 0
-
-    def generate(self, prompts, sampling):
-        if self.asleep or not self.has_weights:
-            raise RuntimeError(f"fake rollout cannot generate (asleep={self.asleep}, weights={self.has_weights})")
-        n = len(prompts)
-        return Completions(list(range(n)), [[5, 6, 7]] * n, [[8, 9, 10]] * n, ["#### 0"] * n,
-                           [[-1.0] * 3] * n, ["stop"] * n, [self.version] * n)
-
-    def update_weights(self, buckets, version):
-        assert buckets and buckets[0][0][0] == "w"
-        self.has_weights, self.version = True, version
-
-    def sleep(self, level=1):
-        self.asleep = True
-        if level == 2:
-            self.has_weights = False
-
-    def wake_up(self):
-        self.asleep = False
-
-    def memory(self):
-        return {"rss_bytes": 2}
-
-
-class FakeTeacher:
-    VOCAB = 16
-
-    def __init__(self):
-        self.offloaded = False
-
-    def logits(self, batch, topk=None, tail=False, temperature=1.0):
-        if self.offloaded:
-            raise RuntimeError("fake teacher is offloaded; call onload() before logits()")
-        B, T = batch.input_ids.shape
-        if topk is None:
-            return torch.log_softmax(torch.zeros(B, T, self.VOCAB), -1)
-        return torch.full((B, T, topk), -math.log(topk)), torch.zeros(B, T, topk, dtype=torch.long)
-
-    def offload(self):
-        self.offloaded = True
-
-    def onload(self):
-        self.offloaded = False
-
-    def memory(self):
-        return {"rss_bytes": 3}
-
-
-def summary(method, args):
-    """What a call-order assertion needs to know of a call's arguments."""
-    if method in ("generate", "train_step"):
-        return len(args[0])
-    if method == "logits":
-        return args[1]
-    if method == "update_weights":
-        return args[1]
-    if method == "sleep":
-        return args[0]
-    if method == "offload":
-        return tuple(args)
-    if method == "save":
-        return Path(args[0]).name
-    return None
-
-
-class FakeGroup(BaseWorkerGroup):
-    """The real dispatch/collect over in-process fake ranks; records (role, method, summary)
-    once per group call into a list shared by all groups."""
-
-    def __init__(self, role, ranks, calls):
-        self.role, self.ranks, self.calls, self.world_size = role, ranks, calls, len(ranks)
-
-    def async_call(self, method, *args, **kwargs):
-        if method != "memory":  # per-step figures, not part of the call order under test
-            self.calls.append((self.role, method, summary(method, args)))
-        return super().async_call(method, *args, **kwargs)
-
-    def _submit(self, index, method, args, kwargs):
-        return getattr(self.ranks[index], method)(*args, **kwargs)
-
-    def _wait(self, handles, method, indices, timeout):
-        return handles
-
-
-class MarkedLog(RunLog):
-    """A RunLog that puts ('log', 'step', N) into the call list when step N is recorded."""
-
-    def __init__(self, out_dir, total_steps, calls):
-        super().__init__(out_dir, total_steps, stream=io.StringIO())
-        self.calls = calls
-
-    def step(self, step, metrics, quiet=False):
-        self.calls.append(("log", "step", step))
-        return super().step(step, metrics, quiet)
-
-
-def by_step(calls):
-    """Calls split at the step markers: [calls of step 0, ..., calls of step N, calls after]."""
-    segments, current = [], []
-    for c in calls:
-        if c[0] == "log":
-            assert c[2] == len(segments), f"step markers out of order: {c} after {len(segments)} steps"
-            segments.append(current)
-            current = []
-        else:
-            current.append(c)
-    return segments + [current]
+from tests.driver_helpers import (REPO, TINY_GKD, FakeGroup, FakeRollout, FakeTeacher, FakeTrainer, MarkedLog,
+                                  by_step, check_checkpoint, check_outputs, composed, one_thread,  # noqa: F401
+                                  prepared)
 
 
 def run_gkd_fakes(typed, plan, tmp_path, teacher_writer=False):
@@ -333,84 +145,6 @@ def test_gkd_sleep_level_2_generates_with_weights(tmp_path):
     assert [c[2] for c in calls if c[1] == "sleep"] == [2] * 4
 
 
-# ----------------------------------------------------------------------------- call order: SFT
-
-def test_sft_call_order(tmp_path):
-    """A train_step per step; the evaluator gets the trainer's weights (version == step) before
-    every eval; checkpoints every save_every steps and at the end."""
-    _, typed, plan = prepared(SFTRunConfig, ["+experiment=sft_quickstart", *TINY, "placement.train.gpus=2",
-                                             "run.steps=4", "run.eval_every=2", "run.save_every=3"])
-    calls = []
-    trainer = FakeGroup("train", [FakeTrainer() for _ in range(2)], calls)
-    evaluator = FakeGroup("evaluator", [FakeRollout()], calls)
-    train_set, eval_set, _ = load_task(typed.data)
-    log = MarkedLog(tmp_path, typed.run.steps, calls)
-    record = sft.train(typed, trainer, evaluator, train_set, eval_set, load_tokenizer(as_dict(typed.model)), log)
-    log.close()
-    n, n_eval = typed.run.prompts_per_step, typed.data.eval_size
-    segments = by_step(calls)
-    for step, got in enumerate(segments[:-1]):
-        want = [("train", "train_step", n)] if step > 0 else []
-        if step in (0, 2, 4):
-            want += [("train", "state_dict_buckets", None), ("evaluator", "update_weights", step),
-                     ("evaluator", "generate", n_eval)]
-        if step == 3:
-            want += [("train", "save", "step_3")]
-        assert got == want, f"step {step}"
-    assert segments[-1] == [("train", "save", "step_4")]
-    assert record["checkpoint"].endswith("step_4") and 0.0 <= record["eval/accuracy"] <= 1.0
-    records = read_metrics(tmp_path / "metrics.jsonl")
-    assert [r["train/loss"] for r in records[1:]] == [1.0, 0.5, round(1 / 3, 6), 0.25]
-
-
-def test_sft_last_checkpoint_is_written_once(tmp_path):
-    """save_every dividing run.steps with save_final: the last step is saved once, not twice."""
-    _, typed, plan = prepared(SFTRunConfig, ["+experiment=sft_quickstart", *TINY, "run.steps=4",
-                                             "run.eval_every=0", "run.save_every=2"])
-    calls = []
-    trainer = FakeGroup("train", [FakeTrainer()], calls)
-    evaluator = FakeGroup("evaluator", [FakeRollout()], calls)
-    train_set, eval_set, _ = load_task(typed.data)
-    log = MarkedLog(tmp_path, typed.run.steps, calls)
-    sft.train(typed, trainer, evaluator, train_set, eval_set, load_tokenizer(as_dict(typed.model)), log)
-    log.close()
-    assert [c[2] for c in calls if c[1] == "save"] == ["step_2", "step_4"]
-
-
-# ----------------------------------------------------------------------------- end to end
-
-def check_outputs(out: Path, steps: int, phases: set[str], resolved: bool = True) -> list[dict]:
-    records = read_metrics(out / "metrics.jsonl")
-    assert [r["step"] for r in records] == list(range(steps + 1))
-    for r in (records[0], records[-1]):
-        assert 0.0 <= r["eval/accuracy"] <= 1.0
-    for r in records[1:]:
-        assert math.isfinite(r["train/loss"]) and r["train/loss"] > 0
-        assert phases <= {k[len("time/"):] for k in r if k.startswith("time/")}, r
-        assert all(v >= 0 for k, v in r.items() if k.startswith("time/"))
-    assert (out / "resolved_config.yaml").is_file() == resolved
-    return records
-
-
-def check_checkpoint(path: str, arch: str):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path)
-    assert model.config.model_type == arch
-    logits = model(torch.tensor([[1, 2, 3]])).logits
-    assert torch.isfinite(logits).all()
-
-
-def test_sft_end_to_end_on_ray(ray_cluster, tmp_path):
-    cfg, typed, plan = prepared(SFTRunConfig, ["+experiment=sft_quickstart", *TINY, "model=tiny_llama",
-                                               "run.eval_every=2"])
-    assert typed.backend.workers == "ray"
-    record = sft.run(typed, plan, tmp_path, resolved=cfg)
-    records = check_outputs(tmp_path, 3, {"train"})
-    assert {r["step"] for r in records if "eval/accuracy" in r} == {0, 2, 3}
-    assert records[-1]["train/step"] == 3.0
-    check_checkpoint(record["checkpoint"], "llama")
-
 
 def test_gkd_end_to_end_local_full_vocab_then_topk_from_cached_teacher(tmp_path, capsys):
     """Full vocabulary with the trainer kept loaded (the first run warms the teacher up and
@@ -440,6 +174,7 @@ def test_gkd_end_to_end_local_full_vocab_then_topk_from_cached_teacher(tmp_path,
     assert "from cache" in capsys.readouterr().out
     assert not (tmp_path / "topk" / "teacher_warmup").exists() and len(list(cache.iterdir())) == 1
     check_checkpoint(record["checkpoint"], typed.model.arch)
+
 
 
 # ----------------------------------------------------------------------------- CLI
