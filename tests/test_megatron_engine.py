@@ -133,11 +133,17 @@ class MegatronTrainerAndTeacher:
     def state_dict_buckets(self, bucket_mb):
         return self.trainer.state_dict_buckets(bucket_mb)
 
+    def sizes(self):
+        return self.trainer.engine.tp, self.trainer.engine.dp_size
+
     def topk(self, batch, k, temperature):
         return self.teacher.logits(batch, k, tail=True, temperature=temperature)
 
 
-def test_tensor_parallel_two_ranks_match_the_torch_engine(ray_cluster):
+@pytest.mark.parametrize("ranks", [2, 4], ids=["tp2", "dp2xtp2"])
+def test_tensor_parallel_ranks_match_the_torch_engine(ray_cluster, ranks):
+    """TP=2 on 2 ranks, and on 4 ranks (2 data-parallel copies of a 2-rank TP group): the same
+    losses, gradient norms, logprobs, weights and teacher top-k as one torch rank."""
     from orchestration.placement import create_placement
     from orchestration.worker_group import WorkerGroup
 
@@ -146,12 +152,14 @@ def test_tensor_parallel_two_ranks_match_the_torch_engine(ray_cluster):
     options = {"tensor_parallel_size": 2}
     trainer = {"model": "tiny_qwen2", "config": config(), "engine": "megatron", "engine_options": options}
     teacher = {"model": "tiny_llama", "config": {"device": "cpu"}, "engine": "megatron", "engine_options": options}
-    plan = make_plan({"device_groups": {"nproc_per_node": 1, "g": {"device": "CPU", "ranks": 2, "workers": ["train"]}}})
+    plan = make_plan({"device_groups": {"nproc_per_node": 1, "g": {"device": "CPU", "ranks": ranks,
+                                                                   "workers": ["train"]}}})
     placement = create_placement(plan, timeout_s=60)
     group = None
     try:
         group = WorkerGroup(MegatronTrainerAndTeacher, plan["train"], {"trainer": trainer, "teacher": teacher},
                             placement=placement, timeout_s=300)
+        assert group.call("sizes") == [(2, ranks // 2)] * ranks  # TP=2 x DP=ranks/2
         top = group.call("topk", tbatch, 8, 0.7, dispatch="slice", collect="flatten")
         tp_steps = [group.call("train_step", batch, dispatch="slice") for _ in range(5)]
         tp_logprobs = group.call("logprobs", batch, dispatch="slice", collect="flatten")
@@ -165,12 +173,12 @@ def test_tensor_parallel_two_ranks_match_the_torch_engine(ray_cluster):
     for got, want in ((top[0], want_top[0]), (top[2], want_top[2])):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
     single = Trainer("tiny_qwen2", config())
-    for ranks in tp_steps:
+    for per_rank in tp_steps:
         want = single.train_step(batch)
-        assert ranks[0] == ranks[1]  # TP peers report the same global metrics
-        assert ranks[0]["sequences"] == 7 and ranks[0]["tokens"] == want["tokens"]
+        assert all(r == per_rank[0] for r in per_rank)  # every rank reports the same global metrics
+        assert per_rank[0]["sequences"] == 7 and per_rank[0]["tokens"] == want["tokens"]
         for key in ("loss", "grad_norm"):
-            assert math.isclose(ranks[0][key], want[key], rel_tol=1e-4), (key, ranks[0][key], want[key])
+            assert math.isclose(per_rank[0][key], want[key], rel_tol=1e-4), (key, per_rank[0][key], want[key])
     torch.testing.assert_close(tp_logprobs, single.logprobs(batch), atol=1e-4, rtol=0)
     ref = dict(single.engine.named_weights())
     got = [t for bucket in weights for t in bucket]
