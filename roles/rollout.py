@@ -19,7 +19,6 @@ No Ray here: orchestration hosts this class in its worker groups.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import gc
 import os
 import time
@@ -47,7 +46,8 @@ class RolloutConfig:
     device: str = "auto"
     # Weight dtype for generation ("float32", "bfloat16", "float16"); None keeps the model's.
     dtype: Optional[str] = None
-    # Most sequences (prompts x n) decoded together; larger requests run in chunks of this size.
+    # Most sequences (prompts x n) the torch engine decodes together; larger requests run in
+    # chunks of this size. A vLLM engine schedules all rows itself (vllm.max_num_seqs).
     max_batch_size: int = 64
     # Seed of the rollout's own generator, which seeds requests whose SamplingParams.seed is None.
     seed: int = 0
@@ -173,23 +173,26 @@ class Rollout(WeightReceiver):
             raise ValueError(f"prompts {too_long[:5]} plus max_new_tokens={sampling.max_new_tokens} exceed the "
                              f"model's max_position_embeddings (vLLM: vllm.max_model_len)={limit}; shorten them "
                              "or lower max_new_tokens")
-        batch_fn = self._vllm.generate_batch if self._vllm else functools.partial(generate_batch, self.model)
         rows = [i for i in range(len(prompt_ids)) for _ in range(sampling.n)]
         base_seed = sampling.seed if sampling.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._rng))
-        stop_ids = self.eos_ids | set(sampling.stop_token_ids)
+        seeds = [_row_seed(base_seed, r) for r in range(len(rows))] if sampling.temperature > 0 else None
+        stop_ids = sorted(self.eos_ids | set(sampling.stop_token_ids))
         out = Completions([], [], [], [], [], [], [])
-        step = self.config.max_batch_size
-        for start in range(0, len(rows), step):
+        # vLLM schedules every row itself (vllm.max_num_seqs at a time); the torch engine
+        # decodes chunks of max_batch_size rows.
+        step = len(rows) if self._vllm else self.config.max_batch_size
+        for start in range(0, len(rows), max(step, 1)):
             chunk = rows[start:start + step]
-            generators = None
-            if sampling.temperature > 0:
-                generators = [torch.Generator(self.device).manual_seed(_row_seed(base_seed, start + j))
-                              for j in range(len(chunk))]
-            result = batch_fn(
-                [prompt_ids[i] for i in chunk], temperature=sampling.temperature,
-                top_k=sampling.top_k, top_p=sampling.top_p, max_new_tokens=sampling.max_new_tokens,
-                stop_ids=sorted(stop_ids), pad_id=self.pad_id, generators=generators)
+            kwargs = dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                          max_new_tokens=sampling.max_new_tokens, stop_ids=stop_ids)
+            if self._vllm:
+                result = self._vllm.generate_batch([prompt_ids[i] for i in chunk], **kwargs, seeds=seeds)
+            else:
+                generators = None if seeds is None else [
+                    torch.Generator(self.device).manual_seed(seeds[start + j]) for j in range(len(chunk))]
+                result = generate_batch(self.model, [prompt_ids[i] for i in chunk], **kwargs, pad_id=self.pad_id,
+                                        generators=generators)
             out.prompt_index.extend(chunk)
             out.prompt_ids.extend(list(prompt_ids[i]) for i in chunk)
             out.completion_ids.extend(result.tokens)

