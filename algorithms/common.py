@@ -10,6 +10,7 @@ import weakref
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+from algorithms.runlog import timed_call
 from algorithms.tasks import Example
 from orchestration.config import WeightSyncConfig
 from orchestration.weight_sync import WeightSync, sync_metrics
@@ -58,6 +59,34 @@ def prompt_stream(examples: list[Example], per_step: int, seed: int) -> Iterator
 _SYNCS: "weakref.WeakKeyDictionary[Any, WeightSync]" = weakref.WeakKeyDictionary()
 # Killed actors cannot delete their /dev/shm files; the driver does it when it exits.
 atexit.register(lambda: [sync.remove_scratch() for sync in list(_SYNCS.values())])
+
+
+class RolloutTurns:
+    """Turn-taking of a colocated rollout (sleep_level > 0): `sleep()` after its work, `wake()`
+    before it. Sleep level 2 drops the weights, so `wake()` first sends the trainer's current
+    ones unless a sync has come since (`synced()`); level 0 makes both no-ops."""
+
+    def __init__(self, rollout: Any, trainer: Any, level: int, settings: WeightSyncConfig, log: Any):
+        self.rollout, self.trainer, self.level, self.settings, self.log = rollout, trainer, level, settings, log
+        self.dropped = False
+
+    def wake(self, version: int) -> dict[str, Any]:
+        metrics: dict[str, Any] = {}
+        if self.dropped:
+            with self.log.phase("sync_weights", "train", "rollout"):
+                metrics = sync_weights(self.trainer, [self.rollout], self.settings, version)
+            self.dropped = False
+        if self.level:
+            timed_call(self.log, "rollout", self.rollout, "wake_up")
+        return metrics
+
+    def sleep(self) -> None:
+        if self.level:
+            timed_call(self.log, "rollout", self.rollout, "sleep", self.level)
+            self.dropped = self.level == 2
+
+    def synced(self) -> None:
+        self.dropped = False
 
 
 def sync_weights(trainer: Any, targets: list[Any], settings: WeightSyncConfig, version: int) -> dict[str, Any]:

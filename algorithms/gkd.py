@@ -60,7 +60,8 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
     offload_train = plan["train"].offload_model or plan["train"].offload_optimizer
     offload_args = (plan["train"].offload_model, plan["train"].offload_optimizer)
     offload_teacher = plan["teacher"].offload_model
-    sleep_level = plan["rollout"].sleep_level
+    # Sleep level 2 drops the rollout's weights: its wake then sends them again if needed.
+    turns = common.RolloutTurns(rollout, trainer, plan["rollout"].sleep_level, cfg.weight_sync, log)
     sampling = SamplingParams(temperature=algo.temperature, max_new_tokens=algo.max_new_tokens)
     stream = common.prompt_stream(train_set, cfg.run.prompts_per_step, cfg.run.seed)
     # The coin of every step, drawn up front: generations may start max_staleness steps early.
@@ -77,12 +78,11 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
             metrics["gkd/on_policy"] = float(on_policy[step])
             # Generate: the student writes the completions (on-policy), else dataset responses.
             if on_policy[step]:
-                wake(trainer, rollout, sleep_level, cfg.weight_sync, step - 1, log)
+                metrics.update(turns.wake(step - 1))
             with log.phase("generate"):
                 examples, comps = prefetch.take(step)
             if on_policy[step]:
-                if sleep_level:
-                    timed_call(log, "rollout", rollout, "sleep", sleep_level)
+                turns.sleep()
                 metrics.update(overlap.staleness(comps, step, algo.max_staleness))
             elif algo.seq_kd:  # sequence-level KD: the teacher writes the completions
                 with log.phase("generate", "teacher_writer"):
@@ -118,15 +118,15 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
             # Sync weights: the rollout generates with the updated student from now on.
             with log.phase("sync_weights", "train", "rollout"):
                 metrics.update(common.sync_weights(trainer, [rollout], cfg.weight_sync, version=step))
+            turns.synced()
             if offload_train:
                 timed_call(log, "train", trainer, "offload", *offload_args)
         if step == 0 or step == steps or (every and step % every == 0):
             # Eval: greedy accuracy of the student on held-out prompts.
-            wake(trainer, rollout, sleep_level, cfg.weight_sync, step, log)
+            metrics.update(turns.wake(step))
             with log.phase("eval", "rollout"):
                 metrics["eval/accuracy"] = common.accuracy(rollout, eval_set, cfg.run.eval_max_new_tokens)
-            if sleep_level:
-                timed_call(log, "rollout", rollout, "sleep", sleep_level)
+            turns.sleep()
         if step > 0 and cfg.run.save_every and step % cfg.run.save_every == 0 and not (
                 step == steps and cfg.run.save_final):
             with log.phase("save", "train"):
@@ -138,16 +138,6 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
     if cfg.run.save_final:
         record["checkpoint"] = str(save(trainer, log.dir, steps, plan if offload_train else None))
     return record
-
-
-def wake(trainer: Any, rollout: Any, sleep_level: int, weight_sync: Any, version: int, log: RunLog) -> None:
-    """Wake a sleeping rollout; sleep level 2 discarded its weights, so they are sent again
-    (a trainer's buckets can be read while it is offloaded)."""
-    if sleep_level == 2:
-        with log.phase("sync_weights", "train", "rollout"):
-            common.sync_weights(trainer, [rollout], weight_sync, version)
-    if sleep_level:
-        timed_call(log, "rollout", rollout, "wake_up")
 
 
 def save(trainer: Any, out_dir: Path, step: int, offloaded: Plan | None) -> Path:

@@ -144,7 +144,8 @@ def train(cfg: GRPORunConfig, plan: Plan, trainer: Any, rollout: Any, reference:
     offload_train = plan["train"].offload_model or plan["train"].offload_optimizer
     offload_args = (plan["train"].offload_model, plan["train"].offload_optimizer)
     offload_reference = "reference" in plan.roles and plan["reference"].offload_model
-    sleep_level = plan["rollout"].sleep_level
+    # Sleep level 2 drops the rollout's weights: its wake then sends them again if needed.
+    turns = common.RolloutTurns(rollout, trainer, plan["rollout"].sleep_level, cfg.weight_sync, log)
     sampling = SamplingParams(temperature=algo.temperature, max_new_tokens=algo.max_new_tokens, n=G)
     stream = common.prompt_stream(train_set, cfg.run.prompts_per_step, cfg.run.seed)
     # Step k's generation starts up to max_staleness steps early (0: after step k-1's weight sync).
@@ -157,8 +158,7 @@ def train(cfg: GRPORunConfig, plan: Plan, trainer: Any, rollout: Any, reference:
             # Generate + score: G completions per prompt and their rewards; with dynamic_sample,
             # rounds of fresh prompts until prompts_per_step groups have reward variance.
             rounds, varied = [], 0
-            if sleep_level:
-                timed_call(log, "rollout", rollout, "wake_up")
+            metrics.update(turns.wake(step - 1))
             for r in range(rounds_per_step):
                 with log.phase("generate"):
                     examples, comps = prefetch.take(step) if r == 0 else prefetch.extra(step)
@@ -172,8 +172,7 @@ def train(cfg: GRPORunConfig, plan: Plan, trainer: Any, rollout: Any, reference:
                     metrics.update(_sample_metrics(comps, scores, means, zero, examples, G))
                 if not algo.dynamic_sample or varied >= cfg.run.prompts_per_step:
                     break
-            if sleep_level:
-                timed_call(log, "rollout", rollout, "sleep", sleep_level)
+            turns.sleep()
             comps, scores = _pick_groups(rounds, cfg.run.prompts_per_step, G, algo.dynamic_sample)
             metrics["grpo/generation_rounds"] = len(rounds)
             # Staleness: trainer version minus each sample's; the ratio below uses the samples'
@@ -209,16 +208,15 @@ def train(cfg: GRPORunConfig, plan: Plan, trainer: Any, rollout: Any, reference:
             # Sync weights: the next generation samples from the updated policy.
             with log.phase("sync_weights", "train", "rollout"):
                 metrics.update(common.sync_weights(trainer, [rollout], cfg.weight_sync, version=step))
+            turns.synced()
             if offload_train:
                 timed_call(log, "train", trainer, "offload", *offload_args)
         if step == 0 or step == steps or (every and step % every == 0):
             # Eval: greedy accuracy of the policy on held-out prompts.
-            if sleep_level:
-                timed_call(log, "rollout", rollout, "wake_up")
+            metrics.update(turns.wake(step))
             with log.phase("eval", "rollout"):
                 metrics["eval/accuracy"] = common.accuracy(rollout, eval_set, cfg.run.eval_max_new_tokens)
-            if sleep_level:
-                timed_call(log, "rollout", rollout, "sleep", sleep_level)
+            turns.sleep()
         if step > 0 and cfg.run.save_every and step % cfg.run.save_every == 0:
             if offload_train:
                 timed_call(log, "train", trainer, "onload")

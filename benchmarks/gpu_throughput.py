@@ -1,22 +1,48 @@
-"""Colocated rollout + trainer on one GPU: generation and training throughput, MFU, memory.
+"""Throughput on one GPU: generation engines side by side, the colocated train cycle, the drivers.
 
-One process holds a Rollout and a Trainer on the same GPU and runs the colocated cycle of
-the GRPO/GKD drivers: rollout wakes and generates, sleeps; trainer onloads, takes one
-update on the generated sequences, syncs its weights into the rollout, offloads. Per phase
-it measures wall time and peak device memory; it reports generated tokens/s, trained
-tokens/s and the training step's model FLOPs utilisation
-(MFU = 6 * parameters * trained tokens / step time / peak bf16 FLOP/s of the card).
+    python benchmarks/gpu_throughput.py generate                  # HF generate, torch Rollout, vLLM Rollout
+    python benchmarks/gpu_throughput.py generate --rows 64 512 --new-tokens 256 --profile
+    python benchmarks/gpu_throughput.py cycle --engine torch --rollout-engine vllm
+    python benchmarks/gpu_throughput.py drivers --rollout-engines torch vllm --steps 4
 
-    python benchmarks/gpu_throughput.py --model qwen2_0p5b --engine torch --steps 4
-    python benchmarks/gpu_throughput.py --engine deepspeed   # or megatron
+generate  the same token-id prompts (`--rows` completions each, `--samples` per prompt,
+          exactly `--new-tokens` new tokens: end-of-sequence is ignored) through plain HF
+          `model.generate`, the torch Rollout and the vLLM Rollout, each engine (and each
+          `--vllm-variant`, a JSON dict of vllm options) in a process of its own. Per engine
+          and size: tokens/s (generated tokens / wall time of one generate call, prefill
+          included; median of --repeats after a full-size warm-up), ms per decode step, the
+          fraction of the decode floor, and the ratio to HF. Floors: compute = peak bf16
+          FLOP/s / (2 * parameters) tokens/s; weight reads = rows * memory bandwidth /
+          weight bytes; the decode floor is the smaller. `--profile` adds, for the first vLLM
+          variant at the largest size, where an engine step's time goes: the engine's
+          schedule / execute / sample / update / output-processing calls (host seconds per
+          step), the device's busy time per step (torch profiler, a 32-token generate) and
+          the top host functions (cProfile).
+cycle     one process holds a Trainer and a Rollout (torch or vLLM) on the GPU and runs the
+          colocated GRPO cycle (wake + generate + sleep, onload + train + sync + offload);
+          per phase wall time and peak memory, MFU of the train step
+          (6 * parameters * trained tokens / train time / peak bf16 FLOP/s).
+drivers   the GRPO and GKD drivers themselves (`+experiment=grpo_gpu` / `gkd_gpu`, Ray actors
+          sharing the GPU) with each rollout engine, as subprocesses; step time and its
+          phases averaged over the steps after the first, from each run's metrics.jsonl.
 
-Writes the figures as JSON to --out. Needs a CUDA GPU.
+Each mode writes its figures as JSON to --out and prints a table. Needs a CUDA GPU (generate
+also runs on CPU with --device cpu, for a smoke test of the script).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import cProfile
 import json
+import os
+import pstats
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 import torch
 
@@ -26,14 +52,214 @@ from roles.models import build_model
 from roles.rollout import Rollout
 from roles.trainer import Trainer, TrainerConfig
 
-# Dense bf16 peak FLOP/s by device name (datasheet figures, no sparsity).
+# Dense bf16 peak FLOP/s by device name (datasheet figures, no sparsity): MFU's denominator.
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+# What one H200 sustains in practice (bf16 GEMMs at about 790 TFLOP/s, HBM reads at about
+# 4.3 TB/s): the decode floors' numerators.
+SUSTAINED = {"H200": (790e12, 4.3e12), "H100": (790e12, 3.0e12)}
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def peak_flops() -> float:
     name = torch.cuda.get_device_name()
     return next((v for k, v in PEAK_BF16.items() if k in name), float("nan"))
 
+
+def sustained() -> tuple[float, float]:
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    return next((v for k, v in SUSTAINED.items() if k in name), (float("nan"), float("nan")))
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# ----------------------------------------------------------------------------- generate
+
+def prompt_ids(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (count, length), generator=gen).tolist()
+
+
+class HFGenerate:
+    """Plain transformers `model.generate` on the same weights, the baseline."""
+
+    def __init__(self, model: str, device: str):
+        self.model = build_model(model).to(torch.bfloat16 if device.startswith("cuda") else torch.float32)
+        self.model = self.model.to(device).eval()
+        self.device = device
+
+    def generate(self, prompts: list[list[int]], samples: int, new_tokens: int, seed: int) -> int:
+        ids = torch.tensor(prompts, device=self.device).repeat_interleave(samples, 0)
+        torch.manual_seed(seed)
+        with torch.inference_mode():
+            out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, top_k=0,
+                                      top_p=1.0, temperature=1.0, max_new_tokens=new_tokens,
+                                      min_new_tokens=new_tokens, pad_token_id=0)
+        return int(out[:, ids.shape[1]:].numel())
+
+
+class RolloutGenerate:
+    """The project's Rollout (torch or vLLM engine), fixed-length completions."""
+
+    def __init__(self, model: str, device: str, engine: str, options: dict, max_rows: int):
+        t0 = time.perf_counter()
+        config = {"device": device, "dtype": "bfloat16" if device.startswith("cuda") else None,
+                  "max_batch_size": max_rows}
+        self.rollout = Rollout(model, config=config, engine=engine, engine_options=options or None)
+        self.start_s = time.perf_counter() - t0
+
+    def generate(self, prompts: list[list[int]], samples: int, new_tokens: int, seed: int) -> int:
+        out = self.rollout.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=new_tokens, n=samples,
+                                                            seed=seed, ignore_eos=True))
+        return sum(len(c) for c in out.completion_ids)
+
+
+def _wrap_timers(obj, names: list[str], totals: dict, label: str) -> None:
+    """Replace obj.<name> by a wrapper adding its host seconds and calls to totals[label.name]."""
+    for name in names:
+        fn = getattr(obj, name, None)
+        if fn is None:
+            continue
+        key = f"{label}.{name}"
+        totals[key] = [0.0, 0]
+
+        def timed(*a, _fn=fn, _key=key, **kw):
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                totals[_key][0] += time.perf_counter() - t0
+                totals[_key][1] += 1
+        setattr(obj, name, timed)
+
+
+def profile_vllm(runner: RolloutGenerate, prompts, samples: int, new_tokens: int) -> dict:
+    """Where a vLLM engine step's time goes, at this size (see the module notes)."""
+    llm = runner.rollout._vllm.llm
+    engine = llm.llm_engine
+    core = getattr(engine.engine_core, "engine_core", None)  # in-process client -> EngineCore
+    totals: dict = {}
+    if core is not None:
+        _wrap_timers(core.scheduler, ["schedule", "update_from_output"], totals, "scheduler")
+        _wrap_timers(core.model_executor, ["execute_model", "sample_tokens"], totals, "executor")
+    _wrap_timers(engine.output_processor, ["process_outputs"], totals, "output_processor")
+    _wrap_timers(engine, ["step"], totals, "llm_engine")
+    prof = cProfile.Profile()
+    t0 = time.perf_counter()
+    prof.enable()
+    runner.generate(prompts, samples, new_tokens, seed=123)
+    prof.disable()
+    wall = time.perf_counter() - t0
+    steps = max(totals.get("llm_engine.step", [0, 1])[1], 1)
+    out = {"wall_s": wall, "engine_steps": steps, "ms_per_step": 1e3 * wall / steps,
+           "host_ms_per_step": {k: 1e3 * v[0] / steps for k, v in totals.items()}}
+    stats = pstats.Stats(prof)
+    rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:25]
+    out["top_host_functions"] = [{"function": f"{Path(f[0]).name}:{f[1]}:{f[2]}", "calls": v[1],
+                                  "tottime_s": round(v[2], 4), "cumtime_s": round(v[3], 4)} for f, v in rows]
+    # Device busy time per step, on a short generate (the trace stays small).
+    with contextlib.suppress(Exception):
+        from torch.profiler import ProfilerActivity, profile
+        short = 32
+        with profile(activities=[ProfilerActivity.CUDA]) as trace:
+            t0 = time.perf_counter()
+            runner.generate(prompts, samples, short, seed=321)
+            short_wall = time.perf_counter() - t0
+        busy = sum(e.self_device_time_total for e in trace.key_averages()) / 1e6
+        out["device_busy"] = {"new_tokens": short, "wall_s": short_wall, "device_s": busy,
+                              "device_ms_per_step": 1e3 * busy / short, "wall_ms_per_step": 1e3 * short_wall / short,
+                              "busy_fraction": busy / short_wall}
+    return out
+
+
+def generate_one(args) -> dict:
+    """One engine (one variant) at every size, in this process."""
+    options = json.loads(args.options) if args.options else {}
+    vocab = build_model(args.model).config.vocab_size
+    t0 = time.perf_counter()
+    runner = HFGenerate(args.model, args.device) if args.engine == "hf" else \
+        RolloutGenerate(args.model, args.device, args.engine, options, max(args.rows))
+    result = {"engine": args.engine, "options": options, "start_s": time.perf_counter() - t0, "sizes": {}}
+    if args.engine == "vllm":
+        result["settings"] = runner.rollout.engine_info()
+    for rows in args.rows:
+        prompts = prompt_ids(rows // args.samples, args.prompt_len, vocab, seed=rows)
+        runner.generate(prompts, args.samples, args.new_tokens, seed=0)  # warm-up at full size
+        walls = []
+        for r in range(args.repeats):
+            sync(args.device)
+            t0 = time.perf_counter()
+            tokens = runner.generate(prompts, args.samples, args.new_tokens, seed=r + 1)
+            sync(args.device)
+            walls.append(time.perf_counter() - t0)
+        wall = statistics.median(walls)
+        result["sizes"][str(rows)] = {"rows": rows, "tokens": tokens, "walls_s": walls, "wall_s": wall,
+                                      "tokens_per_s": tokens / wall, "ms_per_step": 1e3 * wall / args.new_tokens}
+        print(json.dumps({"engine": args.engine, "options": options, **result["sizes"][str(rows)]}), flush=True)
+    if args.profile and args.engine == "vllm":
+        rows = max(args.rows)
+        prompts = prompt_ids(rows // args.samples, args.prompt_len, vocab, seed=rows)
+        result["profile"] = profile_vllm(runner, prompts, args.samples, args.new_tokens)
+    return result
+
+
+def generate_all(args) -> dict:
+    """Every engine and vLLM variant in its own process; ratios and floors."""
+    params = sum(t.numel() for t in build_model(args.model).parameters())
+    flops, bandwidth = sustained()
+    runs = [("hf", None), ("torch", None)] if args.engines is None else [(e, None) for e in args.engines if e != "vllm"]
+    if args.engines is None or "vllm" in args.engines:
+        runs += [("vllm", v) for v in (args.vllm_variant or ["{}"])]
+    results = []
+    for i, (engine, options) in enumerate(runs):
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+            part = f.name
+        cmd = [sys.executable, str(Path(__file__).resolve()), "generate-one", "--engine", engine, "--model", args.model,
+               "--device", args.device, "--samples", str(args.samples), "--prompt-len", str(args.prompt_len),
+               "--new-tokens", str(args.new_tokens), "--repeats", str(args.repeats), "--out", part,
+               "--rows", *map(str, args.rows)]
+        if options:
+            cmd += ["--options", options]
+        if args.profile and engine == "vllm" and options == (args.vllm_variant or ["{}"])[0]:
+            cmd.append("--profile")
+        print("$", " ".join(cmd[1:]), flush=True)
+        done = subprocess.run(cmd, cwd=ROOT, timeout=args.timeout_s)
+        if done.returncode:
+            results.append({"engine": engine, "options": json.loads(options or "{}"), "error": done.returncode})
+            continue
+        results.append(json.loads(Path(part).read_text()))
+    hf = next((r for r in results if r["engine"] == "hf" and "error" not in r), None)
+    for r in results:
+        for key, size in r.get("sizes", {}).items():
+            floor = min(flops / (2 * params), size["rows"] * bandwidth / (2 * params))
+            size["compute_floor_fraction"] = size["tokens_per_s"] / (flops / (2 * params))
+            size["decode_floor_fraction"] = size["tokens_per_s"] / floor
+            if hf and key in hf["sizes"]:
+                size["x_hf"] = size["tokens_per_s"] / hf["sizes"][key]["tokens_per_s"]
+    summary = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "model": args.model,
+               "parameters": params, "samples": args.samples, "prompt_len": args.prompt_len,
+               "new_tokens": args.new_tokens, "compute_floor_tokens_per_s": flops / (2 * params), "runs": results}
+    print("\n| engine | options | rows | tokens/s | ms/step | x HF | of compute floor | of decode floor |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        if "error" in r:
+            print(f"| {r['engine']} | {json.dumps(r['options'])} | failed (exit {r['error']}) | | | | | |")
+        for size in r.get("sizes", {}).values():
+            print(f"| {r['engine']} | {json.dumps(r['options'])} | {size['rows']} | {size['tokens_per_s']:,.0f} | "
+                  f"{size['ms_per_step']:.2f} | {size.get('x_hf', float('nan')):.2f} | "
+                  f"{size['compute_floor_fraction']:.3f} | {size['decode_floor_fraction']:.3f} |")
+    for r in results:
+        if "profile" in r:
+            print("\nvLLM step profile:", json.dumps({k: v for k, v in r["profile"].items()
+                                                      if k != "top_host_functions"}, indent=1))
+            for row in r["profile"]["top_host_functions"][:15]:
+                print(f"  {row['tottime_s']:8.3f} s {row['calls']:8d}  {row['function']}")
+    return summary
+
+
+# ----------------------------------------------------------------------------- cycle
 
 class Phase:
     """Wall time and peak device memory of a block (CUDA synchronised at both ends)."""
@@ -52,41 +278,30 @@ class Phase:
         self.out[f"peak_gib/{self.name}"] = torch.cuda.max_memory_allocated() / 2**30
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="qwen2_0p5b")
-    p.add_argument("--engine", default="torch", choices=["torch", "deepspeed", "megatron"])
-    p.add_argument("--prompts", type=int, default=64, help="prompts per step")
-    p.add_argument("--samples", type=int, default=4, help="completions per prompt")
-    p.add_argument("--new-tokens", type=int, default=256)
-    p.add_argument("--micro-batch", type=int, default=32, help="sequences per forward/backward")
-    p.add_argument("--steps", type=int, default=4, help="timed steps (after one warm-up step)")
-    p.add_argument("--fixed-length", action=argparse.BooleanOptionalAction, default=True,
-                   help="generate exactly --new-tokens per completion (eos does not stop)")
-    p.add_argument("--out", default="gpu_throughput.json")
-    args = p.parse_args()
-
+def cycle(args) -> dict:
     params = sum(t.numel() for t in build_model(args.model).parameters())
     trainer = Trainer(args.model, TrainerConfig(lr=1e-5, warmup_steps=0, schedule="constant", device="cuda",
                                                 dtype="bfloat16", micro_batch_per_device=args.micro_batch),
                       engine=args.engine)
-    rollout = Rollout(args.model, config={"device": "cuda", "dtype": "bfloat16", "max_batch_size": 512})
+    options = json.loads(args.options) if args.options else None
+    rollout = Rollout(args.model, config={"device": "cuda", "dtype": "bfloat16", "max_batch_size": 512},
+                      engine=args.rollout_engine, engine_options=options)
     prompts = [ex.prompt_messages() for ex in arithmetic_examples(args.prompts * (args.steps + 1), seed=1)]
-    # Random-init weights hit eos after a few dozen tokens; with --fixed-length eos does not
-    # stop a completion, so every step has the same workload (new_tokens per completion).
-    if args.fixed_length:
-        rollout.eos_ids = set()
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, n=args.samples, seed=0)
+    # --fixed-length: every completion has new_tokens tokens, so every step has the same workload.
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=args.new_tokens, n=args.samples, seed=0,
+                              ignore_eos=args.fixed_length)
     trainer.offload()
-    rollout.sleep(1)
+    rollout.sleep(args.sleep_level)
     rows = []
     for step in range(args.steps + 1):
         m: dict = {"step": step}
         start = time.perf_counter()
         with Phase("generate", m):
-            rollout.wake_up()
+            woke = rollout.wake_up()
             comps = rollout.generate(prompts[step * args.prompts:(step + 1) * args.prompts], sampling)
-            rollout.sleep(1)
+            slept = rollout.sleep(args.sleep_level)
+        m["wake_s"], m["sleep_s"] = woke["seconds"], slept["seconds"]
+        m["sleep_freed_gib"] = slept.get("device_bytes_freed", slept["model_bytes"]) / 2**30
         batch = batch_from_completions(comps, rollout.pad_id)
         with Phase("train", m):
             trainer.onload()
@@ -106,14 +321,118 @@ def main() -> None:
         print(json.dumps({k: round(v, 4) if isinstance(v, float) else v for k, v in m.items()}), flush=True)
     timed = rows[1:]
     summary = {"device": torch.cuda.get_device_name(), "model": args.model, "parameters": params,
-               "engine": args.engine, "prompts": args.prompts, "samples": args.samples,
+               "engine": args.engine, "rollout_engine": args.rollout_engine, "options": options,
+               "sleep_level": args.sleep_level, "prompts": args.prompts, "samples": args.samples,
                "new_tokens": args.new_tokens, "steps": args.steps}
     for key in timed[0]:
         if key != "step":
             summary[key] = sum(r[key] for r in timed) / len(timed)
-    with open(args.out, "w") as f:
-        json.dump({"summary": summary, "steps": rows}, f, indent=1)
     print(json.dumps(summary, indent=1))
+    return {"summary": summary, "steps": rows}
+
+
+# ----------------------------------------------------------------------------- drivers
+
+DRIVER_RUNS = {
+    "grpo": ("algorithms.grpo", "+experiment=grpo_gpu"),
+    "gkd": ("algorithms.gkd", "+experiment=gkd_gpu"),
+}
+# Per-engine overrides of the GPU experiments: vLLM sleeps at level 2 (updates then wake only
+# its weights and load device to device) and serves the GKD teacher too.
+ENGINE_OVERRIDES = {"torch": {"grpo": [], "gkd": []},
+                    "vllm": {"grpo": ["backend.rollout=vllm", "placement.sleep_level=2"],
+                             "gkd": ["backend.rollout=vllm", "backend.teacher=vllm", "placement.sleep_level=2"]}}
+
+
+def _means(records: list[dict]) -> dict:
+    keys = sorted({k for r in records for k in r if k.startswith("time/") or k.endswith("_s")})
+    return {k: statistics.mean(r[k] for r in records if k in r) for k in keys}
+
+
+def drivers(args) -> dict:
+    out_root = Path(args.run_root or tempfile.mkdtemp(prefix="gpu-drivers-"))
+    results = []
+    for algo in args.algorithms:
+        for engine in args.rollout_engines:
+            module, experiment = DRIVER_RUNS[algo]
+            run_dir = out_root / f"{algo}_{engine}"
+            cmd = [sys.executable, "-m", module, experiment, f"run.steps={args.steps}", f"hydra.run.dir={run_dir}",
+                   *ENGINE_OVERRIDES[engine][algo], *args.override]
+            print("$", " ".join(cmd[1:]), flush=True)
+            t0 = time.perf_counter()
+            done = subprocess.run(cmd, cwd=ROOT, timeout=args.timeout_s)
+            entry = {"algorithm": algo, "rollout_engine": engine, "command": " ".join(cmd[1:]),
+                     "wall_s": time.perf_counter() - t0, "exit": done.returncode}
+            metrics = run_dir / "metrics.jsonl"
+            if metrics.is_file():
+                records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+                last = max((r.get("step", 0) for r in records), default=0)
+                # Steps after the first (one-off costs), before the last (it also evaluates).
+                steps = [r for r in records if 2 <= r.get("step", 0) < last] or \
+                    [r for r in records if r.get("step", 0) >= 2]
+                entry["steps"] = records
+                if steps:
+                    entry["mean_after_step_1"] = _means(steps)
+                # GKD: on-policy steps generate, off-policy ones do not; each kind on its own.
+                for kind, flag in (("on_policy", 1.0), ("off_policy", 0.0)):
+                    picked = [r for r in steps if r.get("gkd/on_policy") == flag]
+                    if picked:
+                        entry[f"mean_{kind}"] = _means(picked)
+            results.append(entry)
+    print("\n| run | rollout engine | steps | step s | generate s | teacher s | train s | sync s | swap s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    nan = float("nan")
+    for e in results:
+        for kind in ("mean_after_step_1", "mean_on_policy", "mean_off_policy"):
+            m = e.get(kind)
+            if m is None:
+                continue
+            swap = sum(m.get(k, 0.0) for k in ("time/wake_up", "time/sleep", "time/onload", "time/offload"))
+            print(f"| {e['algorithm']} | {e['rollout_engine']} | {kind[5:]} | {m.get('time/step', nan):.2f} | "
+                  f"{m.get('time/generate', nan):.2f} | {m.get('time/teacher', nan):.2f} | "
+                  f"{m.get('time/train', nan):.2f} | {m.get('time/sync_weights', nan):.2f} | {swap:.2f} |")
+        if e["exit"]:
+            print(f"| {e['algorithm']} | {e['rollout_engine']} | failed: exit {e['exit']} | | | | | | |")
+    return {"runs": results}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("mode", nargs="?", default="cycle", choices=["generate", "generate-one", "cycle", "drivers"])
+    p.add_argument("--model", default="qwen2_0p5b")
+    p.add_argument("--out", default="gpu_throughput.json")
+    p.add_argument("--timeout-s", type=float, default=900, help="generate/drivers: limit per subprocess")
+    g = p.add_argument_group("generate")
+    g.add_argument("--rows", type=int, nargs="+", default=[64, 512], help="completions per generate call")
+    g.add_argument("--engines", nargs="+", choices=["hf", "torch", "vllm"], help="default: all three")
+    g.add_argument("--engine", default="torch", help="generate-one: hf|torch|vllm; cycle: trainer engine")
+    g.add_argument("--vllm-variant", action="append", help="JSON dict of vllm options; repeat for several")
+    g.add_argument("--options", help="generate-one / cycle: JSON dict of vllm options")
+    g.add_argument("--prompt-len", type=int, default=32)
+    g.add_argument("--repeats", type=int, default=3)
+    g.add_argument("--profile", action="store_true")
+    g.add_argument("--device", default="cuda")
+    c = p.add_argument_group("cycle")
+    c.add_argument("--rollout-engine", default="torch", choices=["torch", "vllm"])
+    c.add_argument("--sleep-level", type=int, default=1, choices=[1, 2])
+    c.add_argument("--prompts", type=int, default=64, help="prompts per step")
+    c.add_argument("--samples", type=int, default=8, help="completions per prompt")
+    c.add_argument("--new-tokens", type=int, default=256)
+    c.add_argument("--micro-batch", type=int, default=32, help="sequences per forward/backward")
+    c.add_argument("--steps", type=int, default=4, help="timed steps (cycle: after one warm-up step)")
+    c.add_argument("--fixed-length", action=argparse.BooleanOptionalAction, default=True,
+                   help="generate exactly --new-tokens per completion (eos does not stop)")
+    d = p.add_argument_group("drivers")
+    d.add_argument("--algorithms", nargs="+", default=["grpo", "gkd"], choices=sorted(DRIVER_RUNS))
+    d.add_argument("--rollout-engines", nargs="+", default=["torch", "vllm"], choices=sorted(ENGINE_OVERRIDES))
+    d.add_argument("--override", action="append", default=[], help="extra Hydra override for every driver run")
+    d.add_argument("--run-root", help="folder of the driver runs (default: a temporary one)")
+    args = p.parse_args()
+    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    run = {"generate": generate_all, "generate-one": generate_one, "cycle": cycle, "drivers": drivers}[args.mode]
+    result = run(args)
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -29,8 +29,11 @@ class SamplingParams:
     max_new_tokens: int = 64
     # Completions per prompt.
     n: int = 1
-    # Token ids that end a completion (the tokenizer's eos is always one).
+    # Token ids that end a completion (the tokenizer's eos is always one, unless ignore_eos).
     stop_token_ids: tuple[int, ...] = ()
+    # Decode max_new_tokens tokens whatever end-of-sequence token the model emits (fixed-size
+    # workloads for benchmarks); stop_token_ids still stop.
+    ignore_eos: bool = False
     # Seed of the sampling generator; None draws from the global generator.
     seed: Optional[int] = None
 

@@ -177,7 +177,7 @@ class Rollout(WeightReceiver):
         base_seed = sampling.seed if sampling.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._rng))
         seeds = [_row_seed(base_seed, r) for r in range(len(rows))] if sampling.temperature > 0 else None
-        stop_ids = sorted(self.eos_ids | set(sampling.stop_token_ids))
+        stop_ids = sorted((set() if sampling.ignore_eos else self.eos_ids) | set(sampling.stop_token_ids))
         out = Completions([], [], [], [], [], [], [])
         # vLLM schedules every row itself (vllm.max_num_seqs at a time); the torch engine
         # decodes chunks of max_batch_size rows.
@@ -187,7 +187,8 @@ class Rollout(WeightReceiver):
             kwargs = dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                           max_new_tokens=sampling.max_new_tokens, stop_ids=stop_ids)
             if self._vllm:
-                result = self._vllm.generate_batch([prompt_ids[i] for i in chunk], **kwargs, seeds=seeds)
+                result = self._vllm.generate_batch([prompt_ids[i] for i in chunk], **kwargs, seeds=seeds,
+                                                   ignore_eos=sampling.ignore_eos)
             else:
                 generators = None if seeds is None else [
                     torch.Generator(self.device).manual_seed(seeds[start + j]) for j in range(len(chunk))]

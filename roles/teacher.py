@@ -27,7 +27,7 @@ from roles.batch import Batch
 from roles.engines.options import TEACHER_ENGINES, check_engine
 from roles.engines.torch_engine import process_memory
 from roles.engines.torch_trainer import host_bytes, module_tensors, rank_device, to_device, to_host
-from roles.models import ModelSpec, build_model, load_tokenizer, resolve_config
+from roles.models import DTYPES, ModelSpec, build_model, load_tokenizer, resolve_config
 from roles.weight_transfer import WeightReceiver, load_named_weights
 
 
@@ -38,6 +38,9 @@ class TeacherConfig:
     # Sequences per forward pass; bounds the [micro-batch, T, V] logits held at once.
     # 0: the whole batch at once.
     micro_batch_per_device: int = 8
+    # Weight dtype of the forward ("float32", "bfloat16", "float16"); None keeps the model's
+    # (a preset's is float32). vLLM's GPU attention kernels need bfloat16 or float16.
+    dtype: Optional[str] = None
 
 
 class Teacher(WeightReceiver):
@@ -54,6 +57,8 @@ class Teacher(WeightReceiver):
             config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TeacherConfig), config))
         if config.micro_batch_per_device < 0:
             raise ValueError(f"teacher micro_batch_per_device={config.micro_batch_per_device} must be >= 0")
+        if config.dtype is not None and config.dtype not in DTYPES:
+            raise ValueError(f"teacher dtype='{config.dtype}'; choose one of {sorted(DTYPES)} or null")
         self.config = config
         self.model_config = resolve_config(model)
         self.tokenizer = load_tokenizer(self.model_config)
@@ -62,11 +67,13 @@ class Teacher(WeightReceiver):
         self._vllm = None
         if engine == "vllm":  # vLLM holds the model and serves top-k through prompt logprobs
             from roles.engines.vllm_engine import VLLMEngine
-            self._vllm = VLLMEngine(self.model_config, self.tokenizer, self.device, None, engine_options,
+            self._vllm = VLLMEngine(self.model_config, self.tokenizer, self.device, config.dtype, engine_options,
                                     "teacher", wake_call="onload()")
             self._vocab_size, self._host, self.weight_version = self._vllm.vocab_size, None, 0
             return
         self.model = build_model(self.model_config)
+        if config.dtype is not None:
+            self.model = self.model.to(DTYPES[config.dtype])
         self._vocab_size = self.model.config.vocab_size
         if engine == "megatron":  # this TP rank's shard; TP peers join their slices in logits()
             from roles.engines import megatron_trainer as mt

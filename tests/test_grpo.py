@@ -65,10 +65,10 @@ ANSWERS = {f"q{i}": str(i) for i in range(40)}
 EXAMPLES = [Example(prompt=q, solution=f"#### {a}", answer=a) for q, a in ANSWERS.items()]
 
 
-def fake_run(tmp_path, correct, steps=1, **algo):
+def fake_run(tmp_path, correct, steps=1, placement=None, **algo):
     cfg = grpo.GRPORunConfig(run=LoopConfig(steps=steps, prompts_per_step=4, save_final=False),
                              algorithm=grpo.GRPOAlgorithm(num_generations=G, **algo))
-    plan = make_plan(COLOCATED)
+    plan = make_plan({**COLOCATED, **(placement or {})})
     log = []
     trainer, rollout = FakeGroup("train", log), FakeGroup("rollout", log, correct)
     reference = FakeGroup("reference", log) if cfg.algorithm.beta else None
@@ -114,6 +114,23 @@ def test_one_step_call_order_groups_and_advantages(tmp_path):
     assert record["rollout/accuracy"] == pytest.approx(float(expected.mean()))
     assert record["grpo/zero_std_groups"] == pytest.approx(sum(k in (0, G) for k in ks) / 4)
     assert record["eval/accuracy"] == 1.0 and "train/loss" in record
+
+
+def test_sleep_level_2_sends_the_weights_again_before_a_generate_after_a_sleep(tmp_path):
+    """Level 2 drops the rollout's weights: after the step-0 eval's sleep and after every
+    eval, a generate must come after an update_weights (a regression: step 1 generated from
+    dropped weights)."""
+    log, _ = fake_run(tmp_path, lambda q, i, rounds: 1, steps=3, placement={"sleep_level": 2})
+    methods = [m for _, m, _ in log if m in ("sleep", "wake_up", "update_weights", "generate")]
+    synced = True  # the rollout starts with the trainer's weights
+    for m in methods:
+        synced = (synced and m != "sleep") or m == "update_weights"
+        if m == "generate":
+            assert synced, methods
+    assert [a[0] for a in calls(log, "sleep")] == [2] * len(calls(log, "sleep"))
+    # One sync per training step, plus one after the step-0 eval's sleep; none twice in a row.
+    assert len(calls(log, "update_weights")) == 3 + 1
+    assert ("update_weights", "update_weights") not in set(zip(methods, methods[1:]))
 
 
 def test_steps_per_generation_splits_and_syncs_each_step(tmp_path):

@@ -135,6 +135,17 @@ def test_max_new_tokens_and_stop_tokens(rollout):
     assert rollout.generate(PROMPTS, dataclasses.replace(GREEDY, max_new_tokens=0)).completion_ids == [[]] * 5
 
 
+def test_ignore_eos_decodes_max_new_tokens_past_the_eos():
+    rollout = Rollout("tiny_qwen2", config=CPU)
+    first = rollout.generate(PROMPTS[:1], GREEDY).completion_ids[0]
+    rollout.eos_ids = {first[1]}  # the model's second greedy token now ends the completion
+    assert rollout.generate(PROMPTS[:1], GREEDY).completion_ids[0] == first[:first.index(first[1]) + 1]
+    full = rollout.generate(PROMPTS[:1], dataclasses.replace(GREEDY, ignore_eos=True))
+    assert full.completion_ids[0] == first and full.finish_reasons == ["length"]
+    stopped = rollout.generate(PROMPTS[:1], dataclasses.replace(GREEDY, ignore_eos=True, stop_token_ids=(first[3],)))
+    assert stopped.completion_ids[0][-1] == first[3] and stopped.finish_reasons == ["stop"]
+
+
 def test_prompt_forms(rollout):
     tok = rollout.tokenizer
     chat_ids = tok(tok.apply_chat_template([{"role": "user", "content": PROMPTS[0]}], add_generation_prompt=True,

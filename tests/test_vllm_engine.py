@@ -71,6 +71,14 @@ def test_greedy_matches_the_torch_rollout_token_for_token(engines):
     want, got = ref.generate(PROMPTS, with_stop), fast.generate(PROMPTS, with_stop)
     assert got.completion_ids == want.completion_ids and got.finish_reasons == want.finish_reasons
     assert got.finish_reasons[0] == "stop" and got.completion_ids[0][-1] == stop
+    # ignore_eos: every row decodes max_new_tokens, past the eos vLLM would stop at, as the torch engine.
+    eos = SamplingParams(temperature=0, max_new_tokens=16, ignore_eos=True)
+    fast.eos_ids, ref.eos_ids = fast.eos_ids | {stop}, ref.eos_ids | {stop}
+    try:
+        want, got = ref.generate(PROMPTS, eos), fast.generate(PROMPTS, eos)
+        assert got.completion_ids == want.completion_ids and all(len(c) == 16 for c in got.completion_ids)
+    finally:
+        fast.eos_ids, ref.eos_ids = fast.eos_ids - {stop}, ref.eos_ids - {stop}
 
 
 def test_sampled_logprobs_are_the_temperature_scaled_distribution_before_top_k_top_p(engines):

@@ -61,6 +61,7 @@ import os
 import random
 import tempfile
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
@@ -77,6 +78,10 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
 # Input embedding of the Qwen2/Llama family, which a tied output head shares.
 EMBED = "model.embed_tokens.weight"
+# GPU engines alive in this process. vLLM's sleep mode tags allocations through one
+# process-wide allocator, so a sleep would put every engine of the process to sleep: with
+# two, sleep is refused (roles that sleep get a process each with backend.workers=ray).
+_GPU_ENGINES: "weakref.WeakSet[VLLMEngine]" = weakref.WeakSet()
 
 
 def vllm_options(options: Optional[Mapping[str, Any]]) -> VLLMOptions:
@@ -264,6 +269,8 @@ class VLLMEngine:
             random.setstate(states[0]), np.random.set_state(states[1]), torch.random.set_rng_state(states[2])
         self._weight_bytes = sum(self.llm.apply_model(_weight_bytes))
         self.settings = _settings(self.llm)
+        if device.type == "cuda":
+            _GPU_ENGINES.add(self)
         self._scale = 1.0
         self.sleep_level = 0
         self._weights_valid = True
@@ -296,6 +303,11 @@ class VLLMEngine:
             raise ValueError(f"sleep level must be 1 (weights to host memory) or 2 (weights discarded), got {level}")
         start, moved, freed = time.perf_counter(), 0, 0
         gpu = self.device.type == "cuda"
+        if gpu and len(_GPU_ENGINES) > 1:
+            raise RuntimeError(f"the vLLM {self.role} cannot sleep: {len(_GPU_ENGINES)} vLLM engines live in one "
+                               "process and vLLM's sleep mode would put them all to sleep. Run the roles in "
+                               "their own processes (backend.workers=ray), or leave this one awake "
+                               "(placement.sleep_level=0 / offload_teacher_model=false)")
         if gpu and (not self.sleep_level or self._weights_awake):
             before = _free_device_bytes()
             if self._weights_awake:  # weights loaded while asleep: whole again first, then down to `level`
@@ -363,8 +375,8 @@ class VLLMEngine:
     # ---- rollout ------------------------------------------------------------------
 
     def generate_batch(self, prompts: Sequence[Sequence[int]], *, temperature: float, top_k: int, top_p: float,
-                       max_new_tokens: int, stop_ids: Sequence[int], seeds: Optional[Sequence[int]] = None
-                       ) -> Generated:
+                       max_new_tokens: int, stop_ids: Sequence[int], seeds: Optional[Sequence[int]] = None,
+                       ignore_eos: bool = False) -> Generated:
         """One completion per prompt, as roles.engines.torch_generate.generate_batch returns
         it; row i samples with seed seeds[i] (None: greedy). All rows go to the engine at
         once: its scheduler keeps up to vllm.max_num_seqs of them decoding together."""
@@ -377,7 +389,7 @@ class VLLMEngine:
         self._use_scale(1.0 / temperature if temperature > 0 else 1.0)
         seeds = list(seeds) if seeds is not None else [None] * len(prompts)
         params = [SamplingParams(temperature=1.0 if temperature > 0 else 0.0, top_k=top_k, top_p=top_p,
-                                 max_tokens=max_new_tokens, stop_token_ids=list(stop_ids), logprobs=0,
+                                 max_tokens=max_new_tokens, stop_token_ids=list(stop_ids), ignore_eos=ignore_eos, logprobs=0,
                                  flat_logprobs=True, detokenize=False, seed=seed) for seed in seeds]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
                                     use_tqdm=False)
