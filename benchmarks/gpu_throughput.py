@@ -174,13 +174,22 @@ def profile_vllm(runner: RolloutGenerate, prompts, samples: int, new_tokens: int
     return out
 
 
+# Options of the benchmark itself (any engine), not passed to the engine: "vary_prompt_len"
+# gives every timed call prompts of a new length (as a driver's batches have), "cudnn_sdp":
+# false turns off cuDNN's attention in torch (it builds a plan for every new shape).
+BENCH_OPTIONS = ("vary_prompt_len", "cudnn_sdp")
+
+
 def generate_one(args) -> dict:
     """One engine (one variant) at every size, in this process."""
     options = json.loads(args.options) if args.options else {}
+    engine_options = {k: v for k, v in options.items() if k not in BENCH_OPTIONS}
+    if options.get("cudnn_sdp") is False:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     vocab = build_model(args.model).config.vocab_size
     t0 = time.perf_counter()
     runner = HFGenerate(args.model, args.device) if args.engine == "hf" else \
-        RolloutGenerate(args.model, args.device, args.engine, options, max(args.rows))
+        RolloutGenerate(args.model, args.device, args.engine, engine_options, max(args.rows))
     result = {"engine": args.engine, "options": options, "start_s": time.perf_counter() - t0, "sizes": {}}
     if args.engine == "vllm":
         result["settings"] = runner.rollout.engine_info()
@@ -189,6 +198,8 @@ def generate_one(args) -> dict:
         runner.generate(prompts, args.samples, args.new_tokens, seed=0)  # warm-up at full size
         walls = []
         for r in range(args.repeats):
+            if options.get("vary_prompt_len"):
+                prompts = prompt_ids(rows // args.samples, args.prompt_len + 3 * r + 1, vocab, seed=rows + r)
             sync(args.device)
             t0 = time.perf_counter()
             tokens = runner.generate(prompts, args.samples, args.new_tokens, seed=r + 1)
@@ -199,6 +210,7 @@ def generate_one(args) -> dict:
                                       "tokens_per_s": tokens / wall, "ms_per_step": 1e3 * wall / args.new_tokens}
         print(json.dumps({"engine": args.engine, "options": options, **result["sizes"][str(rows)]}), flush=True)
     if args.profile and args.engine == "vllm":
+        Path(args.out).write_text(json.dumps(result))  # kept if profiling takes the process down
         rows = max(args.rows)
         prompts = prompt_ids(rows // args.samples, args.prompt_len, vocab, seed=rows)
         result["profile"] = profile_vllm(runner, prompts, args.samples, args.new_tokens)
@@ -209,9 +221,12 @@ def generate_all(args) -> dict:
     """Every engine and vLLM variant in its own process; ratios and floors."""
     params = sum(t.numel() for t in build_model(args.model).parameters())
     flops, bandwidth = sustained()
-    runs = [("hf", None), ("torch", None)] if args.engines is None else [(e, None) for e in args.engines if e != "vllm"]
-    if args.engines is None or "vllm" in args.engines:
+    engines = args.engines or ["hf", "torch", "vllm"]
+    runs = [("hf", None)] if "hf" in engines else []
+    if "vllm" in engines:
         runs += [("vllm", v) for v in (args.vllm_variant or ["{}"])]
+    if "torch" in engines:
+        runs += [("torch", v) for v in (args.torch_variant or ["{}"])]
     results = []
     for i, (engine, options) in enumerate(runs):
         with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
@@ -225,12 +240,16 @@ def generate_all(args) -> dict:
         if args.profile and engine == "vllm" and options == (args.vllm_variant or ["{}"])[0]:
             cmd.append("--profile")
         print("$", " ".join(cmd[1:]), flush=True)
-        done = subprocess.run(cmd, cwd=ROOT, timeout=args.timeout_s)
-        if done.returncode:
-            results.append({"engine": engine, "options": json.loads(options or "{}"), "error": done.returncode})
-            continue
-        results.append(json.loads(Path(part).read_text()))
-    hf = next((r for r in results if r["engine"] == "hf" and "error" not in r), None)
+        try:
+            code = subprocess.run(cmd, cwd=ROOT, timeout=args.timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+        text = Path(part).read_text()
+        result = json.loads(text) if text.strip() else {"engine": engine, "options": json.loads(options or "{}")}
+        if code:
+            result["error"] = code
+        results.append(result)
+    hf = next((r for r in results if r["engine"] == "hf" and r.get("sizes")), None)
     for r in results:
         for key, size in r.get("sizes", {}).items():
             floor = min(flops / (2 * params), size["rows"] * bandwidth / (2 * params))
@@ -245,7 +264,7 @@ def generate_all(args) -> dict:
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
-            print(f"| {r['engine']} | {json.dumps(r['options'])} | failed (exit {r['error']}) | | | | | |")
+            print(f"| {r['engine']} | {json.dumps(r['options'])} | failed ({r['error']}) | | | | | |")
         for size in r.get("sizes", {}).values():
             print(f"| {r['engine']} | {json.dumps(r['options'])} | {size['rows']} | {size['tokens_per_s']:,.0f} | "
                   f"{size['ms_per_step']:.2f} | {size.get('x_hf', float('nan')):.2f} | "
@@ -360,9 +379,12 @@ def drivers(args) -> dict:
                    *ENGINE_OVERRIDES[engine][algo], *args.override]
             print("$", " ".join(cmd[1:]), flush=True)
             t0 = time.perf_counter()
-            done = subprocess.run(cmd, cwd=ROOT, timeout=args.timeout_s)
+            try:
+                code = subprocess.run(cmd, cwd=ROOT, timeout=args.timeout_s).returncode
+            except subprocess.TimeoutExpired:
+                code = "timeout"
             entry = {"algorithm": algo, "rollout_engine": engine, "command": " ".join(cmd[1:]),
-                     "wall_s": time.perf_counter() - t0, "exit": done.returncode}
+                     "wall_s": time.perf_counter() - t0, "exit": code}
             metrics = run_dir / "metrics.jsonl"
             if metrics.is_file():
                 records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
@@ -407,6 +429,8 @@ def main() -> None:
     g.add_argument("--engines", nargs="+", choices=["hf", "torch", "vllm"], help="default: all three")
     g.add_argument("--engine", default="torch", help="generate-one: hf|torch|vllm; cycle: trainer engine")
     g.add_argument("--vllm-variant", action="append", help="JSON dict of vllm options; repeat for several")
+    g.add_argument("--torch-variant", action="append", help="JSON dict of benchmark options for the torch "
+                   "engine (vary_prompt_len, cudnn_sdp); repeat for several")
     g.add_argument("--options", help="generate-one / cycle: JSON dict of vllm options")
     g.add_argument("--prompt-len", type=int, default=32)
     g.add_argument("--repeats", type=int, default=3)

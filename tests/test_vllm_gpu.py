@@ -137,7 +137,8 @@ def test_teacher_top_k_on_the_gpu_matches_the_fp32_teacher(rollout, trainer):
     """Created after the rollout's sleep tests: engines of one process share vLLM's sleep-mode
     allocator, so with two of them a sleep is refused (checked at the end)."""
     slow = Teacher(MODEL, {"device": "cuda"})
-    fast = Teacher(MODEL, {"device": "cuda"}, engine="vllm", engine_options=VLLM)
+    fast = Teacher(MODEL, {"device": "cuda", "dtype": "bfloat16"}, engine="vllm",
+                   engine_options={**VLLM, "enforce_eager": True})  # eager: the rollout covers CUDA graphs
     pairs = sharp(slow.model, seed=4)
     slow.update_weights([pairs], version=1)
     fast.update_weights([pairs], version=1)
@@ -175,7 +176,9 @@ def _driver_run(driver, run_config, swift_keys, overrides, tmp_path):
     return [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["step"] >= 0]
 
 
-SMALL_ENGINE = ["vllm.kv_cache_gib=0.5", "vllm.gpu_memory_utilization=0.05", "run.save_final=false",
+# Eager engines start faster; the compiled path is the rollout's above and the benchmark's.
+SMALL_ENGINE = ["vllm.kv_cache_gib=0.5", "vllm.gpu_memory_utilization=0.05", "vllm.enforce_eager=true",
+                "rollout.dtype=bfloat16", "run.save_final=false",
                 "trainer.warmup_steps=0", "data.train_size=50", "data.eval_size=8", "run.steps=2"]
 
 
@@ -200,7 +203,7 @@ def test_gkd_driver_with_vllm_rollout_and_teacher_on_one_gpu(tmp_path):
 
     records = _driver_run(gkd, gkd.GKDRunConfig, gkd.SWIFT_GKD_KEYS, [
         "+experiment=gkd_quickstart", "backend.rollout=vllm", "backend.teacher=vllm", "placement.sleep_level=2",
-        "placement.gkd_logits_topk=8", "teacher.warmup_steps=0", "algorithm.lmbda=1.0", "run.prompts_per_step=8",
+        "placement.gkd_logits_topk=8", "teacher.warmup_steps=0", "teacher.engine.dtype=bfloat16", "algorithm.lmbda=1.0", "run.prompts_per_step=8",
         *SMALL_ENGINE], tmp_path)
     assert [r["step"] for r in records][-3:] == [0, 1, 2]
     assert all(r["time/teacher"] > 0 and r["time/generate"] > 0 for r in records[-2:])
