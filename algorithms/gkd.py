@@ -239,6 +239,12 @@ def check(cfg: GKDRunConfig, plan: Plan) -> None:
             raise ConfigError(f"config key 'placement.gkd_logits_topk'={plan.gkd_logits_topk} exceeds "
                               f"vllm.max_logprobs={cfg.vllm.max_logprobs}. Fix: raise vllm.max_logprobs to at "
                               f"least {plan.gkd_logits_topk} or lower gkd_logits_topk")
+        sleeps = plan["rollout"].sleep_level or plan["teacher"].offload_model
+        if cfg.backend.workers == "local" and cfg.backend.rollout == "vllm" and sleeps and torch.cuda.is_available():
+            raise ConfigError("config keys 'backend.rollout'=vllm and 'backend.teacher'=vllm with backend.workers="
+                              "local put two GPU vLLM engines in one process, where vLLM's sleep mode would put "
+                              "both to sleep at once. Fix: backend.workers=ray (a process per role), or keep "
+                              "both awake: placement.sleep_level=0 placement.offload_teacher_model=false")
     overlap.check_staleness(a.max_staleness, plan)
     gkd_loss(cfg, plan)
 

@@ -209,12 +209,20 @@ def generate_one(args) -> dict:
         result["sizes"][str(rows)] = {"rows": rows, "tokens": tokens, "walls_s": walls, "wall_s": wall,
                                       "tokens_per_s": tokens / wall, "ms_per_step": 1e3 * wall / args.new_tokens}
         print(json.dumps({"engine": args.engine, "options": options, **result["sizes"][str(rows)]}), flush=True)
+        Path(args.out).write_text(json.dumps(result))  # kept if a later size or the profile fails
     if args.profile and args.engine == "vllm":
-        Path(args.out).write_text(json.dumps(result))  # kept if profiling takes the process down
         rows = max(args.rows)
         prompts = prompt_ids(rows // args.samples, args.prompt_len, vocab, seed=rows)
         result["profile"] = profile_vllm(runner, prompts, args.samples, args.new_tokens)
+        print_profile(result["profile"])
     return result
+
+
+def print_profile(profile: dict) -> None:
+    print("vLLM step profile:", json.dumps({k: v for k, v in profile.items() if k != "top_host_functions"},
+                                           indent=1), flush=True)
+    for row in profile["top_host_functions"][:15]:
+        print(f"  {row['tottime_s']:8.3f} s {row['calls']:8d}  {row['function']}", flush=True)
 
 
 def generate_all(args) -> dict:
@@ -249,6 +257,7 @@ def generate_all(args) -> dict:
         if code:
             result["error"] = code
         results.append(result)
+        Path(args.out).write_text(json.dumps({"runs": results}, indent=1))  # so far, if a later engine hangs
     hf = next((r for r in results if r["engine"] == "hf" and r.get("sizes")), None)
     for r in results:
         for key, size in r.get("sizes", {}).items():
@@ -271,10 +280,7 @@ def generate_all(args) -> dict:
                   f"{size['compute_floor_fraction']:.3f} | {size['decode_floor_fraction']:.3f} |")
     for r in results:
         if "profile" in r:
-            print("\nvLLM step profile:", json.dumps({k: v for k, v in r["profile"].items()
-                                                      if k != "top_host_functions"}, indent=1))
-            for row in r["profile"]["top_host_functions"][:15]:
-                print(f"  {row['tottime_s']:8.3f} s {row['calls']:8d}  {row['function']}")
+            print_profile(r["profile"])
     return summary
 
 
@@ -311,6 +317,8 @@ def cycle(args) -> dict:
                               ignore_eos=args.fixed_length)
     trainer.offload()
     rollout.sleep(args.sleep_level)
+    if args.sleep_level == 2:  # level 2 dropped the weights: the trainer's go in before the first wake
+        rollout.update_weights(trainer.state_dict_buckets(512, dtype="bfloat16", to_cpu=False), version=0)
     rows = []
     for step in range(args.steps + 1):
         m: dict = {"step": step}
@@ -401,6 +409,7 @@ def drivers(args) -> dict:
                     if picked:
                         entry[f"mean_{kind}"] = _means(picked)
             results.append(entry)
+            Path(args.out).write_text(json.dumps({"runs": results}, indent=1))  # so far
     print("\n| run | rollout engine | steps | step s | generate s | teacher s | train s | sync s | swap s |")
     print("|---|---|---|---|---|---|---|---|---|")
     nan = float("nan")

@@ -311,3 +311,21 @@ def test_gkd_topk_tail_mode_runs(tmp_path):
     gkd.run(typed, plan, tmp_path)
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert len(records) == 2 and math.isfinite(records[1]["train/loss"])
+
+
+def test_two_sleeping_vllm_engines_in_one_gpu_process_are_refused_before_start(monkeypatch):
+    """vLLM's sleep mode is process-wide: a local run with a vLLM rollout and a vLLM teacher on a
+    GPU that sleep would put both to sleep; refused by check(), with the keys that fix it."""
+    from orchestration.config import ConfigError
+
+    base = ["+experiment=gkd_quickstart", *TINY_GKD, "backend=local", "backend.rollout=vllm",
+            "backend.teacher=vllm", "placement.gkd_logits_topk=8"]
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    _, typed, plan = prepared(GKDRunConfig, base)
+    with pytest.raises(ConfigError, match="two GPU vLLM engines in one process.*backend.workers=ray"):
+        gkd.check(typed, plan)
+    _, typed, plan = prepared(GKDRunConfig, base + ["placement.sleep_level=0", "placement.offload_teacher_model=false"])
+    gkd.check(typed, plan)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    _, typed, plan = prepared(GKDRunConfig, base)
+    gkd.check(typed, plan)  # on CPU vLLM has no sleep mode: nothing is shared

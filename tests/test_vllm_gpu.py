@@ -25,8 +25,9 @@ VLLM = {"gpu_memory_utilization": 0.05, "kv_cache_gib": 0.5}
 
 
 def sharp(model: torch.nn.Module, seed: int) -> list[tuple[str, torch.Tensor]]:
+    """Host tensors of the model's shapes (whatever device it is on), drawn from `seed`."""
     gen = torch.Generator().manual_seed(seed)
-    return [(n, (torch.ones_like(p) + 0.1 * torch.randn(p.shape, generator=gen)) if p.dim() == 1
+    return [(n, (1 + 0.1 * torch.randn(p.shape, generator=gen)) if p.dim() == 1
              else 0.12 * torch.randn(p.shape, generator=gen)) for n, p in model.named_parameters()]
 
 
