@@ -8,7 +8,7 @@ import random
 import sys
 import weakref
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 from algorithms.runlog import timed_call
 from algorithms.tasks import Example
@@ -118,9 +118,25 @@ def first(results: list) -> Any:
     return results[0]
 
 
-def checkpoint(trainer: Any, out_dir: Path, step: int) -> Path:
+def due(step: int, every: int) -> bool:
+    """Periodic work (eval, save) at training step `step`: every `every` steps, 0 never."""
+    return step > 0 and every > 0 and step % every == 0
+
+
+def periodic_save_due(step: int, run: Any) -> bool:
+    """A save_every checkpoint at `step`, unless the final save writes the same step."""
+    return due(step, run.save_every) and not (step == run.steps and run.save_final)
+
+
+def checkpoint(trainer: Any, out_dir: Path, step: int, offload: Optional[tuple] = None) -> Path:
+    """Checkpoint the trainer at `step` into out_dir/checkpoints/step_<step>; an offloaded
+    trainer (`offload`: its offload(model, optimizer) arguments) comes back for it and goes again."""
     path = out_dir / "checkpoints" / f"step_{step}"
+    if offload:
+        trainer.call("onload")
     trainer.call("save", str(path))
+    if offload:
+        trainer.call("offload", *offload)
     return path
 
 

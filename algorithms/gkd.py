@@ -121,33 +121,22 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
             turns.synced()
             if offload_train:
                 timed_call(log, "train", trainer, "offload", *offload_args)
-        if step == 0 or step == steps or (every and step % every == 0):
+        if step == 0 or step == steps or common.due(step, every):
             # Eval: greedy accuracy of the student on held-out prompts.
             metrics.update(turns.wake(step))
             with log.phase("eval", "rollout"):
                 metrics["eval/accuracy"] = common.accuracy(rollout, eval_set, cfg.run.eval_max_new_tokens)
             turns.sleep()
-        if step > 0 and cfg.run.save_every and step % cfg.run.save_every == 0 and not (
-                step == steps and cfg.run.save_final):
+        if common.periodic_save_due(step, cfg.run):
             with log.phase("save", "train"):
-                save(trainer, log.dir, step, plan if offload_train else None)
+                common.checkpoint(trainer, log.dir, step, offload_args if offload_train else None)
         # Memory: each role's host RSS and peak device memory (all idle here).
         for role, group in (("train", trainer), ("rollout", rollout), ("teacher", teacher)):
             log.memory(role, group.call("memory"))
         record = log.step(step, metrics)
     if cfg.run.save_final:
-        record["checkpoint"] = str(save(trainer, log.dir, steps, plan if offload_train else None))
+        record["checkpoint"] = str(common.checkpoint(trainer, log.dir, steps, offload_args if offload_train else None))
     return record
-
-
-def save(trainer: Any, out_dir: Path, step: int, offloaded: Plan | None) -> Path:
-    """Checkpoint the student; an offloaded trainer is brought back for it and offloaded again."""
-    if offloaded is not None:
-        trainer.call("onload")
-    path = common.checkpoint(trainer, out_dir, step)
-    if offloaded is not None:
-        trainer.call("offload", offloaded["train"].offload_model, offloaded["train"].offload_optimizer)
-    return path
 
 
 def warm_teacher(cfg: GKDRunConfig, out_dir: Path) -> str:

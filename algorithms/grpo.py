@@ -211,28 +211,22 @@ def train(cfg: GRPORunConfig, plan: Plan, trainer: Any, rollout: Any, reference:
             turns.synced()
             if offload_train:
                 timed_call(log, "train", trainer, "offload", *offload_args)
-        if step == 0 or step == steps or (every and step % every == 0):
+        if step == 0 or step == steps or common.due(step, every):
             # Eval: greedy accuracy of the policy on held-out prompts.
             metrics.update(turns.wake(step))
             with log.phase("eval", "rollout"):
                 metrics["eval/accuracy"] = common.accuracy(rollout, eval_set, cfg.run.eval_max_new_tokens)
             turns.sleep()
-        if step > 0 and cfg.run.save_every and step % cfg.run.save_every == 0:
-            if offload_train:
-                timed_call(log, "train", trainer, "onload")
+        if common.periodic_save_due(step, cfg.run):
             with log.phase("save", "train"):
-                common.checkpoint(trainer, log.dir, step)
-            if offload_train:
-                timed_call(log, "train", trainer, "offload", *offload_args)
+                common.checkpoint(trainer, log.dir, step, offload_args if offload_train else None)
         # Memory: each role's host RSS and peak device memory (both roles idle here).
         for role, group in (("train", trainer), ("rollout", rollout), ("reference", reference)):
             if group is not None:
                 log.memory(role, group.call("memory"))
         record = log.step(step, metrics)
     if cfg.run.save_final:
-        if offload_train:
-            trainer.call("onload")
-        record["checkpoint"] = str(common.checkpoint(trainer, log.dir, steps))
+        record["checkpoint"] = str(common.checkpoint(trainer, log.dir, steps, offload_args if offload_train else None))
     return record
 
 

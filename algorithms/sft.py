@@ -43,14 +43,13 @@ def train(cfg: SFTRunConfig, trainer: Any, evaluator: Any, train_set: list, eval
                 batch = common.batch_of(tokenizer, common.encode_examples(tokenizer, next(stream), cfg.algorithm.pretrain))
                 metrics.update({f"train/{k}": v for k, v in
                                 trainer.call("train_step", batch, dispatch="slice", collect=common.first).items()})
-        if step == 0 or step == steps or (every and step % every == 0):
+        if step == 0 or step == steps or common.due(step, every):
             # Eval: greedy accuracy of the current weights on held-out prompts.
             with log.phase("sync_weights"):
                 metrics.update(common.sync_weights(trainer, [evaluator], cfg.weight_sync, version=step))
             with log.phase("eval"):
                 metrics["eval/accuracy"] = common.accuracy(evaluator, eval_set, cfg.run.eval_max_new_tokens)
-        if step > 0 and cfg.run.save_every and step % cfg.run.save_every == 0 and not (
-                step == steps and cfg.run.save_final):
+        if common.periodic_save_due(step, cfg.run):
             with log.phase("save"):
                 common.checkpoint(trainer, log.dir, step)
         record = log.step(step, metrics)

@@ -65,8 +65,9 @@ ANSWERS = {f"q{i}": str(i) for i in range(40)}
 EXAMPLES = [Example(prompt=q, solution=f"#### {a}", answer=a) for q, a in ANSWERS.items()]
 
 
-def fake_run(tmp_path, correct, steps=1, placement=None, **algo):
-    cfg = grpo.GRPORunConfig(run=LoopConfig(steps=steps, prompts_per_step=4, save_final=False),
+def fake_run(tmp_path, correct, steps=1, placement=None, loop=None, **algo):
+    cfg = grpo.GRPORunConfig(run=LoopConfig(**{"steps": steps, "prompts_per_step": 4, "save_final": False,
+                                               **(loop or {})}),
                              algorithm=grpo.GRPOAlgorithm(num_generations=G, **algo))
     plan = make_plan({**COLOCATED, **(placement or {})})
     log = []
@@ -131,6 +132,19 @@ def test_sleep_level_2_sends_the_weights_again_before_a_generate_after_a_sleep(t
     # One sync per training step, plus one after the step-0 eval's sleep; none twice in a row.
     assert len(calls(log, "update_weights")) == 3 + 1
     assert ("update_weights", "update_weights") not in set(zip(methods, methods[1:]))
+
+
+@pytest.mark.parametrize("save_final", [True, False])
+def test_the_last_checkpoint_is_written_once_by_an_onloaded_trainer(tmp_path, save_final):
+    """save_every landing on the last step and save_final wrote step_2 twice (a regression)."""
+    log, record = fake_run(tmp_path, lambda q, i, rounds: 1, steps=2,
+                           loop={"save_every": 1, "save_final": save_final})
+    saves = [(role, m, a) for role, m, a in log if m == "save"]
+    assert [a[0].rsplit("/", 1)[-1] for _, _, a in saves] == ["step_1", "step_2"]
+    for _, _, a in saves:  # each save between an onload and the same offload as the loop's
+        at = log.index(("train", "save", a))
+        assert log[at - 1] == ("train", "onload", ()) and log[at + 1] == ("train", "offload", (True, True))
+    assert ("checkpoint" in record) == save_final
 
 
 def test_steps_per_generation_splits_and_syncs_each_step(tmp_path):
