@@ -159,6 +159,8 @@ class PlanConfig:
     run: Any = None
     # Driver section (ignored by the planner).
     algorithm: Any = None
+    # Engine options section (ignored by the planner).
+    vllm: Any = None
 
 
 def register_schema(schema: type) -> None:
