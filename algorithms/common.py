@@ -118,6 +118,12 @@ def first(results: list) -> Any:
     return results[0]
 
 
+def warmup_steps(steps: int) -> int:
+    """Learning-rate warm-up of an SFT phase inside another run (GRPO's warm start, GKD's
+    teacher, distill's SFT): a tenth of its steps, at most 20."""
+    return min(20, steps // 10)
+
+
 def due(step: int, every: int) -> bool:
     """Periodic work (eval, save) at training step `step`: every `every` steps, 0 never."""
     return step > 0 and every > 0 and step % every == 0

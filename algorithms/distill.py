@@ -210,7 +210,7 @@ def run_sft(cfg: DistillRunConfig, plan: Plan, model: Any, data: DataConfig, ste
     sft_plan = make_plan({"train": {"gpus": ranks}} if s.device == "GPU" else
                          {"device_groups": {"nproc_per_node": 1, "sft": {"device": "CPU", "ranks": ranks,
                                                                           "workers": ["train"]}}})
-    trainer = replace(cfg.trainer, lr=lr, total_steps=steps, warmup_steps=steps // 10)
+    trainer = replace(cfg.trainer, lr=lr, total_steps=steps, warmup_steps=common.warmup_steps(steps))
     run = LoopConfig(steps=steps, prompts_per_step=cfg.algorithm.sft_batch, seed=cfg.run.seed,
                      eval_max_new_tokens=cfg.run.eval_max_new_tokens)
     sft_cfg = sft_phase(cfg, model=resolve_config(model), trainer=trainer, data=data, run=run)

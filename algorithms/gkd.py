@@ -152,7 +152,7 @@ def warm_teacher(cfg: GKDRunConfig, out_dir: Path) -> str:
     print(f"gkd: training the teacher ({t.model}) by SFT for {t.warmup_steps} steps; cached at {path}")
     warm = SFTRunConfig(placement=cfg.placement, cluster=cfg.cluster, backend=cfg.backend,
                         model=resolve_config(t.model),
-                        trainer=TrainerConfig(lr=t.warmup_lr, warmup_steps=min(20, t.warmup_steps // 10),
+                        trainer=TrainerConfig(lr=t.warmup_lr, warmup_steps=common.warmup_steps(t.warmup_steps),
                                               total_steps=t.warmup_steps, micro_batch_per_device=t.warmup_batch),
                         rollout=cfg.rollout, data=cfg.data,
                         run=LoopConfig(steps=t.warmup_steps, prompts_per_step=t.warmup_batch,

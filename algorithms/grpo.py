@@ -275,7 +275,7 @@ def warm_start(cfg: GRPORunConfig, train_ranks: int, out_dir: Path) -> str:
     trainer ranks (so its optimizer moments fit GRPO's trainer); returns its checkpoint."""
     a = cfg.algorithm
     warm = sft_phase(cfg,
-                     trainer=replace(cfg.trainer, lr=a.warmup_sft_lr, warmup_steps=min(20, a.warmup_sft_steps // 10),
+                     trainer=replace(cfg.trainer, lr=a.warmup_sft_lr, warmup_steps=common.warmup_steps(a.warmup_sft_steps),
                                      total_steps=a.warmup_sft_steps, schedule="cosine",
                                      micro_batch_per_device=a.warmup_sft_batch),
                      data=replace(cfg.data, train_size=a.warmup_sft_examples or cfg.data.train_size),
