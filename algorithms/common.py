@@ -3,6 +3,7 @@ checkpoints, and the Hydra entry-point wrapper that turns config errors into one
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import random
 import sys
@@ -59,6 +60,18 @@ def prompt_stream(examples: list[Example], per_step: int, seed: int) -> Iterator
 _SYNCS: "weakref.WeakKeyDictionary[Any, WeightSync]" = weakref.WeakKeyDictionary()
 # Killed actors cannot delete their /dev/shm files; the driver does it when it exits.
 atexit.register(lambda: [sync.remove_scratch() for sync in list(_SYNCS.values())])
+
+
+@contextlib.contextmanager
+def turn(log: Any, role: str, group: Any, offload: Optional[tuple]) -> Iterator[None]:
+    """A colocated role's turn on its devices: onloaded for the block and offloaded after it
+    with `offload` as offload()'s arguments; None: the role stays loaded, nothing is called.
+    Both calls are timed as phases of the role (runlog.timed_call)."""
+    if offload is not None:
+        timed_call(log, role, group, "onload")
+    yield
+    if offload is not None:
+        timed_call(log, role, group, "offload", *offload)
 
 
 class RolloutTurns:
@@ -134,14 +147,22 @@ def periodic_save_due(step: int, run: Any) -> bool:
     return due(step, run.save_every) and not (step == run.steps and run.save_final)
 
 
+def offload_args(entry: Any) -> Optional[tuple]:
+    """offload(model, optimizer) arguments of a colocated trainer's plan entry; None when it
+    offloads nothing (it stays on its devices between turns)."""
+    if entry.offload_model or entry.offload_optimizer:
+        return entry.offload_model, entry.offload_optimizer
+    return None
+
+
 def checkpoint(trainer: Any, out_dir: Path, step: int, offload: Optional[tuple] = None) -> Path:
     """Checkpoint the trainer at `step` into out_dir/checkpoints/step_<step>; an offloaded
     trainer (`offload`: its offload(model, optimizer) arguments) comes back for it and goes again."""
     path = out_dir / "checkpoints" / f"step_{step}"
-    if offload:
+    if offload is not None:
         trainer.call("onload")
     trainer.call("save", str(path))
-    if offload:
+    if offload is not None:
         trainer.call("offload", *offload)
     return path
 

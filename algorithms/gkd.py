@@ -57,9 +57,9 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
     algo, steps, every = cfg.algorithm, cfg.run.steps, cfg.run.eval_every
     overlap.check_staleness(algo.max_staleness, plan)
     topk = plan.gkd_logits_topk
-    offload_train = plan["train"].offload_model or plan["train"].offload_optimizer
-    offload_args = (plan["train"].offload_model, plan["train"].offload_optimizer)
-    offload_teacher = plan["teacher"].offload_model
+    # Arguments of the trainer's and the teacher's offload() between their turns; None: they stay loaded.
+    train_off = common.offload_args(plan["train"])
+    teacher_off = () if plan["teacher"].offload_model else None
     # Sleep level 2 drops the rollout's weights: its wake then sends them again if needed.
     turns = common.RolloutTurns(rollout, trainer, plan["rollout"].sleep_level, cfg.weight_sync, log)
     sampling = SamplingParams(temperature=algo.temperature, max_new_tokens=algo.max_new_tokens)
@@ -69,7 +69,7 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
     on_policy = [False] + [coin.random() < algo.lmbda for _ in range(steps)]
     prefetch = overlap.Prefetch(rollout, log, stream, sampling, algo.max_staleness, steps,
                                 generates=lambda s: on_policy[s])
-    if offload_teacher:
+    if teacher_off is not None:
         timed_call(log, "teacher", teacher, "offload")
     record: dict = {}
     for step in range(0, steps + 1):
@@ -95,32 +95,25 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
             # sft_alpha's NLL term counts dataset responses only, never the student's own text.
             batch.sft_weight = torch.full((len(batch),), 0.0 if on_policy[step] else 1.0)
             # Teacher: logprobs at every position (top-k or full vocabulary).
-            if offload_teacher:
-                timed_call(log, "teacher", teacher, "onload")
-            with log.phase("teacher", "teacher"):
+            with common.turn(log, "teacher", teacher, teacher_off), log.phase("teacher", "teacher"):
                 # Top-k is taken from the tempered distribution (the loss then leaves it as is);
                 # full-vocabulary logprobs come at temperature 1 and the loss tempers them.
                 out = teacher.call("logits", batch, topk, temperature=algo.temperature if topk else 1.0,
                                    dispatch="slice", collect="flatten")
                 batch.teacher_logprobs, batch.teacher_indices = out if topk else (out, None)
-            if offload_teacher:
-                timed_call(log, "teacher", teacher, "offload")
-            # Train: one update of the student on the generalized JSD.
-            if offload_train:
-                timed_call(log, "train", trainer, "onload")
-            with log.phase("train", "train"):
-                result = trainer.call("train_step", batch, dispatch="slice", collect=common.first)
-                metrics.update({f"train/{k}": v for k, v in result.items()})
-            # Generations started ahead finish on the old weights before the rollout takes new ones.
-            if algo.max_staleness:
-                with log.phase("wait_rollout"):
-                    prefetch.drain()
-            # Sync weights: the rollout generates with the updated student from now on.
-            with log.phase("sync_weights", "train", "rollout"):
-                metrics.update(common.sync_weights(trainer, [rollout], cfg.weight_sync, version=step))
-            turns.synced()
-            if offload_train:
-                timed_call(log, "train", trainer, "offload", *offload_args)
+            with common.turn(log, "train", trainer, train_off):
+                # Train: one update of the student on the generalized JSD.
+                with log.phase("train", "train"):
+                    result = trainer.call("train_step", batch, dispatch="slice", collect=common.first)
+                    metrics.update({f"train/{k}": v for k, v in result.items()})
+                # Generations started ahead finish on the old weights before the rollout takes new ones.
+                if algo.max_staleness:
+                    with log.phase("wait_rollout"):
+                        prefetch.drain()
+                # Sync weights: the rollout generates with the updated student from now on.
+                with log.phase("sync_weights", "train", "rollout"):
+                    metrics.update(common.sync_weights(trainer, [rollout], cfg.weight_sync, version=step))
+                turns.synced()
         if step == 0 or step == steps or common.due(step, every):
             # Eval: greedy accuracy of the student on held-out prompts.
             metrics.update(turns.wake(step))
@@ -129,13 +122,13 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
             turns.sleep()
         if common.periodic_save_due(step, cfg.run):
             with log.phase("save", "train"):
-                common.checkpoint(trainer, log.dir, step, offload_args if offload_train else None)
+                common.checkpoint(trainer, log.dir, step, train_off)
         # Memory: each role's host RSS and peak device memory (all idle here).
         for role, group in (("train", trainer), ("rollout", rollout), ("teacher", teacher)):
             log.memory(role, group.call("memory"))
         record = log.step(step, metrics)
     if cfg.run.save_final:
-        record["checkpoint"] = str(common.checkpoint(trainer, log.dir, steps, offload_args if offload_train else None))
+        record["checkpoint"] = str(common.checkpoint(trainer, log.dir, steps, train_off))
     return record
 
 

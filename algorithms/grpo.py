@@ -41,7 +41,7 @@ from algorithms.config import LoopConfig, RunConfig, SWIFT_COMMON_KEYS, as_dict,
 from algorithms.data import load_task
 from algorithms.grpo_rewards import Rewards, planned_reward_configs, reward_specs
 from algorithms.losses import LOSS_TYPES, make_loss
-from algorithms.runlog import RunLog, run_dir, timed_call
+from algorithms.runlog import RunLog, run_dir
 from orchestration.cluster import init_cluster
 from orchestration.config import ConfigError, register_schema
 from orchestration.dispatch import flatten, slice_bounds
@@ -141,9 +141,9 @@ def train(cfg: GRPORunConfig, plan: Plan, trainer: Any, rollout: Any, reference:
     beta = 0. Returns the last record."""
     algo, steps, every, G = cfg.algorithm, cfg.run.steps, cfg.run.eval_every, cfg.algorithm.num_generations
     overlap.check_staleness(algo.max_staleness, plan)
-    offload_train = plan["train"].offload_model or plan["train"].offload_optimizer
-    offload_args = (plan["train"].offload_model, plan["train"].offload_optimizer)
-    offload_reference = "reference" in plan.roles and plan["reference"].offload_model
+    # Arguments of the trainer's and the reference's offload() between their turns; None: they stay loaded.
+    train_off = common.offload_args(plan["train"])
+    reference_off = (True, True) if "reference" in plan.roles and plan["reference"].offload_model else None
     # Sleep level 2 drops the rollout's weights: its wake then sends them again if needed.
     turns = common.RolloutTurns(rollout, trainer, plan["rollout"].sleep_level, cfg.weight_sync, log)
     sampling = SamplingParams(temperature=algo.temperature, max_new_tokens=algo.max_new_tokens, n=G)
@@ -186,31 +186,24 @@ def train(cfg: GRPORunConfig, plan: Plan, trainer: Any, rollout: Any, reference:
                             "advantages/min": float(advantages.min()), "advantages/max": float(advantages.max())})
             # Reference logprobs: the initial policy's, for the KL penalty.
             if reference is not None:
-                if offload_reference:
-                    timed_call(log, "reference", reference, "onload")
-                with log.phase("ref_logprobs", "reference"):
+                with common.turn(log, "reference", reference, reference_off), log.phase("ref_logprobs", "reference"):
                     batch.ref_logprobs = reference.call("logprobs", batch, algo.temperature, dispatch="slice",
                                                         collect="flatten")
-                if offload_reference:
-                    timed_call(log, "reference", reference, "offload", True, True)
-            # Train: steps_per_generation updates, each on its part of the batch.
-            if offload_train:
-                timed_call(log, "train", trainer, "onload")
-            with log.phase("train", "train"):
-                results = [trainer.call("train_step", part, algo.temperature, dispatch="slice", collect=common.first)
-                           for part in _parts(batch, algo.steps_per_generation)]
-                metrics.update({f"train/{k}": sum(r[k] for r in results) / len(results) for k in results[0]})
-                metrics["train/step"] = results[-1]["step"]
-            # Generations started ahead finish on the old weights before the rollout takes new ones.
-            if algo.max_staleness:
-                with log.phase("wait_rollout"):
-                    prefetch.drain()
-            # Sync weights: the next generation samples from the updated policy.
-            with log.phase("sync_weights", "train", "rollout"):
-                metrics.update(common.sync_weights(trainer, [rollout], cfg.weight_sync, version=step))
-            turns.synced()
-            if offload_train:
-                timed_call(log, "train", trainer, "offload", *offload_args)
+            with common.turn(log, "train", trainer, train_off):
+                # Train: steps_per_generation updates, each on its part of the batch.
+                with log.phase("train", "train"):
+                    results = [trainer.call("train_step", part, algo.temperature, dispatch="slice",
+                                            collect=common.first) for part in _parts(batch, algo.steps_per_generation)]
+                    metrics.update({f"train/{k}": sum(r[k] for r in results) / len(results) for k in results[0]})
+                    metrics["train/step"] = results[-1]["step"]
+                # Generations started ahead finish on the old weights before the rollout takes new ones.
+                if algo.max_staleness:
+                    with log.phase("wait_rollout"):
+                        prefetch.drain()
+                # Sync weights: the next generation samples from the updated policy.
+                with log.phase("sync_weights", "train", "rollout"):
+                    metrics.update(common.sync_weights(trainer, [rollout], cfg.weight_sync, version=step))
+                turns.synced()
         if step == 0 or step == steps or common.due(step, every):
             # Eval: greedy accuracy of the policy on held-out prompts.
             metrics.update(turns.wake(step))
@@ -219,14 +212,14 @@ def train(cfg: GRPORunConfig, plan: Plan, trainer: Any, rollout: Any, reference:
             turns.sleep()
         if common.periodic_save_due(step, cfg.run):
             with log.phase("save", "train"):
-                common.checkpoint(trainer, log.dir, step, offload_args if offload_train else None)
+                common.checkpoint(trainer, log.dir, step, train_off)
         # Memory: each role's host RSS and peak device memory (both roles idle here).
         for role, group in (("train", trainer), ("rollout", rollout), ("reference", reference)):
             if group is not None:
                 log.memory(role, group.call("memory"))
         record = log.step(step, metrics)
     if cfg.run.save_final:
-        record["checkpoint"] = str(common.checkpoint(trainer, log.dir, steps, offload_args if offload_train else None))
+        record["checkpoint"] = str(common.checkpoint(trainer, log.dir, steps, train_off))
     return record
 
 
