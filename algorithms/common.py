@@ -75,9 +75,9 @@ def turn(log: Any, role: str, group: Any, offload: Optional[tuple]) -> Iterator[
 
 
 class RolloutTurns:
-    """Turn-taking of a colocated rollout (sleep_level > 0): `sleep()` after its work, `wake()`
-    before it. Sleep level 2 drops the weights, so `wake()` first sends the trainer's current
-    ones unless a sync has come since (`synced()`); level 0 makes both no-ops."""
+    """Turn-taking and weight sync of a rollout: `sleep()` after its work, `wake()` before it
+    (no-ops at sleep_level 0), `sync()` after each training step. Sleep level 2 drops the
+    weights, so `wake()` first sends the trainer's current ones unless a sync came since."""
 
     def __init__(self, rollout: Any, trainer: Any, level: int, settings: WeightSyncConfig, log: Any):
         self.rollout, self.trainer, self.level, self.settings, self.log = rollout, trainer, level, settings, log
@@ -98,8 +98,16 @@ class RolloutTurns:
             timed_call(self.log, "rollout", self.rollout, "sleep", self.level)
             self.dropped = self.level == 2
 
-    def synced(self) -> None:
+    def sync(self, version: int, prefetch: Any, max_staleness: int) -> dict[str, Any]:
+        """The trainer's weights into the rollout after a training step; generations started
+        ahead (max_staleness > 0) first finish on the old weights."""
+        if max_staleness:
+            with self.log.phase("wait_rollout"):
+                prefetch.drain()
+        with self.log.phase("sync_weights", "train", "rollout"):
+            metrics = sync_weights(self.trainer, [self.rollout], self.settings, version)
         self.dropped = False
+        return metrics
 
 
 def sync_weights(trainer: Any, targets: list[Any], settings: WeightSyncConfig, version: int) -> dict[str, Any]:

@@ -106,14 +106,8 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
                 with log.phase("train", "train"):
                     result = trainer.call("train_step", batch, dispatch="slice", collect=common.first)
                     metrics.update({f"train/{k}": v for k, v in result.items()})
-                # Generations started ahead finish on the old weights before the rollout takes new ones.
-                if algo.max_staleness:
-                    with log.phase("wait_rollout"):
-                        prefetch.drain()
-                # Sync weights: the rollout generates with the updated student from now on.
-                with log.phase("sync_weights", "train", "rollout"):
-                    metrics.update(common.sync_weights(trainer, [rollout], cfg.weight_sync, version=step))
-                turns.synced()
+                # Sync weights (once generations started ahead finish): the rollout samples the updated student.
+                metrics.update(turns.sync(step, prefetch, algo.max_staleness))
         if step == 0 or step == steps or common.due(step, every):
             # Eval: greedy accuracy of the student on held-out prompts.
             metrics.update(turns.wake(step))

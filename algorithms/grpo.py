@@ -196,14 +196,8 @@ def train(cfg: GRPORunConfig, plan: Plan, trainer: Any, rollout: Any, reference:
                                             collect=common.first) for part in _parts(batch, algo.steps_per_generation)]
                     metrics.update({f"train/{k}": sum(r[k] for r in results) / len(results) for k in results[0]})
                     metrics["train/step"] = results[-1]["step"]
-                # Generations started ahead finish on the old weights before the rollout takes new ones.
-                if algo.max_staleness:
-                    with log.phase("wait_rollout"):
-                        prefetch.drain()
-                # Sync weights: the next generation samples from the updated policy.
-                with log.phase("sync_weights", "train", "rollout"):
-                    metrics.update(common.sync_weights(trainer, [rollout], cfg.weight_sync, version=step))
-                turns.synced()
+                # Sync weights (once generations started ahead finish): the rollout samples the updated policy.
+                metrics.update(turns.sync(step, prefetch, algo.max_staleness))
         if step == 0 or step == steps or common.due(step, every):
             # Eval: greedy accuracy of the policy on held-out prompts.
             metrics.update(turns.wake(step))

@@ -389,8 +389,8 @@ class VLLMEngine:
         self._use_scale(1.0 / temperature if temperature > 0 else 1.0)
         seeds = list(seeds) if seeds is not None else [None] * len(prompts)
         params = [SamplingParams(temperature=1.0 if temperature > 0 else 0.0, top_k=top_k, top_p=top_p,
-                                 max_tokens=max_new_tokens, stop_token_ids=list(stop_ids), ignore_eos=ignore_eos, logprobs=0,
-                                 flat_logprobs=True, detokenize=False, seed=seed) for seed in seeds]
+                                 max_tokens=max_new_tokens, stop_token_ids=list(stop_ids), ignore_eos=ignore_eos,
+                                 logprobs=0, flat_logprobs=True, detokenize=False, seed=seed) for seed in seeds]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
                                     use_tqdm=False)
         result = Generated([], [], [])
