@@ -122,7 +122,8 @@ def sync_weights(trainer: Any, targets: list[Any], settings: WeightSyncConfig, v
     return sync_metrics(sync.sync(targets, version))
 
 
-_NUMERIC = ORM(kind="numeric")
+# The task's "#### N" answer check, for the accuracies every driver logs.
+NUMERIC = ORM(kind="numeric")
 
 
 def accuracy(rollout: Any, examples: list[Example], max_new_tokens: int) -> float:
@@ -130,7 +131,7 @@ def accuracy(rollout: Any, examples: list[Example], max_new_tokens: int) -> floa
     prompts = [ex.prompt_messages() for ex in examples]
     comps = rollout.call("generate", prompts, SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens),
                          dispatch="slice", collect="flatten")
-    scores = _NUMERIC.score([ex.prompt for ex in examples], comps.texts, [ex.answer for ex in examples])
+    scores = NUMERIC.score([ex.prompt for ex in examples], comps.texts, [ex.answer for ex in examples])
     return sum(scores) / max(len(scores), 1)
 
 

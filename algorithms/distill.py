@@ -101,8 +101,6 @@ SWIFT_DISTILL_KEYS = {"model": "model.path", "seed": "run.seed",
                                                        "easy_query_threshold", "sampler_type", "temperature",
                                                        "top_p", "max_new_tokens", "output_file")}}
 
-_NUMERIC = ORM(kind="numeric")
-
 
 def sample(cfg: DistillRunConfig, sampler: Any, prm: Any, orm: Any, train_set: list, eval_set: list,
            out_path: Path, log: RunLog) -> dict:
@@ -138,7 +136,7 @@ def sample(cfg: DistillRunConfig, sampler: Any, prm: Any, orm: Any, train_set: l
                     orm_scores = orm.call("score", prompts, texts, refs, dispatch="slice", collect="flatten")
                 # Select: best n_best_to_keep per prompt with PRM >= prm_threshold, the worst as rejected.
                 with log.phase("select"):
-                    correct = _NUMERIC.score(prompts, texts, [ex.answer for ex in examples for _ in range(n)])
+                    correct = common.NUMERIC.score(prompts, texts, [ex.answer for ex in examples for _ in range(n)])
                     rows, counts = select(examples, texts, prm_scores, orm_scores, correct, algo)
                     out.writelines(json.dumps(row) + "\n" for row in rows)
                     out.flush()
@@ -198,7 +196,7 @@ def greedy_accuracy(sampler: Any, examples: list[Example], max_new_tokens: int) 
     comps = sampler.call("sample", [ex.prompt_messages() for ex in examples], 1,
                          SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens),
                          dispatch="slice", collect="flatten")
-    scores = _NUMERIC.score([ex.prompt for ex in examples], comps.texts, [ex.answer for ex in examples])
+    scores = common.NUMERIC.score([ex.prompt for ex in examples], comps.texts, [ex.answer for ex in examples])
     return sum(scores) / max(len(scores), 1)
 
 

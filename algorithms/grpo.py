@@ -130,9 +130,6 @@ SWIFT_GRPO_KEYS = {**SWIFT_COMMON_KEYS, "num_generations": "algorithm.num_genera
                    "reward_funcs": "algorithm.reward_funcs", "reward_weights": "algorithm.reward_weights"}
 
 
-_NUMERIC = ORM(kind="numeric")
-
-
 # ----------------------------------------------------------------------------- the loop
 
 def train(cfg: GRPORunConfig, plan: Plan, trainer: Any, rollout: Any, reference: Any, rewards: Rewards,
@@ -220,7 +217,7 @@ def train(cfg: GRPORunConfig, plan: Plan, trainer: Any, rollout: Any, reference:
 def _sample_metrics(comps: Completions, scores: torch.Tensor, means: dict, zero: torch.Tensor,
                     examples: list, G: int) -> dict:
     """What the current policy's samples look like: rewards, accuracy, length, flat groups."""
-    correct = _NUMERIC.score([ex.prompt for ex in examples for _ in range(G)], comps.texts,
+    correct = common.NUMERIC.score([ex.prompt for ex in examples for _ in range(G)], comps.texts,
                              [ex.answer for ex in examples for _ in range(G)])
     lengths = [len(c) for c in comps.completion_ids]
     return {"reward/mean": float(scores.mean()), "rollout/accuracy": sum(correct) / len(correct),
