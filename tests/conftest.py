@@ -42,3 +42,16 @@ def ray_cluster():
     yield cluster
     ray.shutdown()
     cluster.shutdown()
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module (pytestmark = pytest.mark.usefixtures("one_thread")):
+    tiny models gain nothing from more, and on a busy 2-core machine spinning threads stall
+    each other (a second one cost 10x)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

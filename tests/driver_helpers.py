@@ -5,7 +5,6 @@ import io
 import math
 from pathlib import Path
 
-import pytest
 import torch
 from hydra import compose, initialize_config_module
 
@@ -24,15 +23,6 @@ TINY_GKD = TINY + ["algorithm.max_new_tokens=12", "placement.teacher_model=tiny_
                    "teacher.warmup_batch=4"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: on a busy 2-core machine a second spinning thread costs 10x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def composed(schema: type, overrides: list[str]):
     register_schema(schema)
     with initialize_config_module(config_module="conf", version_base=None):
@@ -44,7 +34,6 @@ def prepared(schema: type, overrides: list[str]):
     cfg = composed(schema, overrides)
     typed, plan = prepare(cfg, schema, SWIFT_GKD_KEYS if schema is GKDRunConfig else SWIFT_COMMON_KEYS)
     return cfg, typed, plan
-
 
 
 # ----------------------------------------------------------------------------- fake roles
@@ -200,7 +189,6 @@ def by_step(calls):
         else:
             current.append(c)
     return segments + [current]
-
 
 
 # ----------------------------------------------------------------------------- run outputs

@@ -4,7 +4,6 @@ import io
 import json
 
 import pytest
-import torch
 from hydra import compose, initialize_config_module
 
 from algorithms.config import LoopConfig, prepare
@@ -16,13 +15,7 @@ from orchestration.config import ConfigError, register_schema
 from roles.batch import Completions
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on busy cores they stall on each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one intra-op thread
 
 
 class FakeGroup:

@@ -18,8 +18,10 @@ from algorithms.runlog import read_metrics
 from orchestration.planner import make_plan
 from roles.models import load_tokenizer
 from tests.driver_helpers import (REPO, TINY_GKD, FakeGroup, FakeRollout, FakeTeacher, FakeTrainer, MarkedLog,
-                                  by_step, check_checkpoint, check_outputs, composed, one_thread,  # noqa: F401
+                                  by_step, check_checkpoint, check_outputs, composed,  # noqa: F401
                                   prepared)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one intra-op thread
 
 
 def run_gkd_fakes(typed, plan, tmp_path, teacher_writer=False):
@@ -145,7 +147,6 @@ def test_gkd_sleep_level_2_generates_with_weights(tmp_path):
     assert [c[2] for c in calls if c[1] == "sleep"] == [2] * 4
 
 
-
 def test_gkd_end_to_end_local_full_vocab_then_topk_from_cached_teacher(tmp_path, capsys):
     """Full vocabulary with the trainer kept loaded (the first run warms the teacher up and
     caches it), then top-4 with the trainer offloaded between turns and the cached teacher."""
@@ -174,7 +175,6 @@ def test_gkd_end_to_end_local_full_vocab_then_topk_from_cached_teacher(tmp_path,
     assert "from cache" in capsys.readouterr().out
     assert not (tmp_path / "topk" / "teacher_warmup").exists() and len(list(cache.iterdir())) == 1
     check_checkpoint(record["checkpoint"], typed.model.arch)
-
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -1,7 +1,6 @@
 """On a real CUDA GPU (skipped elsewhere): the torch engines on the device, offload and
 sleep really releasing device memory, and a colocated GRPO run of the real driver with
 trainer and rollout sharing one GPU through Ray."""
-import dataclasses
 
 import pytest
 import torch

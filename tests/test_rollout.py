@@ -22,13 +22,7 @@ GREEDY = SamplingParams(temperature=0, max_new_tokens=12)
 PROMPTS = [e.prompt for e in arithmetic_examples(4, seed=0)] + ["((1+2)*3)-4+5*6-7"]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models gain nothing from intra-op threads, and on busy cores they stall on each other."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one intra-op thread
 
 
 @pytest.fixture(scope="module")

@@ -1,12 +1,16 @@
 """SFT driver: the call order with fake roles (train steps, evaluator weight sync before every
 eval, checkpoint cadence) and a real run on Ray on a tiny model."""
+import pytest
+
 from algorithms import sft
 from algorithms.config import SFTRunConfig, as_dict
 from algorithms.data import load_task
 from algorithms.runlog import read_metrics
 from roles.models import load_tokenizer
 from tests.driver_helpers import (TINY, FakeGroup, FakeRollout, FakeTrainer, MarkedLog, by_step, check_checkpoint,
-                                  check_outputs, one_thread, prepared)  # noqa: F401 (one_thread: autouse fixture)
+                                  check_outputs, prepared)
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one intra-op thread
 
 
 def test_sft_call_order(tmp_path):

@@ -13,13 +13,7 @@ from roles.teacher import Teacher, TeacherConfig
 MODEL = "tiny_qwen2"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: on a busy 2-core machine a second spinning thread costs 10x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one intra-op thread
 
 
 def make_batch(model: str, n: int = 5) -> Batch:

@@ -47,13 +47,7 @@ def optimizer_tensors(trainer: Trainer) -> list:
     return [v.clone() for s in trainer.engine.optimizer.state.values() for v in s.values()]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: on a busy 2-core machine a second spinning thread costs 10x."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one intra-op thread
 
 
 @pytest.fixture(scope="module")

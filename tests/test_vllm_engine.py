@@ -22,12 +22,7 @@ PROMPTS = [e.prompt for e in arithmetic_examples(4, seed=0)] + ["((1+2)*3)-4+5*6
 GREEDY = SamplingParams(temperature=0, max_new_tokens=16)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one intra-op thread
 
 
 def weights(reference: Rollout, seed: int) -> list[tuple[str, torch.Tensor]]:
