@@ -41,8 +41,8 @@ import torch
 import torch.distributed as dist
 
 from roles.engines.options import DeepSpeedOptions
-from roles.engines.torch_trainer import (DIST_TIMEOUT, DataParallelCollectives, init_data_parallel, lr_multiplier,
-                                         to_device, to_host)
+from roles.engines.torch_trainer import (DIST_TIMEOUT, DataParallelCollectives, adamw, init_data_parallel,
+                                         lr_schedule, to_device, to_host)
 
 # Parameters are gathered (ZeRO-3) in groups of about this size.
 GATHER_BUCKET_BYTES = 64 * 2**20
@@ -115,11 +115,7 @@ class DeepSpeedTrainEngine(DataParallelCollectives):
         if self.world_size > 1:  # ZeRO-3 partitions each rank's own copy: start from rank 0's
             for t in list(model.parameters()) + list(model.buffers()):
                 dist.broadcast(t.data, src=0)
-        params = [p for p in model.parameters() if p.requires_grad]
-        # Same groups as the torch engine: norm weights and biases (1-d) are not decayed.
-        groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-        optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=tuple(betas))
+        optimizer = adamw([p for p in model.parameters() if p.requires_grad], lr, betas, weight_decay)
         self.groups = [list(g["params"]) for g in optimizer.param_groups]
         self.group_settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         self.ds, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self._config(dtype),
@@ -127,8 +123,7 @@ class DeepSpeedTrainEngine(DataParallelCollectives):
         self.model = self.ds.module
         self.zero = self.ds.optimizer          # ZeRO optimizer (partitions, gradient reduction)
         self.optimizer = self.zero.optimizer   # torch AdamW over this rank's flat partitions
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_multiplier(s, warmup_steps, total_steps, schedule))
+        self.scheduler = lr_schedule(self.optimizer, warmup_steps, total_steps, schedule)
         self.step = 0
         self._offloaded: set[str] = set()
         self._host_optimizer: Optional[list] = None  # ZeRO-3's offloaded masters and moments

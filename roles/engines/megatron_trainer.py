@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from roles.engines.megatron_convert import build_gpt_model, hf_to_megatron, megatron_to_hf
-from roles.engines.torch_trainer import (AUTOCAST_DTYPES, DIST_TIMEOUT, TorchTrainEngine, init_data_parallel,
-                                         lr_multiplier)
+from roles.engines.torch_trainer import (AUTOCAST_DTYPES, DIST_TIMEOUT, TorchTrainEngine, adamw, init_data_parallel,
+                                         lr_schedule)
 
 # Gradients are all-reduced in flat buckets of about this size.
 GRAD_BUCKET_BYTES = 32 * 2**20
@@ -231,14 +231,9 @@ class MegatronTrainEngine(TorchTrainEngine):
         # Master weights stay fp32; a lower `dtype` is the autocast compute precision.
         self.model = to_megatron(hf_model, self.tp, device).eval()
         self.autocast_dtype = AUTOCAST_DTYPES[dtype]
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        # Same groups as the torch engine: norm weights and biases (1-d) are not decayed.
-        groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-        self.params = params
-        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=tuple(betas))
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_multiplier(s, warmup_steps, total_steps, schedule))
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = adamw(self.params, lr, betas, weight_decay)
+        self.scheduler = lr_schedule(self.optimizer, warmup_steps, total_steps, schedule)
         self.step = 0
         self._host_model: Optional[list] = None
         self._host_optimizer: Optional[list] = None

@@ -52,6 +52,19 @@ def lr_multiplier(step: int, warmup_steps: int, total_steps: int, schedule: str)
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def adamw(params: list[torch.nn.Parameter], lr: float, betas, weight_decay: float) -> torch.optim.AdamW:
+    """The engines' AdamW (torch, DeepSpeed, Megatron): norm weights and biases (1-d) are not decayed."""
+    groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+              {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=tuple(betas))
+
+
+def lr_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
+                schedule: str) -> torch.optim.lr_scheduler.LambdaLR:
+    """The learning-rate schedule of every engine: `lr_multiplier` of the optimizer step."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(s, warmup_steps, total_steps, schedule))
+
+
 def module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
     """Parameters then buffers, each tensor once (tied weights are one Parameter)."""
     seen, out = set(), []
@@ -150,14 +163,9 @@ class TorchTrainEngine(DataParallelCollectives):
         if self.world_size > 1:
             for t in module_tensors(self.model):
                 dist.broadcast(t.data, src=0)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        # Norm weights and biases (1-d) are not decayed.
-        groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
-                  {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-        self.params = params
-        self.optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=tuple(betas))
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: lr_multiplier(s, warmup_steps, total_steps, schedule))
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.optimizer = adamw(self.params, lr, betas, weight_decay)
+        self.scheduler = lr_schedule(self.optimizer, warmup_steps, total_steps, schedule)
         self.step = 0
         self._host_model: Optional[list] = None
         self._host_optimizer: Optional[list] = None
