@@ -48,7 +48,28 @@ HEAD_FILE = "value_head.pt"
 
 
 @dataclass
-class ORMConfig:
+class ScorerModelConfig:
+    """Fields of a reward model with a scalar head (kind=model), shared by ORMConfig and PRMConfig."""
+    # model: preset name, local checkpoint directory, or a model config mapping.
+    model: Any = None
+    # model: "auto" (cuda when available), "cpu" or "cuda[:N]".
+    device: str = "auto"
+    # model: seed of the value head's initialisation.
+    seed: int = 0
+    # model: wrap the prompt in the tokenizer's chat template (when it has one).
+    use_chat_template: bool = True
+    # model: sequences per forward pass when scoring or training.
+    micro_batch: int = 16
+    # model: AdamW learning rate of training the head and model (ORM.train_pairwise, PRM.train_steps).
+    lr: float = 1e-5
+    # model: AdamW weight decay.
+    weight_decay: float = 0.0
+    # model: gradient-norm clip per optimizer step; 0 disables it.
+    max_grad_norm: float = 1.0
+
+
+@dataclass
+class ORMConfig(ScorerModelConfig):
     # What scores a completion: exact | numeric | format | custom | model | combined.
     kind: str = "numeric"
     # Weight of each kind when kind=combined, e.g. {numeric: 1.0, format: 0.1}; the score
@@ -65,22 +86,6 @@ class ORMConfig:
     format_pattern: str = r"(?m)^#### [-+]?\$?[\d,]*\.?\d+\.?\s*\Z"
     # custom: dotted path of fn(prompts, completions, references) -> list[float].
     reward_fn: Optional[str] = None
-    # model: preset name, local checkpoint directory, or a model config mapping.
-    model: Any = None
-    # model: "auto" (cuda when available), "cpu" or "cuda[:N]".
-    device: str = "auto"
-    # model: seed of the value head's initialisation.
-    seed: int = 0
-    # model: wrap the prompt in the tokenizer's chat template (when it has one).
-    use_chat_template: bool = True
-    # model: sequences per forward pass when scoring or training.
-    micro_batch: int = 16
-    # model: AdamW learning rate of train_pairwise.
-    lr: float = 1e-5
-    # model: AdamW weight decay.
-    weight_decay: float = 0.0
-    # model: gradient-norm clip per optimizer step; 0 disables it.
-    max_grad_norm: float = 1.0
 
 
 def typed_config(cls: type, config: Any, overrides: Mapping[str, Any], key: str):

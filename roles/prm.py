@@ -38,7 +38,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from roles.orm import ScalarHeadModel, load_reward_fn, typed_config
+from roles.orm import ScalarHeadModel, ScorerModelConfig, load_reward_fn, typed_config
 
 KINDS = ("arithmetic", "model", "custom")
 AGGREGATES = ("min", "product", "last", "mean")
@@ -50,7 +50,7 @@ LINK_RE = re.compile(r"([-+*/])(-?\d+)")
 
 
 @dataclass
-class PRMConfig:
+class PRMConfig(ScorerModelConfig):
     # What scores the steps: arithmetic | model | custom.
     kind: str = "arithmetic"
     # Text between steps.
@@ -63,22 +63,6 @@ class PRMConfig:
     aggregate: str = "min"
     # custom: dotted path of fn(prompts, completions, references) -> list[list[float]].
     reward_fn: Optional[str] = None
-    # model: preset name, local checkpoint directory, or a model config mapping.
-    model: Any = None
-    # model: "auto" (cuda when available), "cpu" or "cuda[:N]".
-    device: str = "auto"
-    # model: seed of the value head's initialisation.
-    seed: int = 0
-    # model: wrap the prompt in the tokenizer's chat template (when it has one).
-    use_chat_template: bool = True
-    # model: sequences per forward pass when scoring or training.
-    micro_batch: int = 16
-    # model: AdamW learning rate of train_steps.
-    lr: float = 1e-5
-    # model: AdamW weight decay.
-    weight_decay: float = 0.0
-    # model: gradient-norm clip per optimizer step; 0 disables it.
-    max_grad_norm: float = 1.0
 
 
 def split_steps(completion: str, separator: str = "\n", answer_as_step: bool = False) -> List[str]:
