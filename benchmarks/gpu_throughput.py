@@ -100,20 +100,53 @@ class HFGenerate:
         return int(out[:, ids.shape[1]:].numel())
 
 
-class RolloutGenerate:
-    """The project's Rollout (torch or vLLM engine), fixed-length completions."""
+# vLLM request forms besides the rollout's own ("rollout": one request per row with its seed and
+# the sampled token's logprob), sent to the same engine directly: what each part costs.
+REQUEST_FORMS = {"rows": dict(per_row=True, seeded=True, logprobs=True),  # the rollout's, without the Rollout
+                 "rows_no_logprobs": dict(per_row=True, seeded=True, logprobs=False),
+                 "rows_no_seed": dict(per_row=True, seeded=False, logprobs=True),
+                 "rows_bare": dict(per_row=True, seeded=False, logprobs=False),
+                 "n_per_prompt_bare": dict(per_row=False, seeded=False, logprobs=False)}
 
-    def __init__(self, model: str, device: str, engine: str, options: dict, max_rows: int):
+
+class RolloutGenerate:
+    """The project's Rollout (torch or vLLM engine), fixed-length completions; for vLLM,
+    `request_form` (REQUEST_FORMS) sends the engine other forms of the same requests."""
+
+    def __init__(self, model: str, device: str, engine: str, options: dict, max_rows: int,
+                 request_form: str = "rollout"):
         t0 = time.perf_counter()
         config = {"device": device, "dtype": "bfloat16" if device.startswith("cuda") else None,
                   "max_batch_size": max_rows}
+        if request_form != "rollout" and (engine != "vllm" or request_form not in REQUEST_FORMS):
+            raise ValueError(f"request_form={request_form!r}: vLLM only, one of {['rollout', *REQUEST_FORMS]}")
         self.rollout = Rollout(model, config=config, engine=engine, engine_options=options or None)
+        self.form = request_form
         self.start_s = time.perf_counter() - t0
 
     def generate(self, prompts: list[list[int]], samples: int, new_tokens: int, seed: int) -> int:
+        if self.form != "rollout":
+            return self._direct(prompts, samples, new_tokens, seed, **REQUEST_FORMS[self.form])
         out = self.rollout.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=new_tokens, n=samples,
                                                             seed=seed, ignore_eos=True))
         return sum(len(c) for c in out.completion_ids)
+
+    def _direct(self, prompts, samples: int, new_tokens: int, seed: int, per_row: bool, seeded: bool,
+                logprobs: bool) -> int:
+        import vllm
+        from vllm.inputs import TokensPrompt
+
+        base = dict(temperature=1.0, max_tokens=new_tokens, ignore_eos=True, detokenize=False,
+                    **({"logprobs": 0, "flat_logprobs": True} if logprobs else {}))
+        if per_row:
+            requests = [TokensPrompt(prompt_token_ids=p) for p in prompts for _ in range(samples)]
+            params = [vllm.SamplingParams(**base, seed=seed * 100003 + i if seeded else None)
+                      for i in range(len(requests))]
+        else:
+            requests = [TokensPrompt(prompt_token_ids=p) for p in prompts]
+            params = vllm.SamplingParams(**base, n=samples)
+        outputs = self.rollout._vllm.llm.generate(requests, params, use_tqdm=False)
+        return sum(len(c.token_ids) for o in outputs for c in o.outputs)
 
 
 def _wrap_timers(obj, names: list[str], totals: dict, label: str) -> None:
@@ -174,10 +207,11 @@ def profile_vllm(runner: RolloutGenerate, prompts, samples: int, new_tokens: int
     return out
 
 
-# Options of the benchmark itself (any engine), not passed to the engine: "vary_prompt_len"
-# gives every timed call prompts of a new length (as a driver's batches have), "cudnn_sdp":
-# false turns off cuDNN's attention in torch (it builds a plan for every new shape).
-BENCH_OPTIONS = ("vary_prompt_len", "cudnn_sdp")
+# Options of the benchmark itself, not passed to the engine: "vary_prompt_len" gives every
+# timed call prompts of a new length (as a driver's batches have), "cudnn_sdp": false turns off
+# cuDNN's attention in torch (it builds a plan for every new shape), "request_form" (vLLM) one
+# of REQUEST_FORMS.
+BENCH_OPTIONS = ("vary_prompt_len", "cudnn_sdp", "request_form")
 
 
 def generate_one(args) -> dict:
@@ -189,7 +223,8 @@ def generate_one(args) -> dict:
     vocab = build_model(args.model).config.vocab_size
     t0 = time.perf_counter()
     runner = HFGenerate(args.model, args.device) if args.engine == "hf" else \
-        RolloutGenerate(args.model, args.device, args.engine, engine_options, max(args.rows))
+        RolloutGenerate(args.model, args.device, args.engine, engine_options, max(args.rows),
+                        options.get("request_form", "rollout"))
     result = {"engine": args.engine, "options": options, "start_s": time.perf_counter() - t0, "sizes": {}}
     if args.engine == "vllm":
         result["settings"] = runner.rollout.engine_info()
