@@ -84,11 +84,7 @@ class RolloutTurns:
         self.dropped = False
 
     def wake(self, version: int) -> dict[str, Any]:
-        metrics: dict[str, Any] = {}
-        if self.dropped:
-            with self.log.phase("sync_weights", "train", "rollout"):
-                metrics = sync_weights(self.trainer, [self.rollout], self.settings, version)
-            self.dropped = False
+        metrics = self._send(version) if self.dropped else {}
         if self.level:
             timed_call(self.log, "rollout", self.rollout, "wake_up")
         return metrics
@@ -104,6 +100,9 @@ class RolloutTurns:
         if max_staleness:
             with self.log.phase("wait_rollout"):
                 prefetch.drain()
+        return self._send(version)
+
+    def _send(self, version: int) -> dict[str, Any]:
         with self.log.phase("sync_weights", "train", "rollout"):
             metrics = sync_weights(self.trainer, [self.rollout], self.settings, version)
         self.dropped = False

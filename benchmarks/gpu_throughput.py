@@ -1,9 +1,8 @@
-"""Throughput on one GPU: generation engines side by side, the colocated train cycle, the drivers.
+"""Throughput on one GPU: generation engines side by side and the colocated train cycle.
 
     python benchmarks/gpu_throughput.py generate                  # HF generate, torch Rollout, vLLM Rollout
     python benchmarks/gpu_throughput.py generate --rows 64 512 --new-tokens 256 --profile
     python benchmarks/gpu_throughput.py cycle --engine torch --rollout-engine vllm
-    python benchmarks/gpu_throughput.py drivers --rollout-engines torch vllm --steps 4
 
 generate  the same token-id prompts (`--rows` completions each, `--samples` per prompt,
           exactly `--new-tokens` new tokens: end-of-sequence is ignored) through plain HF
@@ -22,11 +21,8 @@ cycle     one process holds a Trainer and a Rollout (torch or vLLM) on the GPU a
           colocated GRPO cycle (wake + generate + sleep, onload + train + sync + offload);
           per phase wall time and peak memory, MFU of the train step
           (6 * parameters * trained tokens / train time / peak bf16 FLOP/s).
-drivers   the GRPO and GKD drivers themselves (`+experiment=grpo_gpu` / `gkd_gpu`, Ray actors
-          sharing the GPU) with each rollout engine, as subprocesses; step time and its
-          phases averaged over the steps after the first, from each run's metrics.jsonl.
-
-Each mode writes its figures as JSON to --out and prints a table. Needs a CUDA GPU (generate
+Each mode writes its figures as JSON to --out and prints a table (the drivers themselves:
+benchmarks/gpu_drivers.py). Needs a CUDA GPU (generate
 also runs on CPU with --device cpu, for a smoke test of the script).
 """
 from __future__ import annotations
@@ -393,81 +389,12 @@ def cycle(args) -> dict:
     return {"summary": summary, "steps": rows}
 
 
-# ----------------------------------------------------------------------------- drivers
-
-DRIVER_RUNS = {
-    "grpo": ("algorithms.grpo", "+experiment=grpo_gpu"),
-    "gkd": ("algorithms.gkd", "+experiment=gkd_gpu"),
-}
-# Per-engine overrides of the GPU experiments: vLLM sleeps at level 2 (updates then wake only
-# its weights and load device to device) and serves the GKD teacher too.
-ENGINE_OVERRIDES = {"torch": {"grpo": [], "gkd": []},
-                    "vllm": {"grpo": ["backend.rollout=vllm", "placement.sleep_level=2"],
-                             "gkd": ["backend.rollout=vllm", "backend.teacher=vllm", "placement.sleep_level=2"]}}
-
-
-def _means(records: list[dict]) -> dict:
-    keys = sorted({k for r in records for k in r if k.startswith("time/") or k.endswith("_s")})
-    return {k: statistics.mean(r[k] for r in records if k in r) for k in keys}
-
-
-def drivers(args) -> dict:
-    out_root = Path(args.run_root or tempfile.mkdtemp(prefix="gpu-drivers-"))
-    results = []
-    for algo in args.algorithms:
-        for engine in args.rollout_engines:
-            module, experiment = DRIVER_RUNS[algo]
-            run_dir = out_root / f"{algo}_{engine}"
-            cmd = [sys.executable, "-m", module, experiment, f"run.steps={args.steps}", f"hydra.run.dir={run_dir}",
-                   *ENGINE_OVERRIDES[engine][algo], *args.override]
-            print("$", " ".join(cmd[1:]), flush=True)
-            t0 = time.perf_counter()
-            try:
-                code = subprocess.run(cmd, cwd=ROOT, timeout=args.timeout_s).returncode
-            except subprocess.TimeoutExpired:
-                code = "timeout"
-            entry = {"algorithm": algo, "rollout_engine": engine, "command": " ".join(cmd[1:]),
-                     "wall_s": time.perf_counter() - t0, "exit": code}
-            metrics = run_dir / "metrics.jsonl"
-            if metrics.is_file():
-                records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-                last = max((r.get("step", 0) for r in records), default=0)
-                # Steps after the first (one-off costs), before the last (it also evaluates).
-                steps = [r for r in records if 2 <= r.get("step", 0) < last] or \
-                    [r for r in records if r.get("step", 0) >= 2]
-                entry["steps"] = records
-                if steps:
-                    entry["mean_after_step_1"] = _means(steps)
-                # GKD: on-policy steps generate, off-policy ones do not; each kind on its own.
-                for kind, flag in (("on_policy", 1.0), ("off_policy", 0.0)):
-                    picked = [r for r in steps if r.get("gkd/on_policy") == flag]
-                    if picked:
-                        entry[f"mean_{kind}"] = _means(picked)
-            results.append(entry)
-            Path(args.out).write_text(json.dumps({"runs": results}, indent=1))  # so far
-    print("\n| run | rollout engine | steps | step s | generate s | teacher s | train s | sync s | swap s |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    nan = float("nan")
-    for e in results:
-        for kind in ("mean_after_step_1", "mean_on_policy", "mean_off_policy"):
-            m = e.get(kind)
-            if m is None:
-                continue
-            swap = sum(m.get(k, 0.0) for k in ("time/wake_up", "time/sleep", "time/onload", "time/offload"))
-            print(f"| {e['algorithm']} | {e['rollout_engine']} | {kind[5:]} | {m.get('time/step', nan):.2f} | "
-                  f"{m.get('time/generate', nan):.2f} | {m.get('time/teacher', nan):.2f} | "
-                  f"{m.get('time/train', nan):.2f} | {m.get('time/sync_weights', nan):.2f} | {swap:.2f} |")
-        if e["exit"]:
-            print(f"| {e['algorithm']} | {e['rollout_engine']} | failed: exit {e['exit']} | | | | | | |")
-    return {"runs": results}
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("mode", nargs="?", default="cycle", choices=["generate", "generate-one", "cycle", "drivers"])
+    p.add_argument("mode", nargs="?", default="cycle", choices=["generate", "generate-one", "cycle"])
     p.add_argument("--model", default="qwen2_0p5b")
     p.add_argument("--out", default="gpu_throughput.json")
-    p.add_argument("--timeout-s", type=float, default=900, help="generate/drivers: limit per subprocess")
+    p.add_argument("--timeout-s", type=float, default=900, help="generate: limit per engine's subprocess")
     g = p.add_argument_group("generate")
     g.add_argument("--rows", type=int, nargs="+", default=[64, 512], help="completions per generate call")
     g.add_argument("--engines", nargs="+", choices=["hf", "torch", "vllm"], help="default: all three")
@@ -490,14 +417,9 @@ def main() -> None:
     c.add_argument("--steps", type=int, default=4, help="timed steps (cycle: after one warm-up step)")
     c.add_argument("--fixed-length", action=argparse.BooleanOptionalAction, default=True,
                    help="generate exactly --new-tokens per completion (eos does not stop)")
-    d = p.add_argument_group("drivers")
-    d.add_argument("--algorithms", nargs="+", default=["grpo", "gkd"], choices=sorted(DRIVER_RUNS))
-    d.add_argument("--rollout-engines", nargs="+", default=["torch", "vllm"], choices=sorted(ENGINE_OVERRIDES))
-    d.add_argument("--override", action="append", default=[], help="extra Hydra override for every driver run")
-    d.add_argument("--run-root", help="folder of the driver runs (default: a temporary one)")
     args = p.parse_args()
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    run = {"generate": generate_all, "generate-one": generate_one, "cycle": cycle, "drivers": drivers}[args.mode]
+    run = {"generate": generate_all, "generate-one": generate_one, "cycle": cycle}[args.mode]
     result = run(args)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

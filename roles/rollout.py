@@ -181,8 +181,8 @@ class Rollout(WeightReceiver):
         out = Completions([], [], [], [], [], [], [])
         # vLLM schedules every row itself (vllm.max_num_seqs at a time); the torch engine
         # decodes chunks of max_batch_size rows.
-        step = len(rows) if self._vllm else self.config.max_batch_size
-        for start in range(0, len(rows), max(step, 1)):
+        step = max(len(rows), 1) if self._vllm else self.config.max_batch_size
+        for start in range(0, len(rows), step):
             chunk = rows[start:start + step]
             kwargs = dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
                           max_new_tokens=sampling.max_new_tokens, stop_ids=stop_ids)

