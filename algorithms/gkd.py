@@ -20,6 +20,7 @@ as in algorithms/grpo.py.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import random
@@ -37,7 +38,8 @@ from algorithms.config import (GKDRunConfig, LoopConfig, SFTRunConfig, SWIFT_GKD
                                prepare)
 from algorithms.data import load_task
 from algorithms.losses import TOPK_MODES, make_loss
-from algorithms.runlog import RunLog, run_dir, timed_call
+from algorithms.runlog import RunLog, run_dir
+from algorithms.turns import Turns
 from orchestration.cluster import init_cluster
 from orchestration.config import ConfigError, register_schema
 from orchestration.launch import driver_group, start_roles
@@ -54,76 +56,62 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
     """The GKD loop; roles are worker groups (or fakes in tests). Returns the last record.
     `step0` holds extra metrics for the step-0 record (the teacher's accuracy);
     `teacher_writer` (a rollout with the teacher's weights) writes off-policy completions when seq_kd."""
-    algo, steps, every = cfg.algorithm, cfg.run.steps, cfg.run.eval_every
-    overlap.check_staleness(algo.max_staleness, plan)
-    topk = plan.gkd_logits_topk
-    # Arguments of the trainer's and the teacher's offload() between their turns; None: they stay loaded.
-    train_off = common.offload_args(plan["train"])
-    teacher_off = () if plan["teacher"].offload_model else None
-    # Sleep level 2 drops the rollout's weights: its wake then sends them again if needed.
-    turns = common.RolloutTurns(rollout, trainer, plan["rollout"].sleep_level, cfg.weight_sync, log)
+    algo, topk = cfg.algorithm, plan.gkd_logits_topk
     sampling = SamplingParams(temperature=algo.temperature, max_new_tokens=algo.max_new_tokens)
     stream = common.prompt_stream(train_set, cfg.run.prompts_per_step, cfg.run.seed)
     # The coin of every step, drawn up front: generations may start max_staleness steps early.
     coin = random.Random(cfg.run.seed)
-    on_policy = [False] + [coin.random() < algo.lmbda for _ in range(steps)]
-    prefetch = overlap.Prefetch(rollout, log, stream, sampling, algo.max_staleness, steps,
+    on_policy = [False] + [coin.random() < algo.lmbda for _ in range(cfg.run.steps)]
+    prefetch = overlap.Prefetch(rollout, log, stream, sampling, algo.max_staleness, cfg.run.steps,
                                 generates=lambda s: on_policy[s])
-    if teacher_off is not None:
-        timed_call(log, "teacher", teacher, "offload")
-    record: dict = {}
-    for step in range(0, steps + 1):
-        metrics: dict = dict(step0 or {}) if step == 0 else {}
-        if step > 0:
-            metrics["gkd/on_policy"] = float(on_policy[step])
-            # Generate: the student writes the completions (on-policy), else dataset responses.
-            if on_policy[step]:
-                metrics.update(turns.wake(step - 1))
-            with log.phase("generate"):
-                examples, comps = prefetch.take(step)
-            if on_policy[step]:
-                turns.sleep()
-                metrics.update(overlap.staleness(comps, step, algo.max_staleness))
-            elif algo.seq_kd:  # sequence-level KD: the teacher writes the completions
-                with log.phase("generate", "teacher_writer"):
-                    comps = teacher_writer.call("generate", [ex.prompt_messages() for ex in examples], sampling,
-                                                dispatch="slice", collect="flatten")
-                comps.logprobs = []  # the teacher's sampling logprobs are not the student's
-            else:
-                comps = common.encode_examples(tokenizer, examples)
-            batch = common.batch_of(tokenizer, comps)
-            # sft_alpha's NLL term counts dataset responses only, never the student's own text.
-            batch.sft_weight = torch.full((len(batch),), 0.0 if on_policy[step] else 1.0)
-            # Teacher: logprobs at every position (top-k or full vocabulary).
-            with common.turn(log, "teacher", teacher, teacher_off), log.phase("teacher", "teacher"):
-                # Top-k is taken from the tempered distribution (the loss then leaves it as is);
-                # full-vocabulary logprobs come at temperature 1 and the loss tempers them.
-                out = teacher.call("logits", batch, topk, temperature=algo.temperature if topk else 1.0,
-                                   dispatch="slice", collect="flatten")
-                batch.teacher_logprobs, batch.teacher_indices = out if topk else (out, None)
-            with common.turn(log, "train", trainer, train_off):
-                # Train: one update of the student on the generalized JSD.
-                with log.phase("train", "train"):
-                    result = trainer.call("train_step", batch, dispatch="slice", collect=common.first)
-                    metrics.update({f"train/{k}": v for k, v in result.items()})
-                # Sync weights (once generations started ahead finish): the rollout samples the updated student.
-                metrics.update(turns.sync(step, prefetch, algo.max_staleness))
-        if step == 0 or step == steps or common.due(step, every):
-            # Eval: greedy accuracy of the student on held-out prompts.
-            metrics.update(turns.wake(step))
-            with log.phase("eval", "rollout"):
-                metrics["eval/accuracy"] = common.accuracy(rollout, eval_set, cfg.run.eval_max_new_tokens)
-            turns.sleep()
-        if common.periodic_save_due(step, cfg.run):
-            with log.phase("save", "train"):
-                common.checkpoint(trainer, log.dir, step, train_off)
-        # Memory: each role's host RSS and peak device memory (all idle here).
-        for role, group in (("train", trainer), ("rollout", rollout), ("teacher", teacher)):
-            log.memory(role, group.call("memory"))
-        record = log.step(step, metrics)
-    if cfg.run.save_final:
-        record["checkpoint"] = str(common.checkpoint(trainer, log.dir, steps, train_off))
-    return record
+    with Turns(plan, {"train": trainer, "rollout": rollout, "teacher": teacher}, cfg.run, cfg.weight_sync, log,
+                      eval_set) as turns:
+        record: dict = {}
+        for step in range(0, cfg.run.steps + 1):
+            metrics: dict = dict(step0 or {}) if step == 0 else {}
+            if step > 0:
+                metrics["gkd/on_policy"] = float(on_policy[step])
+                # Generate: the student writes the completions (on-policy), else dataset responses
+                # (with seq_kd, the teacher's own samples).
+                with turns.rollout_turn(step - 1, metrics) if on_policy[step] else contextlib.nullcontext():
+                    with log.phase("generate"):
+                        examples, comps = prefetch.take(step)
+                if on_policy[step]:
+                    metrics.update(overlap.staleness(comps, step, algo.max_staleness))
+                else:
+                    comps = _off_policy(examples, tokenizer, teacher_writer if algo.seq_kd else None, sampling, log)
+                batch = common.batch_of(tokenizer, comps)
+                # sft_alpha's NLL term counts dataset responses only, never the student's own text.
+                batch.sft_weight = torch.full((len(batch),), 0.0 if on_policy[step] else 1.0)
+                # Teacher: logprobs at every position (top-k or full vocabulary). Top-k is taken from
+                # the tempered distribution (the loss leaves it as is); full-vocabulary logprobs come
+                # at temperature 1 and the loss tempers them.
+                with turns.turn("teacher", "teacher"):
+                    out = teacher.call("logits", batch, topk, temperature=algo.temperature if topk else 1.0,
+                                       dispatch="slice", collect="flatten")
+                    batch.teacher_logprobs, batch.teacher_indices = out if topk else (out, None)
+                with turns.turn("train"):
+                    # Train: one update of the student on the generalized JSD.
+                    with log.phase("train", "train"):
+                        result = trainer.call("train_step", batch, dispatch="slice", collect=common.first)
+                        metrics.update({f"train/{k}": v for k, v in result.items()})
+                    # Sync weights (once generations started ahead finish): the rollout samples the
+                    # updated student.
+                    metrics.update(turns.sync(step, prefetch, algo.max_staleness))
+            record = turns.end_step(step, metrics)
+        return turns.finish(record)
+
+
+def _off_policy(examples: list, tokenizer: Any, teacher_writer: Any, sampling: SamplingParams, log: RunLog) -> Any:
+    """Completions of an off-policy step: the dataset's responses, or with a teacher writer
+    (sequence-level KD) the teacher's own samples."""
+    if teacher_writer is None:
+        return common.encode_examples(tokenizer, examples)
+    with log.phase("generate", "teacher_writer"):
+        comps = teacher_writer.call("generate", [ex.prompt_messages() for ex in examples], sampling,
+                                    dispatch="slice", collect="flatten")
+    comps.logprobs = []  # the teacher's sampling logprobs are not the student's
+    return comps
 
 
 def warm_teacher(cfg: GKDRunConfig, out_dir: Path) -> str:

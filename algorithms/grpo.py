@@ -42,6 +42,7 @@ from algorithms.data import load_task
 from algorithms.grpo_rewards import Rewards, planned_reward_configs, reward_specs
 from algorithms.losses import LOSS_TYPES, make_loss
 from algorithms.runlog import RunLog, run_dir
+from algorithms.turns import Turns
 from orchestration.cluster import init_cluster
 from orchestration.config import ConfigError, register_schema
 from orchestration.dispatch import flatten, slice_bounds
@@ -136,82 +137,73 @@ def train(cfg: GRPORunConfig, plan: Plan, trainer: Any, rollout: Any, reference:
           train_set: list, eval_set: list, tokenizer: Any, log: RunLog) -> dict:
     """The GRPO loop; roles are worker groups (or fakes in tests), `reference` is None when
     beta = 0. Returns the last record."""
-    algo, steps, every, G = cfg.algorithm, cfg.run.steps, cfg.run.eval_every, cfg.algorithm.num_generations
-    overlap.check_staleness(algo.max_staleness, plan)
-    # Arguments of the trainer's and the reference's offload() between their turns; None: they stay loaded.
-    train_off = common.offload_args(plan["train"])
-    reference_off = (True, True) if "reference" in plan.roles and plan["reference"].offload_model else None
-    # Sleep level 2 drops the rollout's weights: its wake then sends them again if needed.
-    turns = common.RolloutTurns(rollout, trainer, plan["rollout"].sleep_level, cfg.weight_sync, log)
+    algo, G = cfg.algorithm, cfg.algorithm.num_generations
     sampling = SamplingParams(temperature=algo.temperature, max_new_tokens=algo.max_new_tokens, n=G)
     stream = common.prompt_stream(train_set, cfg.run.prompts_per_step, cfg.run.seed)
     # Step k's generation starts up to max_staleness steps early (0: after step k-1's weight sync).
-    prefetch = overlap.Prefetch(rollout, log, stream, sampling, algo.max_staleness, steps)
-    rounds_per_step = 1 + (algo.max_resample_times if algo.dynamic_sample else 0)
-    record: dict = {}
-    for step in range(0, steps + 1):
-        metrics: dict = {}
-        if step > 0:
-            # Generate + score: G completions per prompt and their rewards; with dynamic_sample,
-            # rounds of fresh prompts until prompts_per_step groups have reward variance.
-            rounds, varied = [], 0
-            metrics.update(turns.wake(step - 1))
-            for r in range(rounds_per_step):
-                with log.phase("generate"):
-                    examples, comps = prefetch.take(step) if r == 0 else prefetch.extra(step)
-                with log.phase("score", "reward"):
-                    scores, means = rewards.score([ex.prompt for ex in examples for _ in range(G)], comps.texts,
-                                                  [ex.answer for ex in examples for _ in range(G)])
-                zero = zero_variance_groups(scores, G)
-                rounds.append((comps, scores, zero))
-                varied += int((~zero).sum())
-                if len(rounds) == 1:  # the policy's samples as drawn, before any filtering
-                    metrics.update(_sample_metrics(comps, scores, means, zero, examples, G))
-                if not algo.dynamic_sample or varied >= cfg.run.prompts_per_step:
-                    break
-            turns.sleep()
-            comps, scores = _pick_groups(rounds, cfg.run.prompts_per_step, G, algo.dynamic_sample)
-            metrics["grpo/generation_rounds"] = len(rounds)
-            # Staleness: trainer version minus each sample's; the ratio below uses the samples'
-            # own (behaviour) logprobs, so stale samples stay correctly weighted.
-            metrics.update(overlap.staleness(comps, step, algo.max_staleness))
-            # Advantages: each reward against its prompt's group.
-            advantages = group_advantages(scores, G, algo.scale_rewards, algo.leave_one_out)
-            batch = common.batch_of(tokenizer, comps)
-            batch.advantages, batch.rewards = advantages, scores
-            metrics.update({"advantages/mean": float(advantages.mean()), "advantages/std": float(advantages.std()),
-                            "advantages/min": float(advantages.min()), "advantages/max": float(advantages.max())})
-            # Reference logprobs: the initial policy's, for the KL penalty.
-            if reference is not None:
-                with common.turn(log, "reference", reference, reference_off), log.phase("ref_logprobs", "reference"):
-                    batch.ref_logprobs = reference.call("logprobs", batch, algo.temperature, dispatch="slice",
-                                                        collect="flatten")
-            with common.turn(log, "train", trainer, train_off):
-                # Train: steps_per_generation updates, each on its part of the batch.
-                with log.phase("train", "train"):
-                    results = [trainer.call("train_step", part, algo.temperature, dispatch="slice",
-                                            collect=common.first) for part in _parts(batch, algo.steps_per_generation)]
-                    metrics.update({f"train/{k}": sum(r[k] for r in results) / len(results) for k in results[0]})
-                    metrics["train/step"] = results[-1]["step"]
-                # Sync weights (once generations started ahead finish): the rollout samples the updated policy.
-                metrics.update(turns.sync(step, prefetch, algo.max_staleness))
-        if step == 0 or step == steps or common.due(step, every):
-            # Eval: greedy accuracy of the policy on held-out prompts.
-            metrics.update(turns.wake(step))
-            with log.phase("eval", "rollout"):
-                metrics["eval/accuracy"] = common.accuracy(rollout, eval_set, cfg.run.eval_max_new_tokens)
-            turns.sleep()
-        if common.periodic_save_due(step, cfg.run):
-            with log.phase("save", "train"):
-                common.checkpoint(trainer, log.dir, step, train_off)
-        # Memory: each role's host RSS and peak device memory (both roles idle here).
-        for role, group in (("train", trainer), ("rollout", rollout), ("reference", reference)):
-            if group is not None:
-                log.memory(role, group.call("memory"))
-        record = log.step(step, metrics)
-    if cfg.run.save_final:
-        record["checkpoint"] = str(common.checkpoint(trainer, log.dir, steps, train_off))
-    return record
+    prefetch = overlap.Prefetch(rollout, log, stream, sampling, algo.max_staleness, cfg.run.steps)
+    with Turns(plan, {"train": trainer, "rollout": rollout, "reference": reference}, cfg.run, cfg.weight_sync,
+                      log, eval_set) as turns:
+        record: dict = {}
+        for step in range(0, cfg.run.steps + 1):
+            metrics: dict = {}
+            if step > 0:
+                # Generate + score: G completions per prompt and their rewards (with dynamic_sample,
+                # rounds of fresh prompts until prompts_per_step groups have reward variance).
+                with turns.rollout_turn(step - 1, metrics):
+                    rounds = _generate_and_score(algo, cfg.run.prompts_per_step, prefetch, rewards, step, log,
+                                                 metrics)
+                comps, scores = _pick_groups(rounds, cfg.run.prompts_per_step, G, algo.dynamic_sample)
+                # Staleness: trainer version minus each sample's; the ratio below uses the samples'
+                # own (behaviour) logprobs, so stale samples stay correctly weighted.
+                metrics.update(overlap.staleness(comps, step, algo.max_staleness))
+                # Advantages: each reward against its prompt's group.
+                batch = common.batch_of(tokenizer, comps)
+                batch.rewards = scores
+                batch.advantages = group_advantages(scores, G, algo.scale_rewards, algo.leave_one_out)
+                metrics.update({f"advantages/{k}": float(getattr(batch.advantages, k)())
+                                for k in ("mean", "std", "min", "max")})
+                # Reference logprobs: the initial policy's, for the KL penalty.
+                if reference is not None:
+                    with turns.turn("reference", "ref_logprobs"):
+                        batch.ref_logprobs = reference.call("logprobs", batch, algo.temperature, dispatch="slice",
+                                                            collect="flatten")
+                with turns.turn("train"):
+                    # Train: steps_per_generation updates, each on its part of the batch.
+                    with log.phase("train", "train"):
+                        results = [trainer.call("train_step", part, algo.temperature, dispatch="slice",
+                                                collect=common.first)
+                                   for part in _parts(batch, algo.steps_per_generation)]
+                        metrics.update({f"train/{k}": sum(r[k] for r in results) / len(results) for k in results[0]})
+                        metrics["train/step"] = results[-1]["step"]
+                    # Sync weights (once generations started ahead finish): the rollout samples the
+                    # updated policy.
+                    metrics.update(turns.sync(step, prefetch, algo.max_staleness))
+            record = turns.end_step(step, metrics)
+        return turns.finish(record)
+
+
+def _generate_and_score(algo: GRPOAlgorithm, want: int, prefetch: Any, rewards: Rewards, step: int, log: RunLog,
+                        metrics: dict) -> list:
+    """Generation rounds of `step`: [(completions, scores, zero-variance groups)], one round,
+    or with dynamic_sample up to 1 + max_resample_times until `want` groups have reward
+    variance. The first round's samples, as drawn, give the rollout/ and reward/ metrics."""
+    G, rounds, varied = algo.num_generations, [], 0
+    for r in range(1 + (algo.max_resample_times if algo.dynamic_sample else 0)):
+        with log.phase("generate"):
+            examples, comps = prefetch.take(step) if r == 0 else prefetch.extra(step)
+        with log.phase("score", "reward"):
+            scores, means = rewards.score([ex.prompt for ex in examples for _ in range(G)], comps.texts,
+                                          [ex.answer for ex in examples for _ in range(G)])
+        zero = zero_variance_groups(scores, G)
+        rounds.append((comps, scores, zero))
+        varied += int((~zero).sum())
+        if r == 0:
+            metrics.update(_sample_metrics(comps, scores, means, zero, examples, G))
+        if not algo.dynamic_sample or varied >= want:
+            break
+    metrics["grpo/generation_rounds"] = len(rounds)
+    return rounds
 
 
 def _sample_metrics(comps: Completions, scores: torch.Tensor, means: dict, zero: torch.Tensor,
@@ -299,8 +291,6 @@ def run(cfg: GRPORunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> 
         roles["train"].call("load_optimizer_moments", warm)
     rewards = Rewards(specs, {role: roles[role] for role in planned})
     reference = roles["reference"] if a.beta else None
-    if reference is not None and plan["reference"].offload_model:
-        reference.call("offload", True, True)  # it never steps: its optimizer state can stay on the host
     log = RunLog(out_dir, cfg.run.steps, resolved_config=resolved)
     print(f"grpo: {len(train_set)} train / {len(eval_set)} held-out examples; {cfg.run.steps} steps x "
           f"{cfg.run.prompts_per_step} prompts x {a.num_generations} completions = "

@@ -22,6 +22,7 @@ from algorithms.config import SFTRunConfig, SWIFT_COMMON_KEYS, as_dict, engine_a
 from algorithms.data import load_task
 from algorithms.losses import make_loss
 from algorithms.runlog import RunLog, run_dir
+from algorithms.turns import Turns
 from orchestration.config import register_schema
 from orchestration.launch import driver_group, start_roles
 from roles.models import load_tokenizer
@@ -29,33 +30,25 @@ from roles.rollout import Rollout
 from roles.trainer import Trainer
 
 
-def train(cfg: SFTRunConfig, trainer: Any, evaluator: Any, train_set: list, eval_set: list,
+def train(cfg: SFTRunConfig, plan: Any, trainer: Any, evaluator: Any, train_set: list, eval_set: list,
           tokenizer: Any, log: RunLog) -> dict:
-    """The SFT loop; roles are worker groups (or fakes in tests). Returns the last record."""
-    steps, every = cfg.run.steps, cfg.run.eval_every
+    """The SFT loop; roles are worker groups (or fakes in tests); the evaluator (a rollout)
+    gets the trainer's weights before each eval. Returns the last record."""
     stream = common.prompt_stream(train_set, cfg.run.prompts_per_step, cfg.run.seed)
-    record: dict = {}
-    for step in range(0, steps + 1):
-        metrics: dict = {}
-        if step > 0:
-            # Train: one optimizer update on this step's examples, split over the ranks.
-            with log.phase("train"):
-                batch = common.batch_of(tokenizer, common.encode_examples(tokenizer, next(stream), cfg.algorithm.pretrain))
-                metrics.update({f"train/{k}": v for k, v in
-                                trainer.call("train_step", batch, dispatch="slice", collect=common.first).items()})
-        if step == 0 or step == steps or common.due(step, every):
-            # Eval: greedy accuracy of the current weights on held-out prompts.
-            with log.phase("sync_weights"):
-                metrics.update(common.sync_weights(trainer, [evaluator], cfg.weight_sync, version=step))
-            with log.phase("eval"):
-                metrics["eval/accuracy"] = common.accuracy(evaluator, eval_set, cfg.run.eval_max_new_tokens)
-        if common.periodic_save_due(step, cfg.run):
-            with log.phase("save"):
-                common.checkpoint(trainer, log.dir, step)
-        record = log.step(step, metrics)
-    if cfg.run.save_final:
-        record["checkpoint"] = str(common.checkpoint(trainer, log.dir, steps))
-    return record
+    with Turns(plan, {"train": trainer, "rollout": evaluator}, cfg.run, cfg.weight_sync, log, eval_set,
+                      rollout_behind=True) as turns:
+        record: dict = {}
+        for step in range(0, cfg.run.steps + 1):
+            metrics: dict = {}
+            if step > 0:
+                # Train: one optimizer update on this step's examples, split over the ranks.
+                with turns.turn("train", "train"):
+                    examples = common.encode_examples(tokenizer, next(stream), cfg.algorithm.pretrain)
+                    batch = common.batch_of(tokenizer, examples)
+                    metrics.update({f"train/{k}": v for k, v in
+                                    trainer.call("train_step", batch, dispatch="slice", collect=common.first).items()})
+            record = turns.end_step(step, metrics)
+        return turns.finish(record)
 
 
 def run(cfg: SFTRunConfig, plan: Any, out_dir: Path, resolved: Any = None) -> dict:
@@ -72,7 +65,7 @@ def run(cfg: SFTRunConfig, plan: Any, out_dir: Path, resolved: Any = None) -> di
           f"skipped); {cfg.run.steps} steps x {cfg.run.prompts_per_step} sequences over "
           f"{plan[role].world_size} {role} rank(s); output {log.dir}")
     try:
-        return train(cfg, roles[role], evaluator, train_set, eval_set, load_tokenizer(as_dict(cfg.model)), log)
+        return train(cfg, plan, roles[role], evaluator, train_set, eval_set, load_tokenizer(as_dict(cfg.model)), log)
     finally:
         log.close()
         roles.shutdown()

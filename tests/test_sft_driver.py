@@ -23,7 +23,7 @@ def test_sft_call_order(tmp_path):
     evaluator = FakeGroup("evaluator", [FakeRollout()], calls)
     train_set, eval_set, _ = load_task(typed.data)
     log = MarkedLog(tmp_path, typed.run.steps, calls)
-    record = sft.train(typed, trainer, evaluator, train_set, eval_set, load_tokenizer(as_dict(typed.model)), log)
+    record = sft.train(typed, plan, trainer, evaluator, train_set, eval_set, load_tokenizer(as_dict(typed.model)), log)
     log.close()
     n, n_eval = typed.run.prompts_per_step, typed.data.eval_size
     segments = by_step(calls)
@@ -50,7 +50,7 @@ def test_sft_last_checkpoint_is_written_once(tmp_path):
     evaluator = FakeGroup("evaluator", [FakeRollout()], calls)
     train_set, eval_set, _ = load_task(typed.data)
     log = MarkedLog(tmp_path, typed.run.steps, calls)
-    sft.train(typed, trainer, evaluator, train_set, eval_set, load_tokenizer(as_dict(typed.model)), log)
+    sft.train(typed, plan, trainer, evaluator, train_set, eval_set, load_tokenizer(as_dict(typed.model)), log)
     log.close()
     assert [c[2] for c in calls if c[1] == "save"] == ["step_2", "step_4"]
 

@@ -12,7 +12,7 @@ from orchestration.base_group import WorkerError
 from orchestration.config import ConfigError, WeightSyncConfig
 from orchestration.local import LocalWorkerGroup
 from orchestration.planner import make_plan
-from orchestration.weight_sync import WeightSync, check_settings
+from orchestration.weight_sync import WeightSync, check_settings, sync_metrics
 from roles.batch import SamplingParams
 from roles.rollout import Rollout
 from roles.sampler import Sampler
@@ -140,12 +140,10 @@ def reference_outputs(weights: dict, device: str = "cpu") -> list[list[int]]:
 
 
 def test_rollout_generates_with_each_synced_version(groups):
-    from algorithms import common
-
     trainer, rollout = groups["train"], groups["rollout"]
-    settings = WeightSyncConfig(bucket_mb=0.25)
+    sync = WeightSync(trainer, WeightSyncConfig(bucket_mb=0.25))
     trainer.call("nudge", 5, execute="first")
-    metrics = common.sync_weights(trainer, [rollout], settings, version=1)
+    metrics = sync_metrics(sync.sync([rollout], 1))
     assert metrics["sync/rollout/path"] == "shm" and metrics["sync/rollout/mb_per_s"] > 0
     old = reference_outputs(trainer_weights(trainer))
     out = rollout.call("generate", PROMPTS, GREEDY, dispatch="slice", collect="flatten")
@@ -157,10 +155,10 @@ def test_rollout_generates_with_each_synced_version(groups):
     out = rollout.call("generate", PROMPTS, GREEDY, dispatch="slice", collect="flatten")
     assert out.completion_ids == old and out.weight_version == [1, 1, 1]
 
-    common.sync_weights(trainer, [rollout], settings, version=2)
+    sync.sync([rollout], 2)
     out = rollout.call("generate", PROMPTS, GREEDY, dispatch="slice", collect="flatten")
     assert out.completion_ids == new and out.weight_version == [2, 2, 2]
-    common._SYNCS.pop(trainer).close()
+    sync.close()
 
 
 def flip_byte(path: str, position: int) -> None:

@@ -1,0 +1,151 @@
+"""One run's turn-taking on shared devices, its weight sync, and the end of every step.
+
+A driver's loop names only its algorithm's phases (generate, score, teacher, train, sync,
+eval, save). `Turns` decides from the plan what happens around each phase: a colocated
+trainer, reference or teacher is onloaded for its turn and offloaded after it; a sleeping
+rollout is woken for its work and put back to sleep; the rollout gets the trainer's weights
+before it works whenever it is behind them (sleep level 2 dropped them, or training moved on
+without a sync). It also closes each step (eval when due, the periodic save, memory figures,
+the metrics record) and the run (the final save), and owns the run's weight-sync channel,
+whose shared-memory files and process groups live from the first sync to the end of the
+`with Turns(...)` block.
+"""
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from algorithms.common import accuracy
+from algorithms.runlog import RunLog, timed_call
+from orchestration.config import WeightSyncConfig
+from orchestration.planner import Plan
+from orchestration.weight_sync import WeightSync, sync_metrics
+
+
+def due(step: int, every: int) -> bool:
+    """Periodic work (eval, save) at training step `step`: every `every` steps, 0 never."""
+    return step > 0 and every > 0 and step % every == 0
+
+
+def offload_args(plan: Plan, role: str) -> Optional[tuple]:
+    """offload() arguments of a role between its turns; None: it stays on its devices.
+    The trainer offloads what the plan says; the reference policy never steps, so its
+    optimizer state goes too; the teacher has only weights."""
+    entry = plan.roles.get(role)
+    if entry is None:
+        return None
+    if role == "train":
+        offloads = entry.offload_model or entry.offload_optimizer
+        return (entry.offload_model, entry.offload_optimizer) if offloads else None
+    if role in ("reference", "teacher") and entry.offload_model:
+        return (True, True) if role == "reference" else ()
+    return None
+
+
+class Turns:
+    """`roles`: {"train": trainer, "rollout": rollout, ...} worker groups (or fakes); None
+    entries are skipped. `run` is the run's LoopConfig (steps, eval and save cadence).
+    `rollout_behind`: the rollout starts without the trainer's weights (a separate evaluator)."""
+
+    def __init__(self, plan: Plan, roles: dict[str, Any], run: Any, weight_sync: WeightSyncConfig, log: RunLog,
+                 eval_set: list, rollout_behind: bool = False):
+        self.roles = {name: group for name, group in roles.items() if group is not None}
+        self.trainer, self.rollout = self.roles["train"], self.roles.get("rollout")
+        self.run, self.settings, self.log, self.eval_set = run, weight_sync, log, eval_set
+        self.offload = {name: offload_args(plan, name) for name in self.roles}
+        self.sleep_level = plan["rollout"].sleep_level if "rollout" in plan.roles else 0
+        self.behind = rollout_behind  # the rollout lacks the trainer's current weights
+        self._sync: Optional[WeightSync] = None
+        for name in ("reference", "teacher"):  # they wait offloaded for their first turn
+            if name in self.roles and self.offload[name] is not None:
+                timed_call(log, name, self.roles[name], "offload", *self.offload[name])
+
+    # ------------------------------------------------------------------ turns
+
+    @contextlib.contextmanager
+    def turn(self, role: str, phase: Optional[str] = None) -> Iterator[Any]:
+        """`role` on its devices for the block (onload/offload when it offloads between turns),
+        timed as `phase` when given. The trainer's turn leaves the rollout behind its weights
+        until a sync."""
+        group, offload = self.roles[role], self.offload[role]
+        if role == "train":
+            self.behind = True
+        if offload is not None:
+            timed_call(self.log, role, group, "onload")
+        with self.log.phase(phase, role) if phase else contextlib.nullcontext():
+            yield group
+        if offload is not None:
+            timed_call(self.log, role, group, "offload", *offload)
+
+    @contextlib.contextmanager
+    def rollout_turn(self, version: int, metrics: dict) -> Iterator[Any]:
+        """The rollout awake for the block (woken and put back to sleep at sleep_level > 0),
+        first given the trainer's weights (as `version`) when it is behind them; sync
+        figures go into `metrics`."""
+        if self.behind:
+            metrics.update(self._send(version))
+        if self.sleep_level:
+            timed_call(self.log, "rollout", self.rollout, "wake_up")
+        yield self.rollout
+        if self.sleep_level:
+            timed_call(self.log, "rollout", self.rollout, "sleep", self.sleep_level)
+            self.behind = self.behind or self.sleep_level == 2
+
+    def sync(self, version: int, prefetch: Any = None, max_staleness: int = 0) -> dict[str, Any]:
+        """The trainer's weights into the rollout after a training step; generations started
+        ahead (max_staleness > 0) first finish on the old weights."""
+        if max_staleness:
+            with self.log.phase("wait_rollout"):
+                prefetch.drain()
+        return self._send(version)
+
+    def _send(self, version: int) -> dict[str, Any]:
+        with self.log.phase("sync_weights", "train", "rollout"):
+            if self._sync is None:
+                self._sync = WeightSync(self.trainer, self.settings)
+            metrics = sync_metrics(self._sync.sync([self.rollout], version))
+        self.behind = False
+        return metrics
+
+    # ------------------------------------------------------------------ end of step / run
+
+    def end_step(self, step: int, metrics: dict) -> dict:
+        """Eval (step 0, every run.eval_every steps, the last step), the periodic save, each
+        role's memory (all idle here), then the step's metrics record, which is returned."""
+        if step == 0 or step == self.run.steps or due(step, self.run.eval_every):
+            # Eval: greedy accuracy of the current weights on held-out prompts.
+            with self.rollout_turn(step, metrics), self.log.phase("eval", "rollout"):
+                metrics["eval/accuracy"] = accuracy(self.rollout, self.eval_set, self.run.eval_max_new_tokens)
+        if due(step, self.run.save_every) and not (step == self.run.steps and self.run.save_final):
+            with self.log.phase("save", "train"):
+                self.save(step)
+        for name, group in self.roles.items():
+            self.log.memory(name, group.call("memory"))
+        return self.log.step(step, metrics)
+
+    def save(self, step: int) -> Path:
+        """Checkpoint the trainer into <run dir>/checkpoints/step_<step> (onloaded for it)."""
+        path, behind = self.log.dir / "checkpoints" / f"step_{step}", self.behind
+        with self.turn("train"):
+            self.trainer.call("save", str(path))
+        self.behind = behind  # saving changes no weight
+        return path
+
+    def finish(self, record: dict) -> dict:
+        """The end of the run: the final checkpoint (run.save_final) into `record`."""
+        if self.run.save_final:
+            record["checkpoint"] = str(self.save(self.run.steps))
+        return record
+
+    def __enter__(self) -> "Turns":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        """Close the weight-sync channel; after an error, also delete the shared-memory files a
+        killed trainer rank could not (from this process, calling no actor)."""
+        if self._sync is not None:
+            if exc[0] is not None:
+                self._sync.remove_scratch()
+            self._sync.close()
+            self._sync = None
