@@ -75,15 +75,16 @@ def warmup_steps(steps: int) -> int:
 
 
 def friendly_errors(main: Callable) -> Callable:
-    """Config/plan/placement errors exit with one line naming the key and the fix."""
+    """Config, plan, data and placement errors exit 2 with one line naming the key and the fix."""
     from orchestration.config import ConfigError
+    from orchestration.placement import PlacementError
     from orchestration.planner import PlanError
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
         try:
             return main(*args, **kwargs)
-        except (ConfigError, PlanError) as e:
+        except (ConfigError, PlanError, PlacementError) as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
 

@@ -1,28 +1,25 @@
 """Typed run configs of the drivers. Defaults live here once; conf/ YAML chooses values.
 
-Each driver's schema is `RunConfig` plus its `algorithm` section; `prepare` validates
-the composed config (unknown keys, types, placement) before any actor starts.
+Each driver's schema is `RunConfig` plus its `algorithm` section; `prepare` types the
+composed config (unknown keys, types), applies a config_file and plans the placement; the
+driver's `validate` (algorithms/validation.py) then checks the values, before anything starts.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
 from algorithms.data import DataConfig
-from orchestration.config import (BackendConfig, ClusterConfig, ConfigError, PlacementConfig, WeightSyncConfig,
-                                  apply_swift_yaml, placement_dict, validate)
+from orchestration.config import (BackendConfig, ClusterConfig, PlacementConfig, WeightSyncConfig,
+                                  apply_swift_yaml, placement_dict, read_swift_yaml, validate)
 from orchestration.planner import Plan, make_plan
-from orchestration.weight_sync import check_settings as check_weight_sync
-from roles.engines.options import (ROLLOUT_ENGINES, TEACHER_ENGINES, TRAIN_ENGINES, DeepSpeedOptions,
-                                   MegatronOptions, VLLMOptions)
-from roles.models import ModelConfig, check_config, resolve_config
+from roles.engines.options import DeepSpeedOptions, MegatronOptions, VLLMOptions
+from roles.models import ModelConfig
 from roles.rollout import RolloutConfig
 from roles.teacher import TeacherConfig
-from roles.trainer import TrainerConfig, resolve_trainer_config
+from roles.trainer import TrainerConfig
 
 
 @dataclass
@@ -153,62 +150,52 @@ SWIFT_GKD_KEYS = {**SWIFT_COMMON_KEYS, "lmbda": "algorithm.lmbda", "beta": "algo
                   "seq_kd": "algorithm.seq_kd", "max_completion_length": "algorithm.max_new_tokens"}
 
 
-def prepare(cfg: DictConfig | dict, schema: type, swift_keys: dict[str, str]) -> tuple[Any, Plan]:
-    """Validate a composed config against `schema`, apply config_file, plan the placement.
+def prepare(cfg: DictConfig | dict, schema: type, swift_keys: dict[str, str],
+            cli: Optional[list[str]] = None) -> tuple[Any, Plan]:
+    """A composed config as a typed `schema` object with config_file applied, and its plan.
 
-    Returns (typed config object, plan). Raises ConfigError/PlanError naming the key.
+    `cli`: the command line's overrides (default: Hydra's, when a Hydra app runs); they win
+    over the config_file's values. Raises ConfigError/PlanError naming the key. The driver's
+    `validate(cfg, plan)` checks the values next, before anything starts.
     """
     typed = validate(cfg, schema)
     if typed.config_file:
         apply_swift_yaml(typed, swift_keys)
+        placement, overrides, _ = read_swift_yaml(typed.config_file, swift_keys)
+        file_keys = list(overrides) + ["placement"] * bool(placement)
+        kept = keep_command_line(typed, cfg, cli_overrides() if cli is None else cli, file_keys)
+        if kept:
+            print(f"config_file {typed.config_file}: the command line's {kept} win over the file's values")
         typed = validate(typed, schema)
     plan = make_plan(placement_dict(typed))
     run = OmegaConf.to_object(typed)
     # Derived once here: the learning-rate schedule spans the run.
     run.trainer.total_steps = run.run.steps
-    try:  # the roles' own checks, run here so nothing starts with a config they refuse
-        resolve_trainer_config(run.trainer)
-        check_config(resolve_config(run.model))
-    except ValueError as e:
-        raise ConfigError(f"{e}. Fix: change the named trainer./model. key") from None
-    for role, choices in (("train", TRAIN_ENGINES), ("rollout", ROLLOUT_ENGINES), ("teacher", TEACHER_ENGINES)):
-        if getattr(run.backend, role) not in choices:
-            raise ConfigError(f"config key 'backend.{role}'={getattr(run.backend, role)!r}. "
-                              f"Fix: use one of {list(choices)}")
-    check_weight_sync(run.weight_sync)
-    check_vllm_tensor_parallel(run, plan)
-    if run.run.steps < 1 or run.run.prompts_per_step < 1:
-        raise ConfigError("config keys 'run.steps' and 'run.prompts_per_step' must be >= 1")
-    trainer_ranks = max((plan[r].world_size for r in ("train", "default") if r in plan.roles), default=1)
-    if run.run.prompts_per_step < trainer_ranks:
-        # A rank without a share would wait forever in the gradient all-reduce.
-        raise ConfigError(f"config key 'run.prompts_per_step'={run.run.prompts_per_step} is below the "
-                          f"{trainer_ranks} trainer ranks. Fix: raise it to at least {trainer_ranks}")
     return run, plan
 
 
-def check_vllm_tensor_parallel(cfg: RunConfig, plan: Plan) -> None:
-    """`<role>.vllm_tensor_parallel_size` > 1 needs a vLLM engine, one process per rank, and a
-    model whose attention heads split evenly over the engine's ranks."""
-    for role, entry in plan.roles.items():
-        tp = entry.tensor_parallel_size
-        if tp == 1:
+def cli_overrides() -> list[str]:
+    """The running Hydra app's command-line overrides; [] outside one (tests, compose())."""
+    from hydra.core.hydra_config import HydraConfig
+
+    try:
+        return list(HydraConfig.get().overrides.task)
+    except ValueError:
+        return []
+
+
+def keep_command_line(typed: DictConfig, composed: DictConfig, cli: list[str], file_keys: list[str]) -> list[str]:
+    """Put back the command line's values of the keys the config_file set (`file_keys`, dotted;
+    "placement" for its whole layout). Returns the keys put back."""
+    kept = []
+    for override in cli:
+        key = override.split("=", 1)[0].lstrip("+")
+        if "=" not in override or key.startswith(("~", "hydra.")) or key in ("experiment", "config_file"):
             continue
-        where = f"device_groups.{entry.group}" if plan.form == "device_groups" else role
-        key = f"placement key '{where}.vllm_tensor_parallel_size'={tp}"
-        backend = "teacher" if role == "teacher" else "rollout"  # the sampler runs the rollout's engine
-        if getattr(cfg.backend, backend) != "vllm":
-            raise ConfigError(f"{key}: only a vLLM engine spans several ranks; the {role} runs "
-                              f"{getattr(cfg.backend, backend)}. Fix: set backend.{backend}=vllm, or set it to 1")
-        if cfg.backend.workers != "ray":
-            raise ConfigError(f"{key}: the ranks of one engine are separate processes. Fix: set "
-                              "backend.workers=ray, or set it to 1")
-        model = resolve_config(entry.model or (cfg.teacher.model if role == "teacher" else cfg.model))
-        heads = (json.loads((Path(model.path) / "config.json").read_text())["num_attention_heads"] if model.path
-                 else model.num_attention_heads)
-        if heads % tp:
-            raise ConfigError(f"{key} does not divide the model's {heads} attention heads. Fix: use a divisor "
-                              f"of {heads}")
+        if any(key == k or key.startswith(k + ".") or k.startswith(key + ".") for k in file_keys):
+            OmegaConf.update(typed, key, OmegaConf.select(composed, key), merge=False)
+            kept.append(key)
+    return kept
 
 
 def engine_args(cfg: RunConfig, role: str) -> dict:

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 from typing import List, Optional
 
 from algorithms.tasks import ArithmeticConfig, Example, arithmetic_examples, gsm_examples, load_user_data
+from orchestration.config import ConfigError
 
 
 @dataclass
@@ -27,7 +28,17 @@ class DataConfig:
 
 
 def load_task(cfg: DataConfig) -> tuple[list[Example], list[Example], dict]:
-    """(train, held-out, stats); stats count rows skipped as malformed."""
+    """(train, held-out, stats); stats count rows skipped as malformed. A task that cannot
+    give the asked examples raises ConfigError naming the data. key."""
+    try:
+        return _load_task(cfg)
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(f"config key 'data.{cfg.task}': {e}. Fix: change the data. keys named") from None
+
+
+def _load_task(cfg: DataConfig) -> tuple[list[Example], list[Example], dict]:
     if cfg.task == "arithmetic":
         return (arithmetic_examples(cfg.train_size, seed=cfg.seed, split="train", config=cfg.arithmetic),
                 arithmetic_examples(cfg.eval_size, seed=cfg.seed + 1, split="test", config=cfg.arithmetic),
@@ -37,10 +48,11 @@ def load_task(cfg: DataConfig) -> tuple[list[Example], list[Example], dict]:
                 gsm_examples(cfg.eval_size, seed=cfg.seed + 1, split="test"), {"data/skipped_rows": 0})
     if cfg.task == "files":
         if not cfg.paths:
-            raise ValueError("data.paths: empty with data.task=files. Fix: data.paths=[/path/train.jsonl]")
+            raise ConfigError("config key 'data.paths'=[] is empty with data.task=files. "
+                              "Fix: data.paths=[/path/train.jsonl]")
         data = load_user_data(list(cfg.paths), max_examples=cfg.train_size + cfg.eval_size, cache_dir=cfg.cache_dir)
         if len(data.examples) <= cfg.eval_size:
-            raise ValueError(f"data.paths: only {len(data.examples)} usable rows ({data.skipped} skipped), "
-                             f"need more than data.eval_size={cfg.eval_size}. Fix: add rows or lower data.eval_size")
+            raise ConfigError(f"config key 'data.paths': only {len(data.examples)} usable rows "
+                              f"({data.skipped} skipped), need more than data.eval_size={cfg.eval_size}. Fix: add rows or lower data.eval_size")
         return data.examples[:-cfg.eval_size], data.examples[-cfg.eval_size:], {"data/skipped_rows": data.skipped}
-    raise ValueError(f"data.task: unknown task {cfg.task!r}. Fix: use arithmetic, gsm or files")
+    raise ConfigError(f"config key 'data.task'={cfg.task!r} is not a task. Fix: use arithmetic, gsm or files")

@@ -36,14 +36,16 @@ from algorithms.config import LoopConfig, RunConfig, as_dict, engine_args, prepa
 from algorithms.data import DataConfig, load_task
 from algorithms.runlog import RunLog, run_dir
 from algorithms.tasks import Example
+from algorithms.validation import (AT_LEAST_1, NON_NEGATIVE, POSITIVE, check_run, check_scorer, require,
+                                   require_all, require_roles)
 from orchestration.cluster import init_cluster
 from orchestration.config import ConfigError, register_schema
 from orchestration.launch import start_roles
 from orchestration.planner import Plan, make_plan
 from roles.batch import SamplingParams
 from roles.models import resolve_config
-from roles.orm import ORM, ORMConfig
-from roles.prm import PRM, PRMConfig
+from roles.orm import KINDS as ORM_KINDS, ORM, ORMConfig
+from roles.prm import AGGREGATES, KINDS as PRM_KINDS, PRM, PRMConfig
 from roles.sampler import Sampler
 
 
@@ -225,9 +227,9 @@ def write_heldout(examples: list[Example], path: Path) -> Path:
 def run(cfg: DistillRunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> dict:
     """Optional warm-up SFT, sampling with the planned roles, optional SFT on the kept rows.
     Returns the sampling's last metrics record, plus the SFT results under sft/."""
+    train_set, eval_set, stats = load_task(cfg.data)
     if cfg.backend.workers == "ray":  # sized for this plan before any SFT phase uses it
         init_cluster(cfg.cluster, plan.demand())
-    train_set, eval_set, stats = load_task(cfg.data)
     algo, policy = cfg.algorithm, cfg.model
     if algo.warmup_sft_steps:
         print(f"distill: warm-up SFT of the policy for {algo.warmup_sft_steps} steps")
@@ -261,23 +263,34 @@ def run(cfg: DistillRunConfig, plan: Plan, out_dir: Path, resolved: Any = None) 
     return record
 
 
-def check(cfg: DistillRunConfig, plan: Plan) -> None:
-    missing = [r for r in ("sampler", "prm", "orm") if r not in plan.roles]
-    if missing:
-        raise ConfigError(f"distill needs sampler, prm and orm roles; the placement lacks {missing}. Fix: use "
-                          "+experiment=distill_quickstart or placement.device_groups with workers "
-                          "[sampler] and [prm, orm]")
+def validate(cfg: DistillRunConfig, plan: Plan) -> None:
+    """Every check of a distill run, before anything starts (algorithms/validation.py)."""
+    require_roles(plan, ("sampler", "prm", "orm"), "distill", "use +experiment=distill_quickstart or "
+                  "placement.device_groups with workers [sampler] and [prm, orm]")
+    check_run(cfg, plan)
+    check_scorer(cfg.prm, "prm", PRM_KINDS)
+    check_scorer(cfg.orm, "orm", ORM_KINDS)
+    require(cfg.prm.aggregate in AGGREGATES, "prm.aggregate", cfg.prm.aggregate, "is not an aggregate",
+            f"use one of {list(AGGREGATES)}")
     algo = cfg.algorithm
-    if algo.num_return_sequences < 2 or not 1 <= algo.n_best_to_keep < algo.num_return_sequences:
-        raise ConfigError(f"config keys 'algorithm.num_return_sequences'={algo.num_return_sequences} and "
-                          f"'algorithm.n_best_to_keep'={algo.n_best_to_keep}: need 1 <= n_best_to_keep < "
-                          "num_return_sequences (the worst candidate is the rejected response)")
+    require_all(algo, "algorithm", {"temperature": NON_NEGATIVE, "max_new_tokens": AT_LEAST_1,
+                                    "top_p": (lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
+                                    "warmup_sft_steps": NON_NEGATIVE, "warmup_lr": POSITIVE,
+                                    "sft_steps": NON_NEGATIVE, "sft_batch": AT_LEAST_1})
+    require(algo.easy_query_threshold is None or 0.0 <= algo.easy_query_threshold <= 1.0,
+            "algorithm.easy_query_threshold", algo.easy_query_threshold, "must be in [0, 1] or null",
+            "set a fraction of right candidates, or null to keep every prompt")
+    require(algo.num_return_sequences >= 2, "algorithm.num_return_sequences", algo.num_return_sequences,
+            "must be >= 2 (a kept and a rejected candidate)", "sample at least 2 candidates per prompt")
+    require(1 <= algo.n_best_to_keep < algo.num_return_sequences, "algorithm.n_best_to_keep", algo.n_best_to_keep,
+            f"must lie in [1, num_return_sequences={algo.num_return_sequences}) (the worst candidate is the "
+            "rejected response)", f"set it between 1 and {algo.num_return_sequences - 1}")
     if algo.sampler_type not in ("sample", "distill"):
         raise ConfigError(f"config key 'algorithm.sampler_type'={algo.sampler_type!r}: only 'sample' and "
                           "'distill' (both sample the local model) are supported. Fix: sampler_type=sample")
     if not algo.output_file or "/" in algo.output_file or "\\" in algo.output_file:
-        raise ConfigError(f"config key 'algorithm.output_file'={algo.output_file!r}: give a file name; it is "
-                          "written to the run directory")
+        raise ConfigError(f"config key 'algorithm.output_file'={algo.output_file!r} is not a file name. Fix: give "
+                          "a bare name such as sampled.jsonl; it is written to the run directory")
     if cfg.trainer.warmup_steps:
         raise ConfigError(f"config key 'trainer.warmup_steps'={cfg.trainer.warmup_steps}: distill's SFT phases "
                           "warm the learning rate up over their first tenth. Fix: leave it at 0")
@@ -298,7 +311,7 @@ register_schema(DistillRunConfig)
 @common.friendly_errors
 def main(cfg: DictConfig) -> None:
     typed, plan = prepare(cfg, DistillRunConfig, SWIFT_DISTILL_KEYS)
-    check(typed, plan)
+    validate(typed, plan)
     record = run(typed, plan, run_dir(), resolved=cfg)
     print(json.dumps({k: v for k, v in record.items() if k.startswith(("eval/", "total/", "sft/", "dataset"))}))
 

@@ -34,12 +34,13 @@ import torch
 from omegaconf import DictConfig
 
 from algorithms import common, overlap, sft
-from algorithms.config import (GKDRunConfig, LoopConfig, SFTRunConfig, SWIFT_GKD_KEYS, as_dict, engine_args,
-                               prepare)
+from algorithms.config import GKDRunConfig, LoopConfig, SWIFT_GKD_KEYS, as_dict, engine_args, prepare, sft_phase
 from algorithms.data import load_task
 from algorithms.losses import TOPK_MODES, make_loss
 from algorithms.runlog import RunLog, run_dir
 from algorithms.turns import Turns
+from algorithms.validation import (AT_LEAST_1, FRACTION, NON_NEGATIVE, POSITIVE, check_model, check_run,
+                                   check_trainer, require, require_all, require_roles, vocab_size)
 from orchestration.cluster import init_cluster
 from orchestration.config import ConfigError, register_schema
 from orchestration.launch import driver_group, start_roles
@@ -118,20 +119,20 @@ def warm_teacher(cfg: GKDRunConfig, out_dir: Path) -> str:
     """Train the teacher by SFT on the task once; cached by everything that shapes it."""
     t = cfg.teacher
     key = json.dumps({"model": t.model, "steps": t.warmup_steps, "lr": t.warmup_lr, "batch": t.warmup_batch,
-                      "data": as_dict(cfg.data)}, sort_keys=True)
+                      "data": as_dict(cfg.data), "engine": cfg.backend.train}, sort_keys=True)
     name = Path(str(t.model)).name
     path = Path(t.cache_dir).expanduser() / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     if (path / "config.json").is_file():
         print(f"gkd: teacher from cache {path}")
         return str(path)
     print(f"gkd: training the teacher ({t.model}) by SFT for {t.warmup_steps} steps; cached at {path}")
-    warm = SFTRunConfig(placement=cfg.placement, cluster=cfg.cluster, backend=cfg.backend,
-                        model=resolve_config(t.model),
-                        trainer=TrainerConfig(lr=t.warmup_lr, warmup_steps=common.warmup_steps(t.warmup_steps),
-                                              total_steps=t.warmup_steps, micro_batch_per_device=t.warmup_batch),
-                        rollout=cfg.rollout, data=cfg.data,
-                        run=LoopConfig(steps=t.warmup_steps, prompts_per_step=t.warmup_batch,
-                                       eval_max_new_tokens=cfg.run.eval_max_new_tokens, save_final=True))
+    # The run's sections (engines and their options, weight sync) with the teacher's model and
+    # its own optimizer settings (the cache key holds those).
+    warm = sft_phase(cfg, model=resolve_config(t.model),
+                     trainer=TrainerConfig(lr=t.warmup_lr, warmup_steps=common.warmup_steps(t.warmup_steps),
+                                           total_steps=t.warmup_steps, micro_batch_per_device=t.warmup_batch),
+                     run=LoopConfig(steps=t.warmup_steps, prompts_per_step=t.warmup_batch,
+                                    eval_max_new_tokens=cfg.run.eval_max_new_tokens, save_final=True))
     plan = make_plan({"train": {"gpus": 1}})
     record = sft.run(warm, plan, out_dir / "teacher_warmup")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -143,9 +144,9 @@ def warm_teacher(cfg: GKDRunConfig, out_dir: Path) -> str:
 
 
 def run(cfg: GKDRunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> dict:
+    train_set, eval_set, stats = load_task(cfg.data)
     if cfg.backend.workers == "ray":  # sized for this plan before the teacher warm-up uses it
         init_cluster(cfg.cluster, plan.demand())
-    train_set, eval_set, stats = load_task(cfg.data)
     teacher_model = plan["teacher"].model or cfg.teacher.model
     if cfg.teacher.warmup_steps:
         teacher_model = warm_teacher(replace(cfg, teacher=replace(cfg.teacher, model=teacher_model)), out_dir)
@@ -180,20 +181,31 @@ def run(cfg: GKDRunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> d
             judge.shutdown()
 
 
-def check(cfg: GKDRunConfig, plan: Plan) -> None:
-    missing = [r for r in ("train", "rollout", "teacher") if r not in plan.roles]
-    if missing:
-        raise ConfigError(f"GKD needs train, rollout and teacher roles; the placement lacks {missing}. Fix: add "
-                          "them (teacher: placement.teacher_model for a colocated one, or placement.teacher.gpus)")
-    if not 0.0 <= cfg.algorithm.lmbda <= 1.0:
-        raise ConfigError(f"config key 'algorithm.lmbda'={cfg.algorithm.lmbda} must lie in [0, 1]")
-    a = cfg.algorithm
-    for key, ok, want in (("beta", 0.0 <= a.beta <= 1.0, "a value in [0, 1]"),
-                          ("temperature", a.temperature > 0, "a value > 0"),
-                          ("sft_alpha", a.sft_alpha >= 0, "a value >= 0"),
-                          ("topk_mode", a.topk_mode in TOPK_MODES, f"one of {list(TOPK_MODES)}")):
-        if not ok:
-            raise ConfigError(f"config key 'algorithm.{key}'={getattr(a, key)!r} is invalid. Fix: use {want}")
+def validate(cfg: GKDRunConfig, plan: Plan) -> None:
+    """Every check of a GKD run, before anything starts (algorithms/validation.py)."""
+    require_roles(plan, ("train", "rollout", "teacher"), "GKD", "add them (a colocated teacher: "
+                  "placement.teacher_model=NAME; a teacher group: placement.teacher.gpus=N)")
+    check_run(cfg, plan)
+    a, t = cfg.algorithm, cfg.teacher
+    require_all(a, "algorithm", {"lmbda": FRACTION, "beta": FRACTION, "temperature": POSITIVE,
+                                 "sft_alpha": NON_NEGATIVE, "max_new_tokens": AT_LEAST_1})
+    require(a.topk_mode in TOPK_MODES, "algorithm.topk_mode", a.topk_mode, "is not a top-k mode",
+            f"use one of {list(TOPK_MODES)}")
+    require_all(t, "teacher", {"warmup_steps": NON_NEGATIVE, "warmup_lr": POSITIVE, "warmup_batch": AT_LEAST_1})
+    require_all(t.engine, "teacher.engine", {"micro_batch_per_device": NON_NEGATIVE})
+    teacher_key = "placement.teacher_model" if plan["teacher"].model else "teacher.model"
+    teacher_model = plan["teacher"].model or t.model
+    check_model(teacher_key, teacher_model)
+    if t.warmup_steps:
+        check_trainer(TrainerConfig(lr=t.warmup_lr, warmup_steps=common.warmup_steps(t.warmup_steps)), "teacher",
+                      t.warmup_steps, "teacher.warmup_steps")
+    topk = plan.gkd_logits_topk
+    if topk is not None:
+        require(topk >= 1, "placement.gkd_logits_topk", topk, "must be >= 1", "set it >= 1, or null for the full "
+                "vocabulary")
+        vocab = min(vocab_size(cfg.model), vocab_size(teacher_model))
+        require(topk <= vocab, "placement.gkd_logits_topk", topk, f"exceeds the {vocab}-token vocabulary",
+                f"set it to at most {vocab}, or null for the full vocabulary")
     if cfg.backend.teacher == "vllm":
         if plan.gkd_logits_topk is None:
             raise ConfigError("config key 'backend.teacher'=vllm serves top-k logprobs only, but "
@@ -226,7 +238,7 @@ register_schema(GKDRunConfig)
 @common.friendly_errors
 def main(cfg: DictConfig) -> None:
     typed, plan = prepare(cfg, GKDRunConfig, SWIFT_GKD_KEYS)
-    check(typed, plan)
+    validate(typed, plan)
     record = run(typed, plan, run_dir(), resolved=cfg)
     print(json.dumps({k: v for k, v in record.items() if k.startswith(("eval/", "teacher/"))}))
 

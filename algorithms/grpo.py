@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, List, Optional
@@ -43,6 +44,8 @@ from algorithms.grpo_rewards import Rewards, planned_reward_configs, reward_spec
 from algorithms.losses import LOSS_TYPES, make_loss
 from algorithms.runlog import RunLog, run_dir
 from algorithms.turns import Turns
+from algorithms.validation import (AT_LEAST_1, NON_NEGATIVE, POSITIVE, check_importable, check_run,
+                                   check_trainer, require, require_all, require_roles)
 from orchestration.cluster import init_cluster
 from orchestration.config import ConfigError, register_schema
 from orchestration.dispatch import flatten, slice_bounds
@@ -251,7 +254,8 @@ def warm_start(cfg: GRPORunConfig, train_ranks: int, out_dir: Path) -> str:
     trainer ranks (so its optimizer moments fit GRPO's trainer); returns its checkpoint."""
     a = cfg.algorithm
     warm = sft_phase(cfg,
-                     trainer=replace(cfg.trainer, lr=a.warmup_sft_lr, warmup_steps=common.warmup_steps(a.warmup_sft_steps),
+                     trainer=replace(cfg.trainer, lr=a.warmup_sft_lr,
+                                     warmup_steps=common.warmup_steps(a.warmup_sft_steps),
                                      total_steps=a.warmup_sft_steps, schedule="cosine",
                                      micro_batch_per_device=a.warmup_sft_batch),
                      data=replace(cfg.data, train_size=a.warmup_sft_examples or cfg.data.train_size),
@@ -266,9 +270,9 @@ def warm_start(cfg: GRPORunConfig, train_ranks: int, out_dir: Path) -> str:
 def run(cfg: GRPORunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> dict:
     """Warm start (optional), start the roles of `plan`, train, shut down. Returns the last record."""
     out_dir = Path(out_dir)
+    train_set, eval_set, _ = load_task(cfg.data)
     if cfg.backend.workers == "ray":  # sized for this plan before the warm start uses it
         init_cluster(cfg.cluster, plan.demand())
-    train_set, eval_set, _ = load_task(cfg.data)
     a = cfg.algorithm
     model = as_dict(cfg.model)
     if warm := warm_start(cfg, plan["train"].world_size, out_dir) if a.warmup_sft_steps else None:
@@ -305,11 +309,21 @@ def run(cfg: GRPORunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> 
         roles.shutdown()
 
 
-def check(cfg: GRPORunConfig, plan: Plan) -> None:
+def validate(cfg: GRPORunConfig, plan: Plan) -> None:
+    """Every check of a GRPO run, before anything starts (algorithms/validation.py)."""
     a = cfg.algorithm
-    missing = [r for r in ("train", "rollout") if r not in plan.roles]
-    if missing:
-        raise ConfigError(f"GRPO needs train and rollout roles; the placement lacks {missing}. Fix: add them")
+    require_roles(plan, ("train", "rollout"), "GRPO", "add them, e.g. placement.train.gpus=1 placement.rollout.gpus=1, "
+                  "or placement=colocate")
+    check_run(cfg, plan, updates=cfg.run.steps * max(a.steps_per_generation, 1))
+    require_all(a, "algorithm", {"epsilon": POSITIVE, "beta": NON_NEGATIVE, "temperature": POSITIVE,
+                                 "max_new_tokens": AT_LEAST_1, "warmup_sft_steps": NON_NEGATIVE,
+                                 "warmup_sft_lr": POSITIVE, "warmup_sft_batch": AT_LEAST_1,
+                                 "warmup_sft_examples": NON_NEGATIVE})
+    require(a.epsilon_high is None or a.epsilon_high >= a.epsilon, "algorithm.epsilon_high", a.epsilon_high,
+            f"is below algorithm.epsilon={a.epsilon}", "set it >= epsilon, or null to use epsilon")
+    if a.warmup_sft_steps:
+        check_trainer(replace(cfg.trainer, lr=a.warmup_sft_lr, warmup_steps=common.warmup_steps(a.warmup_sft_steps)),
+                      "trainer", a.warmup_sft_steps, "algorithm.warmup_sft_steps")
     if a.num_generations < 2:
         raise ConfigError(f"config key 'algorithm.num_generations'={a.num_generations}: a group needs at least 2 "
                           "completions to compare. Fix: set it to 2 or more")
@@ -318,7 +332,8 @@ def check(cfg: GRPORunConfig, plan: Plan) -> None:
     if a.loss_type not in LOSS_TYPES:
         raise ConfigError(f"config key 'algorithm.loss_type'={a.loss_type!r}. Fix: use one of {list(LOSS_TYPES)}")
     if a.prm_aggregate not in AGGREGATES:
-        raise ConfigError(f"config key 'algorithm.prm_aggregate'={a.prm_aggregate!r}. Fix: use one of {list(AGGREGATES)}")
+        raise ConfigError(f"config key 'algorithm.prm_aggregate'={a.prm_aggregate!r}. "
+                          f"Fix: use one of {list(AGGREGATES)}")
     if not a.reward_funcs:
         raise ConfigError("config key 'algorithm.reward_funcs' is empty. Fix: e.g. algorithm.reward_funcs=[accuracy]")
     if a.reward_weights and len(a.reward_weights) != len(a.reward_funcs):
@@ -328,6 +343,15 @@ def check(cfg: GRPORunConfig, plan: Plan) -> None:
     if bad:
         raise ConfigError(f"config key 'algorithm.reward_funcs': unknown {bad}. Fix: use accuracy, format, prm "
                           "or a dotted path 'pkg.mod.fn'")
+    for f in a.reward_funcs:
+        if "." in f:
+            check_importable("algorithm.reward_funcs", f)
+    if a.format_pattern is not None:
+        try:
+            re.compile(a.format_pattern)
+        except re.error as e:
+            raise ConfigError(f"config key 'algorithm.format_pattern'={a.format_pattern!r} is not a regular "
+                              f"expression ({e}). Fix: correct it, or null for the default") from None
     kinds = [c["kind"] for _, _, cls, c in reward_specs(a) if cls is ORM]
     if "orm" in plan.roles and len(set(kinds)) < len(kinds):
         raise ConfigError("config key 'algorithm.reward_funcs': a planned orm role combines the ORM functions "
@@ -348,7 +372,8 @@ def check(cfg: GRPORunConfig, plan: Plan) -> None:
                           f"at least one sequence per trainer rank ({plan['train'].world_size}). Fix: use 1 to "
                           f"{cfg.run.prompts_per_step * a.num_generations // plan['train'].world_size}")
     if a.dynamic_sample and a.max_resample_times < 0:
-        raise ConfigError("config key 'algorithm.max_resample_times' must be >= 0")
+        raise ConfigError(f"config key 'algorithm.max_resample_times'={a.max_resample_times} must be >= 0. "
+                          "Fix: set the extra generation rounds per step, e.g. 3")
     overlap.check_staleness(a.max_staleness, plan)
 
 
@@ -359,7 +384,7 @@ register_schema(GRPORunConfig)
 @common.friendly_errors
 def main(cfg: DictConfig) -> None:
     typed, plan = prepare(cfg, GRPORunConfig, SWIFT_GRPO_KEYS)
-    check(typed, plan)
+    validate(typed, plan)
     record = run(typed, plan, run_dir(), resolved=cfg)
     print(json.dumps({k: v for k, v in record.items() if k.startswith("eval/")}))
 

@@ -27,7 +27,8 @@ def check_staleness(max_staleness: int, plan: Plan, key: str = "algorithm.max_st
     """Refuse a negative bound, and overlap where the rollout shares its devices with a role
     that runs meanwhile (they take turns there, so nothing could overlap)."""
     if max_staleness < 0:
-        raise ConfigError(f"config key '{key}'={max_staleness} must be >= 0 (0: strictly on-policy)")
+        raise ConfigError(f"config key '{key}'={max_staleness} must be >= 0. Fix: set it to 0 (strictly "
+                          "on-policy) or to the weight versions a sample may lag")
     shared = sorted(set(plan["rollout"].colocated_with) & {"train", "teacher"}) if "rollout" in plan.roles else []
     if max_staleness > 0 and shared:
         raise ConfigError(

@@ -23,6 +23,7 @@ from algorithms.data import load_task
 from algorithms.losses import make_loss
 from algorithms.runlog import RunLog, run_dir
 from algorithms.turns import Turns
+from algorithms.validation import check_run, require_roles
 from orchestration.config import register_schema
 from orchestration.launch import driver_group, start_roles
 from roles.models import load_tokenizer
@@ -71,6 +72,12 @@ def run(cfg: SFTRunConfig, plan: Any, out_dir: Path, resolved: Any = None) -> di
         roles.shutdown()
 
 
+def validate(cfg: SFTRunConfig, plan: Any) -> None:
+    """Every check of an SFT run, before anything starts (algorithms/validation.py)."""
+    require_roles(plan, (("train", "default"),), "SFT", "placement.train.gpus=1 (or device_groups workers [default])")
+    check_run(cfg, plan)
+
+
 register_schema(SFTRunConfig)
 
 
@@ -78,6 +85,7 @@ register_schema(SFTRunConfig)
 @common.friendly_errors
 def main(cfg: DictConfig) -> None:
     typed, plan = prepare(cfg, SFTRunConfig, SWIFT_COMMON_KEYS)
+    validate(typed, plan)
     run(typed, plan, run_dir(), resolved=cfg)
 
 

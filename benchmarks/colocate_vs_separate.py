@@ -39,7 +39,7 @@ from algorithms import gkd, grpo
 from algorithms.config import GKDRunConfig, SWIFT_GKD_KEYS, prepare
 from algorithms.runlog import read_metrics, run_dir
 from orchestration.cluster import init_cluster
-from orchestration.config import ClusterConfig, RoleDevices, register_schema
+from orchestration.config import ClusterConfig, register_schema
 
 MODES = ("colocate", "separate", "overlap")
 # Placement overrides of the separate modes, on top of the workload's quickstart experiment
@@ -103,11 +103,9 @@ def composed(algo: str, items: list[str], separate_teacher: bool = False):
     driver, schema, keys = (grpo, grpo.GRPORunConfig, grpo.SWIFT_GRPO_KEYS) if algo == "grpo" else \
         (gkd, GKDRunConfig, SWIFT_GKD_KEYS)
     register_schema(schema)
-    cfg = compose(config_name="config", overrides=items)
-    if separate_teacher:  # an override cannot fill the unset (None) placement.teacher section
-        cfg.placement.teacher = RoleDevices(gpus=1)
+    cfg = compose(config_name="config", overrides=items + ["placement.teacher.gpus=1"] * separate_teacher)
     typed, plan = prepare(cfg, schema, keys)
-    driver.check(typed, plan)
+    driver.validate(typed, plan)
     return cfg, typed, plan
 
 

@@ -23,8 +23,9 @@ class ConfigError(ValueError):
 
 @dataclass
 class RoleDevices:
-    # Number of devices (GPUs) for this role.
-    gpus: int = 1
+    # Number of devices (GPUs) for this role; 0: the role has no group of its own (so
+    # `placement.teacher.gpus=1` on the command line adds a teacher group, `=0` removes it).
+    gpus: int = 0
     # Model of this role (a local HF directory or a preset name); None: the run's model.
     model: Optional[str] = None
     # vLLM tensor-parallel size; must divide gpus (rollout and teacher only). The planner
@@ -54,11 +55,11 @@ class PlacementConfig:
     # Devices per node (Megatron form); None: total devices / nnodes.
     nproc_per_node: Optional[int] = None
     # Trainer devices.
-    train: Optional[RoleDevices] = None
+    train: Optional[RoleDevices] = field(default_factory=RoleDevices)
     # Rollout (generation) devices.
-    rollout: Optional[RoleDevices] = None
+    rollout: Optional[RoleDevices] = field(default_factory=RoleDevices)
     # Standalone teacher group (its own devices).
-    teacher: Optional[RoleDevices] = None
+    teacher: Optional[RoleDevices] = field(default_factory=RoleDevices)
     # Swift-Ray form: {nproc_per_node: N, <group>: {device: GPU|CPU, ranks, workers: [...]}};
     # a group may add vllm_tensor_parallel_size (ranks per vLLM engine of its vLLM roles).
     device_groups: Optional[Dict[str, Any]] = None
@@ -208,11 +209,12 @@ def read_swift_yaml(path: str, key_map: Mapping[str, str]) -> tuple[dict, dict, 
         with open(path) as f:
             data = yaml.safe_load(f) or {}
     except OSError as e:
-        raise ConfigError(f"config_file: cannot read {path!r} ({e.strerror}). Fix: pass an existing YAML path") from None
+        raise ConfigError(f"config key 'config_file'={path!r} cannot be read ({e.strerror}). Fix: pass an existing YAML path") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"config_file: {path!r} is not valid YAML ({e}). Fix: correct the file") from None
+        raise ConfigError(f"config key 'config_file'={path!r} is not valid YAML ({e}). Fix: correct the file") from None
     if not isinstance(data, dict):
-        raise ConfigError(f"config_file: {path!r} must hold a mapping of keys, got {type(data).__name__}")
+        raise ConfigError(f"config key 'config_file'={path!r} must hold a mapping of keys, got "
+                          f"{type(data).__name__}. Fix: write one 'key: value' per line")
     placement = {k: v for k, v in data.items() if k in PLACEMENT_KEYS}
     overrides = {key_map[k]: v for k, v in data.items() if k in key_map}
     unused = sorted(k for k in data if k not in PLACEMENT_KEYS and k not in key_map)
@@ -226,7 +228,7 @@ def apply_swift_yaml(cfg: DictConfig, key_map: Mapping[str, str], *, allow_unuse
     """
     placement, overrides, unused = read_swift_yaml(cfg.config_file, key_map)
     if unused and not allow_unused:
-        raise ConfigError(f"config_file {cfg.config_file!r}: keys not supported here: {unused}. "
+        raise ConfigError(f"config key 'config_file'={cfg.config_file!r}: keys not supported here: {unused}. "
                           f"Fix: remove them; supported keys are the placement keys {sorted(PLACEMENT_KEYS)} "
                           f"and {sorted(key_map)}")
     if placement:
@@ -234,14 +236,27 @@ def apply_swift_yaml(cfg: DictConfig, key_map: Mapping[str, str], *, allow_unuse
         try:
             cfg.placement = OmegaConf.merge(fresh, placement)
         except OmegaConfBaseException as e:
-            raise ConfigError(f"config_file {cfg.config_file!r}: placement key '{getattr(e, 'full_key', '?')}': "
-                              f"{getattr(e, 'msg', e)}") from None
+            raise ConfigError(f"config key 'config_file'={cfg.config_file!r}: placement key "
+                              f"'{getattr(e, 'full_key', '?')}': {getattr(e, 'msg', e)}. Fix: correct it in the file") from None
     for key, value in overrides.items():
         OmegaConf.update(cfg, key, value, merge=False)
     return unused
 
 
 def placement_dict(cfg: DictConfig) -> dict:
-    """The placement section as a plain dict for the planner."""
-    return OmegaConf.to_container(cfg.placement, resolve=True)
+    """The placement section as a plain dict for the planner; role sections with gpus 0 (no
+    group of their own) are left out, and refused when they set anything else."""
+    placement = OmegaConf.to_container(cfg.placement, resolve=True)
+    for role in ("train", "rollout", "teacher"):
+        entry = placement.get(role)
+        if entry is None or entry["gpus"]:
+            continue
+        extra = {k: v for k, v in entry.items() if k != "gpus" and v != getattr(RoleDevices, k)}
+        if extra:
+            key = next(iter(extra))
+            raise ConfigError(f"config key 'placement.{role}.{key}'={extra[key]!r} is set but placement.{role}.gpus=0 "
+                              f"gives the {role} no devices. Fix: set placement.{role}.gpus to its device count, "
+                              f"or drop placement.{role}.{key}")
+        del placement[role]
+    return placement
 

@@ -134,7 +134,7 @@ def test_ms_swift_file_replaces_the_composed_placement(tmp_path):
 
 def test_bad_config_file_is_named(tmp_path):
     cfg = OmegaConf.merge(OmegaConf.structured(PlanConfig), {"config_file": str(tmp_path / "nope.yaml")})
-    with pytest.raises(ConfigError, match="cannot read"):
+    with pytest.raises(ConfigError, match="config_file.*cannot be read"):
         apply_swift_yaml(cfg, {})
     cfg = _with_file(tmp_path, "train: {gpus: [1, 2]}\n")
     with pytest.raises(ConfigError, match="train.gpus"):
@@ -220,3 +220,23 @@ def test_sft_phase_keeps_the_runs_engine_sections():
     assert phase.backend.train == "megatron" and phase.megatron.tensor_parallel_size == 2
     assert phase.deepspeed.zero_stage == 3 and phase.weight_sync.bucket_mb == 8.0
     assert phase.run.steps == 3 and type(phase.algorithm).__name__ == "SFTAlgorithm"
+
+
+def test_command_line_wins_over_the_config_file(tmp_path, capsys):
+    """A config_file value silently beat the command line (a regression): the file's keys
+    apply, then the command line's overrides of the same keys are put back."""
+    from algorithms.config import GKDRunConfig, SWIFT_GKD_KEYS, prepare
+
+    path = tmp_path / "swift.yaml"
+    path.write_text("max_steps: 7\nlearning_rate: 1.0e-3\nbeta: 0.25\nlmbda: 0.5\n"
+                    "colocate_groups: [[train, rollout]]\nsleep_level: 1\nteacher_model: tiny_llama\n"
+                    "train: {gpus: 1}\nrollout: {gpus: 1}\n")
+    cli = [f"config_file={path}", "run.steps=3", "placement.sleep_level=2", "trainer.weight_decay=0.1"]
+    register_schema(GKDRunConfig)
+    with initialize_config_module(config_module="conf", version_base=None):
+        cfg = compose(config_name="config", overrides=cli)
+    typed, plan = prepare(cfg, GKDRunConfig, SWIFT_GKD_KEYS, cli=cli)
+    assert typed.run.steps == 3 and plan["rollout"].sleep_level == 2  # the command line's
+    assert typed.trainer.lr == 1e-3 and typed.algorithm.beta == 0.25 and typed.algorithm.lmbda == 0.5  # the file's
+    assert typed.trainer.weight_decay == 0.1 and plan["teacher"].model == "tiny_llama"
+    assert "run.steps" in capsys.readouterr().out

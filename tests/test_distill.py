@@ -7,7 +7,7 @@ import pytest
 from hydra import compose, initialize_config_module
 
 from algorithms.config import LoopConfig, prepare
-from algorithms.distill import (SWIFT_DISTILL_KEYS, DistillAlgorithm, DistillRunConfig, check, run, sample,
+from algorithms.distill import (SWIFT_DISTILL_KEYS, DistillAlgorithm, DistillRunConfig, validate, run, sample,
                                 select)
 from algorithms.runlog import RunLog, read_metrics
 from algorithms.tasks import arithmetic_examples, load_user_data
@@ -137,7 +137,7 @@ def check_outputs(out_dir, record, prompts):
 
 def test_end_to_end_on_ray_with_a_cpu_reward_group(ray_cluster, tmp_path):
     typed, plan = prepare(tiny_config({"device_groups": DEVICE_GROUPS}), DistillRunConfig, SWIFT_DISTILL_KEYS)
-    check(typed, plan)
+    validate(typed, plan)
     assert plan["prm"].device == "CPU" and plan["orm"].world_size == 2 and plan["sampler"].device == "GPU"
     record = run(typed, plan, tmp_path)
     check_outputs(tmp_path, record, prompts=6)
@@ -150,7 +150,7 @@ def test_end_to_end_on_ray_with_a_tensor_parallel_vllm_sampler(ray_cluster, tmp_
         "device": "GPU", "ranks": [0, 1], "workers": ["sampler"], "vllm_tensor_parallel_size": 2}}
     typed, plan = prepare({**tiny_config({"device_groups": groups}), "backend": {"rollout": "vllm"}},
                           DistillRunConfig, SWIFT_DISTILL_KEYS)
-    check(typed, plan)
+    validate(typed, plan)
     assert plan["sampler"].world_size == 2 and plan["sampler"].tensor_parallel_size == 2
     record = run(typed, plan, tmp_path)
     check_outputs(tmp_path, record, prompts=6)
@@ -162,7 +162,7 @@ def test_end_to_end_on_ray_with_a_tensor_parallel_vllm_sampler(ray_cluster, tmp_
 def test_end_to_end_local_with_warmup_and_sft_on_the_kept_rows(tmp_path):
     cfg = tiny_config({"device_groups": DEVICE_GROUPS}, warmup_sft_steps=2, sft_steps=2)
     typed, plan = prepare({**cfg, "backend": {"workers": "local"}}, DistillRunConfig, SWIFT_DISTILL_KEYS)
-    check(typed, plan)
+    validate(typed, plan)
     record = run(typed, plan, tmp_path)
     check_outputs(tmp_path, record, prompts=6)
     # The SFT phases ran and wrote their own metrics; the policy after warm-up sampled.
@@ -203,7 +203,7 @@ def test_ms_swift_sampling_yaml_loads_through_config_file_and_plans(tmp_path):
     path = tmp_path / "sampling.yaml"
     path.write_text(SWIFT_SAMPLING)
     typed, plan = prepare({"config_file": str(path)}, DistillRunConfig, SWIFT_DISTILL_KEYS)
-    check(typed, plan)
+    validate(typed, plan)
     algo = typed.algorithm
     assert (algo.num_return_sequences, algo.n_best_to_keep, algo.prm_threshold, algo.temperature, algo.top_p,
             algo.max_new_tokens, algo.output_file) == (4, 2, 0.8, 0.7, 0.9, 32, "sampling.jsonl")
@@ -215,8 +215,8 @@ def test_ms_swift_sampling_yaml_loads_through_config_file_and_plans(tmp_path):
         prepare({"config_file": str(path)}, DistillRunConfig, SWIFT_DISTILL_KEYS)
     path.write_text(SWIFT_SAMPLING.replace("n_best_to_keep: 2", "n_best_to_keep: 4"))
     typed, plan = prepare({"config_file": str(path)}, DistillRunConfig, SWIFT_DISTILL_KEYS)
-    with pytest.raises(ConfigError, match="n_best_to_keep < num_return_sequences"):
-        check(typed, plan)
+    with pytest.raises(ConfigError, match="algorithm.n_best_to_keep.*must lie in"):
+        validate(typed, plan)
 
 
 def test_quickstart_composes_validates_and_plans():
@@ -224,11 +224,11 @@ def test_quickstart_composes_validates_and_plans():
     with initialize_config_module(config_module="conf", version_base=None):
         cfg = compose(config_name="config", overrides=["+experiment=distill_quickstart"])
     typed, plan = prepare(cfg, DistillRunConfig, SWIFT_DISTILL_KEYS)
-    check(typed, plan)
+    validate(typed, plan)
     assert plan["sampler"].device == "GPU" and plan["prm"].device == "CPU" and plan["prm"].world_size == 2
     assert typed.prm.kind == "arithmetic" and typed.orm.kind == "numeric"
     assert typed.algorithm.warmup_sft_steps > 0 and typed.algorithm.sft_steps > 0
     # Its SFT phases run on the sampler's single rank: a Megatron TP of 2 cannot split it.
     typed.backend.train, typed.megatron.tensor_parallel_size = "megatron", 2
     with pytest.raises(ConfigError, match="megatron.tensor_parallel_size"):
-        check(typed, plan)
+        validate(typed, plan)

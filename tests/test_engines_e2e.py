@@ -23,7 +23,7 @@ def run_grpo(tmp_path, overrides):
     from algorithms.runlog import read_metrics
 
     _, typed, plan = prepared(grpo.GRPORunConfig, TINY_GRPO + overrides)
-    grpo.check(typed, plan)
+    grpo.validate(typed, plan)
     record = grpo.run(typed, plan, tmp_path)
     rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["step"] >= 0]
     assert [r["step"] for r in rows][-3:] == [0, 1, 2]

@@ -182,15 +182,15 @@ def test_dynamic_sample_drops_zero_variance_groups(tmp_path):
 def test_check_rejects_bad_settings():
     plan = make_plan(COLOCATED)
     ok = grpo.GRPORunConfig(run=LoopConfig(prompts_per_step=4))
-    grpo.check(ok, plan)
+    grpo.validate(ok, plan)
     for algo in [dict(num_generations=1), dict(scale_rewards="std"), dict(loss_type="ppo"),
                  dict(reward_funcs=["nope"]), dict(reward_weights=[1.0, 2.0]), dict(steps_per_generation=0)]:
         with pytest.raises(ConfigError):
-            grpo.check(grpo.GRPORunConfig(run=LoopConfig(prompts_per_step=4), algorithm=grpo.GRPOAlgorithm(**algo)), plan)
+            grpo.validate(grpo.GRPORunConfig(run=LoopConfig(prompts_per_step=4), algorithm=grpo.GRPOAlgorithm(**algo)), plan)
     # The warm start runs on the trainer's ranks: each needs a share of every SFT batch.
     two = make_plan({"train": {"gpus": 2}, "rollout": {"gpus": 1}})
     with pytest.raises(ConfigError, match="warmup_sft_batch"):
-        grpo.check(grpo.GRPORunConfig(run=LoopConfig(prompts_per_step=4), algorithm=grpo.GRPOAlgorithm(
+        grpo.validate(grpo.GRPORunConfig(run=LoopConfig(prompts_per_step=4), algorithm=grpo.GRPOAlgorithm(
             warmup_sft_steps=5, warmup_sft_batch=1)), two)
 
 
@@ -214,7 +214,7 @@ def test_tiny_run_end_to_end_on_ray(ray_cluster, tmp_path):
             "algorithm.warmup_sft_steps=2", "algorithm.warmup_sft_batch=8", "algorithm.steps_per_generation=2",
             "trainer.warmup_steps=0", "algorithm.beta=0.04"])  # the quickstart has no KL; this run does
     typed, plan = prepare(cfg, grpo.GRPORunConfig, grpo.SWIFT_GRPO_KEYS)
-    grpo.check(typed, plan)
+    grpo.validate(typed, plan)
     record = grpo.run(typed, plan, tmp_path)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 1, 2]
@@ -240,7 +240,7 @@ def test_planned_orm_and_prm_roles_score_the_rewards():
         "nproc_per_node": 1, "gen": {"device": "GPU", "ranks": [0], "workers": ["train", "rollout"]},
         "rm": {"device": "CPU", "ranks": 1, "workers": ["orm", "prm"]}}})
     algo = grpo.GRPOAlgorithm(reward_funcs=["accuracy", "format", "prm"], reward_weights=[1.0, 0.1, 0.5])
-    grpo.check(grpo.GRPORunConfig(run=LoopConfig(prompts_per_step=4), algorithm=algo), plan)
+    grpo.validate(grpo.GRPORunConfig(run=LoopConfig(prompts_per_step=4), algorithm=algo), plan)
     specs = grpo.reward_specs(algo)
     configs = grpo.planned_reward_configs(specs, plan)
     assert configs["orm"]["kind"] == "combined" and configs["orm"]["weights"] == {"numeric": 1.0, "format": 0.1}

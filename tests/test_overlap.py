@@ -184,16 +184,16 @@ def test_overlap_on_a_shared_device_is_refused(placement):
     plan = make_plan(placement)
     cfg = grpo.GRPORunConfig(run=LoopConfig(prompts_per_step=4), algorithm=grpo.GRPOAlgorithm(max_staleness=1))
     with pytest.raises(ConfigError, match=r"'algorithm.max_staleness'=1 .*colocates rollout with \['train'\].*Fix"):
-        grpo.check(cfg, plan)
-    grpo.check(grpo.GRPORunConfig(run=LoopConfig(prompts_per_step=4)), plan)  # 0 is fine there
+        grpo.validate(cfg, plan)
+    grpo.validate(grpo.GRPORunConfig(run=LoopConfig(prompts_per_step=4)), plan)  # 0 is fine there
 
 
 def test_gkd_overlap_with_a_colocated_rollout_is_refused():
     plan = make_plan({**COLOCATED, "teacher_model": "tiny_llama"})
     with pytest.raises(ConfigError, match="algorithm.max_staleness"):
-        gkd.check(GKDRunConfig(algorithm=GKDAlgorithm(max_staleness=2)), plan)
+        gkd.validate(GKDRunConfig(algorithm=GKDAlgorithm(max_staleness=2)), plan)
     with pytest.raises(ConfigError, match="must be >= 0"):
-        grpo.check(grpo.GRPORunConfig(run=LoopConfig(prompts_per_step=4),
+        grpo.validate(grpo.GRPORunConfig(run=LoopConfig(prompts_per_step=4),
                                       algorithm=grpo.GRPOAlgorithm(max_staleness=-1)), make_plan(SEPARATE))
 
 
@@ -209,7 +209,7 @@ def real_grpo(tmp_path, overrides):
     with initialize_config_module(config_module="conf", version_base=None):
         cfg = compose(config_name="config", overrides=TINY + overrides)
     typed, plan = prepare(cfg, grpo.GRPORunConfig, grpo.SWIFT_GRPO_KEYS)
-    grpo.check(typed, plan)
+    grpo.validate(typed, plan)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

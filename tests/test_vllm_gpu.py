@@ -168,7 +168,7 @@ def _driver_run(driver, run_config, swift_keys, overrides, tmp_path):
     with initialize_config_module(config_module="conf", version_base=None):
         cfg = compose(config_name="config", overrides=overrides + ["cluster.simulate_missing_gpus=false"])
     typed, plan = prepare(cfg, run_config, swift_keys)
-    driver.check(typed, plan)
+    driver.validate(typed, plan)
     try:
         driver.run(typed, plan, tmp_path)
     finally:

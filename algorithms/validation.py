@@ -1,0 +1,199 @@
+"""The checks every driver runs before anything starts (no Ray, no actor, no file written).
+
+Each driver's `validate(cfg, plan)` calls `check_run` for the sections all drivers share and
+then checks its own `algorithm` section with `require`. Every refusal is one ConfigError
+`config key 'X'=V <problem>. Fix: <what to set>`, naming a key the user can set; the drivers'
+entry point prints it as one line and exits 2. The roles keep only the checks that guard
+their own constructors when they are used without a driver.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Optional
+
+from orchestration.config import ConfigError
+from orchestration.planner import Plan
+from orchestration.weight_sync import check_settings as check_weight_sync
+from roles.engines.options import ROLLOUT_ENGINES, TEACHER_ENGINES, TRAIN_ENGINES
+from roles.models import check_config, load_tokenizer, resolve_config
+from roles.trainer import COMPUTE_DTYPES, SCHEDULES
+
+DATA_TASKS = ("arithmetic", "gsm", "files")
+MODEL_DTYPES = (None, "float32", "bfloat16", "float16")
+
+
+def require(ok: bool, key: str, value: Any, problem: str, fix: str) -> None:
+    """Refuse config key `key` (its value `value`) unless `ok`."""
+    if not ok:
+        raise ConfigError(f"config key '{key}'={value!r} {problem}. Fix: {fix}")
+
+
+def require_all(section: Any, prefix: str, rules: dict[str, tuple]) -> None:
+    """`rules`: {field: (predicate, what the value must be)}, checked on `section`'s fields."""
+    for name, (ok, want) in rules.items():
+        value = getattr(section, name)
+        require(ok(value), f"{prefix}.{name}", value, f"must be {want}", f"set {prefix}.{name} to {want}")
+
+
+def require_roles(plan: Plan, needed: tuple, driver: str, fix: str) -> None:
+    """The placement plans every role of `needed` (a tuple of alternatives counts once)."""
+    missing = [r if isinstance(r, str) else "/".join(r) for r in needed
+               if not ({r} if isinstance(r, str) else set(r)) & set(plan.roles)]
+    if missing:
+        raise ConfigError(f"config key 'placement' plans roles {sorted(plan.roles)}; {driver} also needs "
+                          f"{missing}. Fix: {fix}")
+
+
+POSITIVE, NON_NEGATIVE = (lambda v: v > 0, "> 0"), (lambda v: v >= 0, ">= 0")
+AT_LEAST_1 = (lambda v: v >= 1, ">= 1")
+FRACTION = (lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
+
+
+def check_run(cfg: Any, plan: Plan, updates: Optional[int] = None) -> None:
+    """The sections every driver shares: run loop, trainer, model(s), data, engines, weight
+    sync, rollout, cluster. `updates`: optimizer updates of the run (default run.steps)."""
+    require_all(cfg.run, "run", {"steps": AT_LEAST_1, "prompts_per_step": AT_LEAST_1, "eval_every": NON_NEGATIVE,
+                                 "save_every": NON_NEGATIVE, "eval_max_new_tokens": AT_LEAST_1})
+    ranks = max((plan[r].world_size for r in ("train", "default") if r in plan.roles), default=1)
+    # A rank without a share would wait forever in the gradient all-reduce.
+    require(cfg.run.prompts_per_step >= ranks, "run.prompts_per_step", cfg.run.prompts_per_step,
+            f"is below the {ranks} trainer ranks", f"raise it to at least {ranks}")
+    check_trainer(cfg.trainer, "trainer", updates or cfg.run.steps, "run.steps")
+    check_model("model", cfg.model)
+    for role, entry in plan.roles.items():
+        if entry.model is not None:
+            colocated_teacher = role == "teacher" and "train" in entry.colocated_with
+            key = "placement.teacher_model" if colocated_teacher else f"placement.{role}.model"
+            check_model(key, entry.model)
+    check_data(cfg.data)
+    for role, choices in (("train", TRAIN_ENGINES), ("rollout", ROLLOUT_ENGINES), ("teacher", TEACHER_ENGINES)):
+        value = getattr(cfg.backend, role)
+        require(value in choices, f"backend.{role}", value, "is not an engine", f"use one of {list(choices)}")
+    check_weight_sync(cfg.weight_sync)
+    check_vllm_tensor_parallel(cfg, plan)
+    require_all(cfg.rollout, "rollout", {"max_batch_size": AT_LEAST_1})
+    require(cfg.rollout.dtype in MODEL_DTYPES, "rollout.dtype", cfg.rollout.dtype, "is not a weight dtype",
+            f"use one of {list(MODEL_DTYPES)}")
+    require_all(cfg.cluster, "cluster", {"placement_timeout_s": POSITIVE})
+    for key in ("simulate_gpus", "num_cpus", "object_store_mb"):
+        value = getattr(cfg.cluster, key)
+        require(value is None or value >= 1, f"cluster.{key}", value, "must be >= 1 (or null)",
+                f"set cluster.{key} to a positive count, or null for the default")
+
+
+def check_trainer(t: Any, prefix: str, updates: int, updates_key: str) -> None:
+    """A trainer section (`prefix`: its config key) over `updates` optimizer updates."""
+    require_all(t, prefix, {"lr": POSITIVE, "weight_decay": NON_NEGATIVE, "warmup_steps": NON_NEGATIVE,
+                            "grad_clip": NON_NEGATIVE, "micro_batch_per_device": NON_NEGATIVE})
+    require(math.isfinite(t.lr), f"{prefix}.lr", t.lr, "must be finite", f"set {prefix}.lr to e.g. 1e-5")
+    require(t.schedule in SCHEDULES, f"{prefix}.schedule", t.schedule, "is not a schedule", f"use one of {SCHEDULES}")
+    require(t.dtype in COMPUTE_DTYPES, f"{prefix}.dtype", t.dtype, "is not a compute dtype",
+            f"use one of {COMPUTE_DTYPES}")
+    require(len(t.betas) == 2 and all(0.0 <= b < 1.0 for b in t.betas), f"{prefix}.betas", list(t.betas),
+            "must be two values in [0, 1)", f"set {prefix}.betas=[0.9,0.999]")
+    require(t.schedule != "cosine" or t.warmup_steps < updates, f"{prefix}.warmup_steps", t.warmup_steps,
+            f"reaches the run's {updates} updates ({updates_key}), so the cosine schedule would never decay",
+            f"set it below {updates}, or {prefix}.schedule=constant")
+
+
+def check_model(key: str, spec: Any) -> None:
+    """A model spec (preset name, local HF directory, or a model section) that can build."""
+    try:
+        cfg = resolve_config(spec)
+    except ValueError as e:
+        raise ConfigError(f"config key '{key}'={spec if isinstance(spec, str) else getattr(spec, 'name', spec)!r}: "
+                          f"{e}. Fix: name a preset or a local directory holding a saved model") from None
+    if cfg.path is not None:
+        shown = f"{key}.path" if not isinstance(spec, str) else key
+        require(os.path.isdir(cfg.path), shown, cfg.path, "is not a directory",
+                "give a local folder written by save_pretrained (config.json, weights, tokenizer)")
+        require(os.path.isfile(os.path.join(cfg.path, "config.json")), shown, cfg.path, "holds no config.json",
+                "give a folder written by save_pretrained")
+        return
+    try:
+        check_config(cfg)
+    except ValueError as e:
+        raise ConfigError(f"config key '{key}': {e}. Fix: change the named field of the model preset") from None
+
+
+def vocab_size(spec: Any) -> int:
+    """Rows of a model's output layer: config.json's vocab_size for a saved model, else the
+    preset's vocab_size or its tokenizer's length (what build_model uses)."""
+    cfg = resolve_config(spec)
+    if cfg.path is not None:
+        return int(json.loads((Path(cfg.path) / "config.json").read_text())["vocab_size"])
+    return cfg.vocab_size or len(load_tokenizer(cfg))
+
+
+def check_data(d: Any) -> None:
+    require(d.task in DATA_TASKS, "data.task", d.task, "is not a task", f"use one of {list(DATA_TASKS)}")
+    require_all(d, "data", {"train_size": AT_LEAST_1, "eval_size": AT_LEAST_1})
+    if d.task == "files":
+        require(bool(d.paths), "data.paths", list(d.paths), "is empty with data.task=files",
+                "data.paths=[/path/train.jsonl]")
+        for path in d.paths:
+            require(os.path.exists(path), "data.paths", path, "does not exist", "give existing JSONL/Parquet files")
+    if d.task == "arithmetic":
+        a = d.arithmetic
+        require_all(a, "data.arithmetic", {"min_operands": (lambda v: v >= 2, ">= 2"), "min_digits": AT_LEAST_1,
+                                           "heldout_fraction": (lambda v: 0.0 < v < 1.0, "in (0, 1)")})
+        require(a.max_operands >= a.min_operands, "data.arithmetic.max_operands", a.max_operands,
+                f"is below min_operands={a.min_operands}", "raise it")
+        require(a.max_digits >= a.min_digits, "data.arithmetic.max_digits", a.max_digits,
+                f"is below min_digits={a.min_digits}", "raise it")
+        require(bool(a.ops) and set(a.ops) <= set("+-*"), "data.arithmetic.ops", a.ops,
+                "must be made of + - *", 'e.g. data.arithmetic.ops="+-"')
+
+
+def check_importable(key: str, path: str) -> None:
+    """A dotted path 'pkg.mod.fn' to a function this process can import."""
+    module_name, _, attr = path.rpartition(".")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(f"config key '{key}': cannot import module {module_name!r} of {path!r} ({e}). Fix: "
+                          "install it or put it on PYTHONPATH (Ray workers get the driver's working directory)") \
+            from None
+    require(callable(getattr(module, attr, None)), key, path, f"names no function in module {module_name!r}",
+            "give 'pkg.mod.fn' of a function fn(prompts, completions, references) -> list[float]")
+
+
+def check_scorer(section: Any, key: str, kinds: tuple, needs_fn: bool = True) -> None:
+    """An ORM/PRM section (`key`: orm or prm): its kind, a custom function that imports, a
+    reward model that builds."""
+    require(section.kind in kinds, f"{key}.kind", section.kind, "is not a kind", f"use one of {list(kinds)}")
+    if section.kind == "custom" and needs_fn:
+        require(bool(section.reward_fn), f"{key}.reward_fn", section.reward_fn, "is unset with kind=custom",
+                f"set {key}.reward_fn=pkg.mod.fn")
+        check_importable(f"{key}.reward_fn", section.reward_fn)
+    if section.kind == "model":
+        require(section.model is not None, f"{key}.model", None, "is unset with kind=model",
+                f"set {key}.model to a preset or a local checkpoint")
+        check_model(f"{key}.model", section.model)
+    require_all(section, key, {"micro_batch": AT_LEAST_1, "lr": POSITIVE})
+
+
+def check_vllm_tensor_parallel(cfg: Any, plan: Plan) -> None:
+    """`<role>.vllm_tensor_parallel_size` > 1 needs a vLLM engine, one process per rank, and a
+    model whose attention heads split evenly over the engine's ranks."""
+    for role, entry in plan.roles.items():
+        tp = entry.tensor_parallel_size
+        if tp == 1:
+            continue
+        where = f"device_groups.{entry.group}" if plan.form == "device_groups" else role
+        key = f"placement.{where}.vllm_tensor_parallel_size"
+        backend = "teacher" if role == "teacher" else "rollout"  # the sampler runs the rollout's engine
+        engine = getattr(cfg.backend, backend)
+        require(engine == "vllm", key, tp, f": only a vLLM engine spans several ranks; the {role} runs {engine}",
+                f"set backend.{backend}=vllm, or set it to 1")
+        require(cfg.backend.workers == "ray", key, tp, ": the ranks of one engine are separate processes",
+                "set backend.workers=ray, or set it to 1")
+        model = resolve_config(entry.model or (cfg.teacher.model if role == "teacher" else cfg.model))
+        heads = (json.loads((Path(model.path) / "config.json").read_text())["num_attention_heads"] if model.path
+                 else model.num_attention_heads)
+        require(heads % tp == 0, key, tp, f"does not divide the model's {heads} attention heads",
+                f"use a divisor of {heads}")
