@@ -156,7 +156,7 @@ def test_end_to_end_on_ray_with_a_tensor_parallel_vllm_sampler(ray_cluster, tmp_
     check_outputs(tmp_path, record, prompts=6)
     local = {**tiny_config({"device_groups": groups}), "backend": {"rollout": "vllm", "workers": "local"}}
     with pytest.raises(ConfigError, match="device_groups.sample_group.vllm_tensor_parallel_size"):
-        prepare(local, DistillRunConfig, SWIFT_DISTILL_KEYS)
+        validate(*prepare(local, DistillRunConfig, SWIFT_DISTILL_KEYS))
 
 
 def test_end_to_end_local_with_warmup_and_sft_on_the_kept_rows(tmp_path):
