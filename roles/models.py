@@ -9,7 +9,8 @@
 * a `ModelConfig` (what Hydra composes under `model:`), or a mapping of its fields.
 
 Everything written with `save_checkpoint` loads back with `AutoModelForCausalLM` and
-`AutoTokenizer` alone. No Ray here: roles build their models through this module.
+`AutoTokenizer` alone (no flags) and encodes as in training. No Ray here: roles build their
+models through this module.
 """
 from __future__ import annotations
 
@@ -22,10 +23,10 @@ from typing import Any, List, Mapping, Optional, Union
 
 import torch
 from omegaconf import OmegaConf
-from transformers import (AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PreTrainedModel,
-                          PreTrainedTokenizerFast, Qwen2Config)
+from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig,
+                          PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config)
 
-from roles.tokenizers import BUILDERS, build_tokenizer
+from roles.tokenizers import BUILDERS, build_tokenizer, save_tokenizer
 
 # Smallest head size vLLM's CPU attention kernels accept.
 MIN_HEAD_DIM = 32
@@ -159,8 +160,8 @@ def load_tokenizer(spec: ModelSpec):
                          f"there or set model.tokenizer to one of {sorted(BUILDERS)}")
     try:
         if _plain_fast_tokenizer(kind):
-            # AutoTokenizer would pick the class of config.json's model type (Qwen2Tokenizer),
-            # which rebuilds the pre-tokenizer and drops spaces/newlines of the char tokenizer.
+            # tokenizer.json as written: AutoTokenizer rebuilds Qwen2Tokenizer's pipeline
+            # next to a qwen2 config.json, right for this project's tokenizers only.
             return PreTrainedTokenizerFast.from_pretrained(kind, local_files_only=True)
         return AutoTokenizer.from_pretrained(kind, local_files_only=True)
     except (OSError, ValueError) as err:
@@ -207,9 +208,17 @@ def build_model(spec: ModelSpec) -> PreTrainedModel:
 
 
 def save_checkpoint(model: PreTrainedModel, tokenizer, out_dir: Union[str, os.PathLike]) -> Path:
-    """Write model (safetensors) and tokenizer so plain `from_pretrained(out_dir)` loads both."""
+    """Write model (safetensors), generation_config.json and tokenizer so plain
+    `from_pretrained(out_dir)` loads each and `generate` stops at the tokenizer's eos."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    gen = model.generation_config or GenerationConfig.from_model_config(model.config)
+    # Fill only what is missing: a checkpoint's own (e.g. several eos ids) stays as it is.
+    for field in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if getattr(gen, field) is None and getattr(tokenizer, field) is not None:
+            setattr(gen, field, getattr(tokenizer, field))
+    model.generation_config = gen
     model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    gen.save_pretrained(out)
+    save_tokenizer(tokenizer, out)
     return out

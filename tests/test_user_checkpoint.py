@@ -1,4 +1,7 @@
-"""A checkpoint saved by plain transformers (not by this project) works in every role."""
+"""A checkpoint saved by plain transformers (not by this project) works in every role, and one
+saved by this project loads with plain transformers."""
+import json
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -69,3 +72,40 @@ def test_user_checkpoint_rollout_in_a_local_group_equals_direct(user_ckpt):
                              {"model": user_ckpt, "config": {"device": "cpu"}})
     grouped = group.call("generate", prompts, greedy, dispatch="slice", collect="flatten")
     assert grouped.completion_ids == direct.completion_ids and grouped.texts == direct.texts
+
+
+CHAT = [{"role": "user", "content": "3+5+7"}, {"role": "assistant", "content": "3+5=8\n8+7=15\n#### 15"}]
+# Spaces, blank lines and a `#### N` answer: what a task's prompt and solution look like.
+SPACED = "3+5+7\n3+5=8 #### 15\n\n  two  spaces \n"
+TINY = {"hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "max_position_embeddings": 128}
+
+
+@pytest.mark.parametrize("kind", ["char", "gpt2"])
+def test_trainer_checkpoint_loads_with_plain_transformers(kind, tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from roles.tokenizers import LOADER_KWARGS, build_tokenizer
+
+    built = build_tokenizer(kind)
+    examples = arithmetic_examples(2, seed=0, config=ArithmeticConfig(2, 2, 1, 1, "+"))
+    batch = common.batch_of(built, common.encode_examples(built, examples))
+    trainer = Trainer({"name": "tiny", "tokenizer": kind, **TINY}, {"device": "cpu", "lr": 1e-3})
+    trainer.train_step(batch)
+    first = trainer.save(tmp_path / "step_1")
+    # A second phase starts from the first one's folder (its tokenizer comes back through
+    # from_pretrained) and saves again, as a warm start followed by GRPO/GKD does.
+    second = Trainer(str(first), {"device": "cpu", "lr": 1e-3})
+    second.train_step(batch)
+    for ckpt, source in ((first, trainer), (second.save(tmp_path / "step_2"), second)):
+        tok = AutoTokenizer.from_pretrained(ckpt)
+        assert tok(SPACED)["input_ids"] == built(SPACED)["input_ids"]
+        assert tok.decode(tok(SPACED)["input_ids"], skip_special_tokens=False) == SPACED
+        assert tok.apply_chat_template(CHAT, tokenize=False) == built.apply_chat_template(CHAT, tokenize=False)
+        config = json.loads((ckpt / "tokenizer_config.json").read_text())
+        assert not set(LOADER_KWARGS) & set(config), config
+        model = AutoModelForCausalLM.from_pretrained(ckpt)
+        for name, value in source.model.state_dict().items():
+            assert torch.equal(model.state_dict()[name], value), name
+        gen = GenerationConfig.from_pretrained(ckpt)
+        assert (gen.eos_token_id, gen.pad_token_id) == (built.eos_token_id, built.pad_token_id)
