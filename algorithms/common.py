@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import random
 import sys
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
 from algorithms.tasks import Example
 from roles.batch import Batch, Completions, batch_from_completions
@@ -37,17 +37,33 @@ def batch_of(tokenizer: Any, completions: Completions) -> Batch:
     return batch_from_completions(completions, pad)
 
 
-def prompt_stream(examples: list[Example], per_step: int, seed: int) -> Iterator[list[Example]]:
-    """Endless shuffled epochs of `per_step` examples."""
-    rng = random.Random(seed)
-    order: list[int] = []
-    while True:
-        if len(order) < per_step:
-            fresh = list(range(len(examples)))
-            rng.shuffle(fresh)
-            order += fresh
-        yield [examples[i] for i in order[:per_step]]
-        del order[:per_step]
+class PromptStream:
+    """Endless shuffled epochs of `per_step` examples. `drawn` counts the batches handed out;
+    a stream made with `skip=k` continues exactly where one that handed out k batches stood
+    (the same epoch, order and offset), which is how a resumed run gets the same prompts."""
+
+    def __init__(self, examples: list[Example], per_step: int, seed: int, skip: int = 0):
+        self.examples, self.per_step = examples, per_step
+        self._rng = random.Random(seed)
+        self._order: list[int] = []
+        self.drawn = 0
+        for _ in range(skip):
+            self._next_indices()
+
+    def _next_indices(self) -> list[int]:
+        if len(self._order) < self.per_step:
+            fresh = list(range(len(self.examples)))
+            self._rng.shuffle(fresh)
+            self._order += fresh
+        picked, self._order = self._order[:self.per_step], self._order[self.per_step:]
+        self.drawn += 1
+        return picked
+
+    def __iter__(self) -> "PromptStream":
+        return self
+
+    def __next__(self) -> list[Example]:
+        return [self.examples[i] for i in self._next_indices()]
 
 
 # The task's "#### N" answer check, for the accuracies every driver logs.

@@ -38,6 +38,12 @@ class LoopConfig:
     save_final: bool = True
     # Seed of the driver's sampling of prompts and coin flips.
     seed: int = 0
+    # Continue an interrupted run: "auto" (the newest complete checkpoint in the run directory;
+    # with Hydra, pass hydra.run.dir=<the old run's directory>; none there: start at step 0) or
+    # the path of a checkpoints/step_N folder. null: start at step 0.
+    resume: Optional[str] = None
+    # Keep only the k newest checkpoints of the run; 0 keeps all.
+    keep_last: int = 0
 
 
 @dataclass

@@ -110,7 +110,7 @@ def sample(cfg: DistillRunConfig, sampler: Any, prm: Any, orm: Any, train_set: l
     to `out_path` and returns the last metrics record (with the run's totals)."""
     algo, steps, n = cfg.algorithm, cfg.run.steps, cfg.algorithm.num_return_sequences
     sampling = SamplingParams(temperature=algo.temperature, top_p=algo.top_p, max_new_tokens=algo.max_new_tokens)
-    stream = common.prompt_stream(train_set, cfg.run.prompts_per_step, cfg.run.seed)
+    stream = common.PromptStream(train_set, cfg.run.prompts_per_step, cfg.run.seed)
     totals: Counter = Counter()
     record: dict = {}
     with open(out_path, "w") as out:

@@ -59,16 +59,16 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
     `teacher_writer` (a rollout with the teacher's weights) writes off-policy completions when seq_kd."""
     algo, topk = cfg.algorithm, plan.gkd_logits_topk
     sampling = SamplingParams(temperature=algo.temperature, max_new_tokens=algo.max_new_tokens)
-    stream = common.prompt_stream(train_set, cfg.run.prompts_per_step, cfg.run.seed)
     # The coin of every step, drawn up front: generations may start max_staleness steps early.
     coin = random.Random(cfg.run.seed)
     on_policy = [False] + [coin.random() < algo.lmbda for _ in range(cfg.run.steps)]
-    prefetch = overlap.Prefetch(rollout, log, stream, sampling, algo.max_staleness, cfg.run.steps,
-                                generates=lambda s: on_policy[s])
     with Turns(plan, {"train": trainer, "rollout": rollout, "teacher": teacher}, cfg.run, cfg.weight_sync, log,
                       eval_set) as turns:
-        record: dict = {}
-        for step in range(0, cfg.run.steps + 1):
+        # Prompts continue where a resumed run's checkpoint left them.
+        stream = common.PromptStream(train_set, cfg.run.prompts_per_step, cfg.run.seed, turns.resumed.get("stream", 0))
+        prefetch = overlap.Prefetch(rollout, log, stream, sampling, algo.max_staleness, cfg.run.steps,
+                                    generates=lambda s: on_policy[s], seed=cfg.run.seed, first_step=turns.first_step)
+        for step in range(turns.first_step, cfg.run.steps + 1):
             metrics: dict = dict(step0 or {}) if step == 0 else {}
             if step > 0:
                 metrics["gkd/on_policy"] = float(on_policy[step])
@@ -99,8 +99,8 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
                     # Sync weights (once generations started ahead finish): the rollout samples the
                     # updated student.
                     metrics.update(turns.sync(step, prefetch, algo.max_staleness))
-            record = turns.end_step(step, metrics)
-        return turns.finish(record)
+            turns.end_step(step, metrics, {"stream": prefetch.position()})
+        return turns.finish({"stream": prefetch.position()})
 
 
 def _off_policy(examples: list, tokenizer: Any, teacher_writer: Any, sampling: SamplingParams, log: RunLog) -> Any:
@@ -138,7 +138,7 @@ def warm_teacher(cfg: GKDRunConfig, out_dir: Path) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.parent / f"{path.name}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    shutil.copytree(record["checkpoint"], tmp, ignore=shutil.ignore_patterns("rng_state_*", "trainer_state.pt"))
+    shutil.copytree(record["checkpoint"], tmp, ignore=shutil.ignore_patterns("rng_state_*", "trainer_state.pt", "driver_state.json"))
     tmp.rename(path)
     return str(path)
 

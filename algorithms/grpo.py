@@ -142,13 +142,14 @@ def train(cfg: GRPORunConfig, plan: Plan, trainer: Any, rollout: Any, reference:
     beta = 0. Returns the last record."""
     algo, G = cfg.algorithm, cfg.algorithm.num_generations
     sampling = SamplingParams(temperature=algo.temperature, max_new_tokens=algo.max_new_tokens, n=G)
-    stream = common.prompt_stream(train_set, cfg.run.prompts_per_step, cfg.run.seed)
-    # Step k's generation starts up to max_staleness steps early (0: after step k-1's weight sync).
-    prefetch = overlap.Prefetch(rollout, log, stream, sampling, algo.max_staleness, cfg.run.steps)
     with Turns(plan, {"train": trainer, "rollout": rollout, "reference": reference}, cfg.run, cfg.weight_sync,
                       log, eval_set) as turns:
-        record: dict = {}
-        for step in range(0, cfg.run.steps + 1):
+        # Prompts continue where a resumed run's checkpoint left them; step k's generation starts
+        # up to max_staleness steps early (0: after step k-1's weight sync).
+        stream = common.PromptStream(train_set, cfg.run.prompts_per_step, cfg.run.seed, turns.resumed.get("stream", 0))
+        prefetch = overlap.Prefetch(rollout, log, stream, sampling, algo.max_staleness, cfg.run.steps,
+                                    seed=cfg.run.seed, first_step=turns.first_step)
+        for step in range(turns.first_step, cfg.run.steps + 1):
             metrics: dict = {}
             if step > 0:
                 # Generate + score: G completions per prompt and their rewards (with dynamic_sample,
@@ -182,8 +183,8 @@ def train(cfg: GRPORunConfig, plan: Plan, trainer: Any, rollout: Any, reference:
                     # Sync weights (once generations started ahead finish): the rollout samples the
                     # updated policy.
                     metrics.update(turns.sync(step, prefetch, algo.max_staleness))
-            record = turns.end_step(step, metrics)
-        return turns.finish(record)
+            turns.end_step(step, metrics, {"stream": prefetch.position()})
+        return turns.finish({"stream": prefetch.position()})
 
 
 def _generate_and_score(algo: GRPOAlgorithm, want: int, prefetch: Any, rewards: Rewards, step: int, log: RunLog,
@@ -261,7 +262,7 @@ def warm_start(cfg: GRPORunConfig, train_ranks: int, out_dir: Path) -> str:
                      data=replace(cfg.data, train_size=a.warmup_sft_examples or cfg.data.train_size),
                      run=LoopConfig(steps=a.warmup_sft_steps, prompts_per_step=a.warmup_sft_batch,
                                     eval_max_new_tokens=cfg.run.eval_max_new_tokens, save_final=True,
-                                    seed=cfg.run.seed))
+                                    seed=cfg.run.seed, resume="auto" if cfg.run.resume else None))
     print(f"grpo: SFT warm start of {cfg.model.name} for {a.warmup_sft_steps} steps")
     record = sft.run(warm, make_plan({"train": {"gpus": train_ranks}}), out_dir / "sft_warmup")
     return record["checkpoint"]

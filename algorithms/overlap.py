@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, Iterator, Optional
+from dataclasses import replace
+from typing import Any, Callable, Optional
 
 from orchestration.config import ConfigError
 from orchestration.planner import Plan
@@ -72,28 +73,34 @@ class Pending:
 class Prefetch:
     """Each step's examples, drawn from `stream` in step order, and their completions for the
     steps where `generates(step)` (all by default), generated up to `max_staleness` steps
-    ahead. Steps run 1..`last_step`; nothing is generated beyond it."""
+    ahead. Steps run 1..`last_step`; nothing is generated beyond it. Sampling is seeded by
+    (`seed`, step, round), so a step's samples do not depend on what ran before it: a resumed
+    run draws what the uninterrupted one drew."""
 
-    def __init__(self, rollout: Any, log: Any, stream: Iterator[list], sampling: Any, max_staleness: int,
-                 last_step: int, generates: Callable[[int], bool] = lambda step: True):
+    def __init__(self, rollout: Any, log: Any, stream: Any, sampling: Any, max_staleness: int,
+                 last_step: int, generates: Callable[[int], bool] = lambda step: True, seed: int = 0,
+                 first_step: int = 1):
         self.rollout, self.log, self.stream, self.sampling = rollout, log, stream, sampling
         self.max_staleness, self.last_step, self.generates = max_staleness, last_step, generates
+        self.seed = seed
         self._ahead: dict[int, tuple[list, Optional[Pending]]] = {}
-        self._next = 1
+        self._drawn_at: dict[int, int] = {}  # step -> the stream's batch count before its draw
+        self._next = max(first_step, 1)  # step 0 only evaluates
+        self._rounds: dict[int, int] = {}
         self._last: Optional[Pending] = None
 
     def take(self, step: int) -> tuple[list, Optional[Completions]]:
         """(examples, completions or None) of `step`; starts the generations of the following
         steps up to the staleness bound first."""
         while self._next <= min(step + self.max_staleness, self.last_step):
+            self._drawn_at[self._next] = self.stream.drawn
             examples = next(self.stream)
             pending = None
             if self.generates(self._next):
-                pending = Pending(self.rollout, "generate", [ex.prompt_messages() for ex in examples], self.sampling,
-                                  dispatch="slice", collect="flatten", after=self._last)
-                self._last = pending
+                pending = self._generate(examples, self._next)
             self._ahead[self._next] = (examples, pending)
             self._next += 1
+        self._drawn_at.pop(step, None)
         examples, pending = self._ahead.pop(step)
         return examples, None if pending is None else self._finish(pending, step)
 
@@ -101,9 +108,19 @@ class Prefetch:
         """Another round of fresh prompts for `step` (dynamic sampling), generated now, after
         whatever is already queued on the rollout."""
         examples = next(self.stream)
-        self._last = Pending(self.rollout, "generate", [ex.prompt_messages() for ex in examples], self.sampling,
+        return examples, self._finish(self._generate(examples, step), step)
+
+    def position(self) -> int:
+        """Batches of the stream used by the steps taken so far: a stream skipping this many
+        gives the next step its prompts (batches drawn ahead for later steps are drawn again)."""
+        return min(self._drawn_at.values(), default=self.stream.drawn)
+
+    def _generate(self, examples: list, step: int) -> Pending:
+        rnd = self._rounds[step] = self._rounds.get(step, -1) + 1
+        sampling = replace(self.sampling, seed=step_seed(self.seed, step, rnd))
+        self._last = Pending(self.rollout, "generate", [ex.prompt_messages() for ex in examples], sampling,
                              dispatch="slice", collect="flatten", after=self._last)
-        return examples, self._finish(self._last, step)
+        return self._last
 
     def _finish(self, pending: Pending, step: int) -> Completions:
         comps = pending.result()
@@ -120,6 +137,11 @@ class Prefetch:
     def running(self) -> int:
         """Generations started and not finished."""
         return sum(p is not None and not p.done() for _, p in self._ahead.values())
+
+
+def step_seed(seed: int, step: int, round_: int) -> int:
+    """The sampling seed of generation round `round_` of `step` in a run seeded `seed`."""
+    return ((seed * 1_000_003 + step) * 1_009 + round_) % 2**62
 
 
 def staleness(comps: Completions, step: int, bound: int) -> dict[str, float]:

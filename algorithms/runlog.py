@@ -50,7 +50,7 @@ class RunLog:
         self._phases: dict[str, float] = {}
         self._sums: dict[str, float] = {}
         self._start = time.monotonic()
-        self._first_step_at: float | None = None
+        self._steps_before = 0  # steps of an earlier, resumed-from run (for the ETA)
         self._step_started = self._start
         self.current_step = 0  # the step being run: timeline lines without an explicit step get it
         self.timeline_path = self.dir / "timeline.jsonl"
@@ -111,8 +111,6 @@ class RunLog:
         self._phases, self._sums, self._step_started = {}, {}, now
         self.current_step = step + 1
         self._file.write(json.dumps(record) + "\n")
-        if self._first_step_at is None and step > 0:
-            self._first_step_at = now
         if not quiet:
             self.stream.write(self._progress_line(step, record, now) + "\n")
             self.stream.flush()
@@ -121,8 +119,8 @@ class RunLog:
     def _progress_line(self, step: int, record: dict, now: float) -> str:
         elapsed = now - self._start
         eta = ""
-        if step > 0 and self.total:
-            rate = elapsed / step
+        if step > self._steps_before and self.total:
+            rate = elapsed / (step - self._steps_before)
             eta = f" eta {_fmt(rate * (self.total - step))}"
         keys = [k for k in record if k != "step" and not k.startswith(HIDDEN_PREFIXES) and not k.endswith(HIDDEN)
                 and isinstance(record[k], (int, float))]
@@ -130,6 +128,23 @@ class RunLog:
         shown = [f"{k}={record[k]:.4g}" if isinstance(record[k], float) else f"{k}={record[k]}" for k in keys[:5]]
         width = len(str(self.total))
         return f"[{step:>{width}}/{self.total}] {_fmt(elapsed)}{eta} " + " ".join(shown)
+
+    def rewind(self, step: int) -> dict:
+        """Continue a resumed run after `step`: drop the lines of later steps (written after
+        its checkpoint, before the interruption) from metrics.jsonl and timeline.jsonl. Returns
+        the record of `step` ({} if none)."""
+        kept: dict[Path, list[str]] = {}
+        for f in (self._file, self._timeline):
+            f.close()
+        for path in (self.path, self.timeline_path):
+            lines = [line for line in path.read_text().splitlines() if line.strip()]
+            kept[path] = [line for line in lines if json.loads(line).get("step", 0) <= step]
+            path.write_text("".join(line + "\n" for line in kept[path]))
+        self._file = open(self.path, "a", buffering=1)
+        self._timeline = open(self.timeline_path, "a", buffering=1)
+        self.current_step, self._steps_before = step + 1, step
+        last = [json.loads(line) for line in kept[self.path] if json.loads(line).get("step") == step]
+        return last[-1] if last else {}
 
     def close(self) -> None:
         self._file.close()

@@ -35,11 +35,11 @@ def train(cfg: SFTRunConfig, plan: Any, trainer: Any, evaluator: Any, train_set:
           tokenizer: Any, log: RunLog) -> dict:
     """The SFT loop; roles are worker groups (or fakes in tests); the evaluator (a rollout)
     gets the trainer's weights before each eval. Returns the last record."""
-    stream = common.prompt_stream(train_set, cfg.run.prompts_per_step, cfg.run.seed)
     with Turns(plan, {"train": trainer, "rollout": evaluator}, cfg.run, cfg.weight_sync, log, eval_set,
                       rollout_behind=True) as turns:
-        record: dict = {}
-        for step in range(0, cfg.run.steps + 1):
+        # Examples continue where a resumed run's checkpoint left them.
+        stream = common.PromptStream(train_set, cfg.run.prompts_per_step, cfg.run.seed, turns.resumed.get("stream", 0))
+        for step in range(turns.first_step, cfg.run.steps + 1):
             metrics: dict = {}
             if step > 0:
                 # Train: one optimizer update on this step's examples, split over the ranks.
@@ -48,8 +48,8 @@ def train(cfg: SFTRunConfig, plan: Any, trainer: Any, evaluator: Any, train_set:
                     batch = common.batch_of(tokenizer, examples)
                     metrics.update({f"train/{k}": v for k, v in
                                     trainer.call("train_step", batch, dispatch="slice", collect=common.first).items()})
-            record = turns.end_step(step, metrics)
-        return turns.finish(record)
+            turns.end_step(step, metrics, {"stream": stream.drawn})
+        return turns.finish({"stream": stream.drawn})
 
 
 def run(cfg: SFTRunConfig, plan: Any, out_dir: Path, resolved: Any = None) -> dict:

@@ -9,6 +9,11 @@ without a sync). It also closes each step (eval when due, the periodic save, mem
 the metrics record) and the run (the final save), and owns the run's weight-sync channel,
 whose shared-memory files and process groups live from the first sync to the end of the
 `with Turns(...)` block.
+
+Checkpoints are written whole or not at all (algorithms/checkpoints.py). With `run.resume`,
+`Turns` loads the checkpoint into the trainer before the first step, rewinds metrics.jsonl and
+timeline.jsonl to it, and hands the driver its saved state (`resumed`: the prompt stream's
+position); the loop then runs from `first_step`.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ import contextlib
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+from algorithms.checkpoints import driver_state, find_resume, save_checkpoint
 from algorithms.common import accuracy
 from algorithms.runlog import RunLog, timed_call
 from orchestration.config import WeightSyncConfig
@@ -45,7 +51,7 @@ def offload_args(plan: Plan, role: str) -> Optional[tuple]:
 
 class Turns:
     """`roles`: {"train": trainer, "rollout": rollout, ...} worker groups (or fakes); None
-    entries are skipped. `run` is the run's LoopConfig (steps, eval and save cadence).
+    entries are skipped. `run` is the run's LoopConfig (steps, eval and save cadence, resume).
     `rollout_behind`: the rollout starts without the trainer's weights (a separate evaluator)."""
 
     def __init__(self, plan: Plan, roles: dict[str, Any], run: Any, weight_sync: WeightSyncConfig, log: RunLog,
@@ -57,6 +63,16 @@ class Turns:
         self.sleep_level = plan["rollout"].sleep_level if "rollout" in plan.roles else 0
         self.behind = rollout_behind  # the rollout lacks the trainer's current weights
         self._sync: Optional[WeightSync] = None
+        # Resume: the trainer continues from the checkpoint; the driver reads `resumed`.
+        self.resumed_from = find_resume(log.dir, run.resume)
+        self.resumed: dict = driver_state(self.resumed_from) if self.resumed_from else {}
+        self.first_step = self.resumed.get("step", -1) + 1
+        self._last: dict = {}
+        if self.resumed_from is not None:
+            self._last = log.rewind(self.resumed["step"])
+            with self.turn("train"):
+                self.trainer.call("load", str(self.resumed_from))
+            print(f"resumed from {self.resumed_from}: continuing at step {self.first_step}")
         for name in ("reference", "teacher"):  # they wait offloaded for their first turn
             if name in self.roles and self.offload[name] is not None:
                 timed_call(log, name, self.roles[name], "offload", *self.offload[name])
@@ -110,32 +126,40 @@ class Turns:
 
     # ------------------------------------------------------------------ end of step / run
 
-    def end_step(self, step: int, metrics: dict) -> dict:
-        """Eval (step 0, every run.eval_every steps, the last step), the periodic save, each
-        role's memory (all idle here), then the step's metrics record, which is returned."""
+    def end_step(self, step: int, metrics: dict, state: Optional[dict] = None) -> dict:
+        """Eval (step 0, every run.eval_every steps, the last step), the periodic save (with the
+        driver's `state`, what a resumed run needs besides the trainer's), each role's memory
+        (all idle here), then the step's metrics record, which is returned."""
         if step == 0 or step == self.run.steps or due(step, self.run.eval_every):
             # Eval: greedy accuracy of the current weights on held-out prompts.
             with self.rollout_turn(step, metrics), self.log.phase("eval", "rollout"):
                 metrics["eval/accuracy"] = accuracy(self.rollout, self.eval_set, self.run.eval_max_new_tokens)
         if due(step, self.run.save_every) and not (step == self.run.steps and self.run.save_final):
             with self.log.phase("save", "train"):
-                self.save(step)
+                self.save(step, state or {})
         for name, group in self.roles.items():
             self.log.memory(name, group.call("memory"))
-        return self.log.step(step, metrics)
+        self._last = self.log.step(step, metrics)
+        return self._last
 
-    def save(self, step: int) -> Path:
-        """Checkpoint the trainer into <run dir>/checkpoints/step_<step> (onloaded for it)."""
-        path, behind = self.log.dir / "checkpoints" / f"step_{step}", self.behind
+    def save(self, step: int, state: dict) -> Path:
+        """Checkpoint the trainer (onloaded for it) and the driver's `state` into
+        <run dir>/checkpoints/step_<step>, atomically; keeps the run.keep_last newest."""
+        behind = self.behind
         with self.turn("train"):
-            self.trainer.call("save", str(path))
+            path = save_checkpoint(self.log.dir, step, lambda tmp: self.trainer.call("save", str(tmp)), state,
+                                   self.run.keep_last)
         self.behind = behind  # saving changes no weight
         return path
 
-    def finish(self, record: dict) -> dict:
-        """The end of the run: the final checkpoint (run.save_final) into `record`."""
-        if self.run.save_final:
-            record["checkpoint"] = str(self.save(self.run.steps))
+    def finish(self, state: Optional[dict] = None) -> dict:
+        """The end of the run: the final checkpoint (run.save_final) into the last record, which
+        is returned. A resumed run that had already finished only reports its checkpoint."""
+        record = dict(self._last)
+        if self.first_step > self.run.steps:
+            record["checkpoint"] = str(self.resumed_from)
+        elif self.run.save_final:
+            record["checkpoint"] = str(self.save(self.run.steps, state or {}))
         return record
 
     def __enter__(self) -> "Turns":

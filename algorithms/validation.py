@@ -15,6 +15,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
+from algorithms.checkpoints import find_resume
 from orchestration.config import ConfigError
 from orchestration.planner import Plan
 from orchestration.weight_sync import check_settings as check_weight_sync
@@ -57,7 +58,10 @@ def check_run(cfg: Any, plan: Plan, updates: Optional[int] = None) -> None:
     """The sections every driver shares: run loop, trainer, model(s), data, engines, weight
     sync, rollout, cluster. `updates`: optimizer updates of the run (default run.steps)."""
     require_all(cfg.run, "run", {"steps": AT_LEAST_1, "prompts_per_step": AT_LEAST_1, "eval_every": NON_NEGATIVE,
-                                 "save_every": NON_NEGATIVE, "eval_max_new_tokens": AT_LEAST_1})
+                                 "save_every": NON_NEGATIVE, "eval_max_new_tokens": AT_LEAST_1,
+                                 "keep_last": NON_NEGATIVE})
+    if cfg.run.resume not in (None, "", "auto"):
+        find_resume(None, cfg.run.resume)  # a named checkpoint must be complete
     ranks = max((plan[r].world_size for r in ("train", "default") if r in plan.roles), default=1)
     # A rank without a share would wait forever in the gradient all-reduce.
     require(cfg.run.prompts_per_step >= ranks, "run.prompts_per_step", cfg.run.prompts_per_step,

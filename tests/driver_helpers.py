@@ -142,8 +142,8 @@ def summary(method, args):
         return args[0]
     if method == "offload":
         return tuple(args)
-    if method == "save":
-        return Path(args[0]).name
+    if method == "save":  # ranks write into step_N.tmp, renamed to step_N once complete
+        return Path(args[0]).name.removesuffix(".tmp")
     return None
 
 

@@ -140,7 +140,9 @@ def test_the_last_checkpoint_is_written_once_by_an_onloaded_trainer(tmp_path, sa
     log, record = fake_run(tmp_path, lambda q, i, rounds: 1, steps=2,
                            loop={"save_every": 1, "save_final": save_final})
     saves = [(role, m, a) for role, m, a in log if m == "save"]
-    assert [a[0].rsplit("/", 1)[-1] for _, _, a in saves] == ["step_1", "step_2"]
+    # Ranks write into step_N.tmp, renamed to step_N once complete.
+    assert [a[0].rsplit("/", 1)[-1] for _, _, a in saves] == ["step_1.tmp", "step_2.tmp"]
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_1", "step_2"]
     for _, _, a in saves:  # each save between an onload and the same offload as the loop's
         at = log.index(("train", "save", a))
         assert log[at - 1] == ("train", "onload", ()) and log[at + 1] == ("train", "offload", (True, True))

@@ -1,0 +1,176 @@
+"""Resume: checkpoints written whole or not at all, found again, and a run interrupted after a
+checkpoint and resumed with run.resume=auto equals the uninterrupted run bitwise (torch
+engine, seeded sampling): metrics of every step, the prompts drawn, the final weights."""
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from algorithms import checkpoints, gkd, grpo, sft
+from algorithms.checkpoints import complete_checkpoints, find_resume, save_checkpoint
+from algorithms.common import PromptStream
+from algorithms.config import GKDRunConfig, SFTRunConfig
+from algorithms.runlog import RunLog, read_metrics
+from algorithms.tasks import Example
+from algorithms.turns import Turns
+from orchestration.config import ConfigError
+from tests.driver_helpers import TINY, TINY_GKD, prepared
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one intra-op thread
+
+
+# ----------------------------------------------------------------------------- pieces
+
+def fake_save(files=("config.json", "trainer_state.pt")):
+    def write(folder: Path):
+        folder.mkdir(parents=True, exist_ok=True)
+        for name in files:
+            (folder / name).write_text("x")
+    return write
+
+
+def test_checkpoints_are_renamed_when_complete_and_the_newest_k_kept(tmp_path):
+    for step in (2, 4, 6):
+        path = save_checkpoint(tmp_path, step, fake_save(), {"stream": step * 10}, keep_last=2)
+        assert path.name == f"step_{step}" and not (tmp_path / "checkpoints" / f"step_{step}.tmp").exists()
+    root = tmp_path / "checkpoints"
+    assert [p.name for p in complete_checkpoints(root)] == ["step_4", "step_6"]
+    assert (root / "latest").read_text() == "step_6"
+    assert checkpoints.driver_state(root / "step_6") == {"step": 6, "stream": 60}
+
+
+def test_half_written_and_incomplete_checkpoints_are_skipped_with_a_message(tmp_path):
+    save_checkpoint(tmp_path, 2, fake_save(), {})
+    root = tmp_path / "checkpoints"
+    fake_save()(root / "step_4.tmp")  # a crash before the rename
+    fake_save(("config.json",))(root / "step_6")  # a folder missing the trainer state
+    (root / "step_8").mkdir()
+    (root / "step_8" / "driver_state.json").write_text("{not json")
+    for name in ("config.json", "trainer_state.pt"):
+        (root / "step_8" / name).write_text("x")
+    said = []
+    assert find_resume(tmp_path, "auto", said.append) == root / "step_2"
+    assert len(said) == 3 and any("step_4.tmp" in s and "half-written" in s for s in said)
+    assert any("step_6" in s and "trainer_state.pt" in s for s in said) and any("step_8" in s for s in said)
+    # Nothing to resume from: a fresh start, said once; unset: a fresh start, silently.
+    said.clear()
+    assert find_resume(tmp_path / "elsewhere", "auto", said.append) is None and len(said) == 1
+    assert find_resume(tmp_path, None, said.append) is None and len(said) == 1
+    with pytest.raises(ConfigError, match="run.resume.*missing.*trainer_state.pt"):
+        find_resume(tmp_path, str(root / "step_6"))
+
+
+def test_a_failed_write_leaves_the_previous_checkpoint_latest(tmp_path):
+    save_checkpoint(tmp_path, 2, fake_save(), {})
+
+    def crash(folder):
+        fake_save()(folder)
+        raise RuntimeError("rank 1 died while saving")
+
+    with pytest.raises(RuntimeError):
+        save_checkpoint(tmp_path, 4, crash, {})
+    assert find_resume(tmp_path, "auto", lambda _: None).name == "step_2"
+    assert (tmp_path / "checkpoints" / "latest").read_text() == "step_2"
+
+
+def test_prompt_stream_skipping_k_batches_continues_exactly():
+    examples = [Example(prompt=str(i), solution="", answer=str(i)) for i in range(7)]
+    straight = PromptStream(examples, 3, seed=5)
+    drawn = [[ex.prompt for ex in next(straight)] for _ in range(9)]  # crosses several epochs
+    for k in (0, 2, 5):
+        resumed = PromptStream(examples, 3, seed=5, skip=k)
+        assert resumed.drawn == k
+        assert [[ex.prompt for ex in next(resumed)] for _ in range(9 - k)] == drawn[k:]
+
+
+def test_rewind_drops_the_lines_written_after_the_checkpoint(tmp_path):
+    log = RunLog(tmp_path, 4, stream=open("/dev/null", "w"))
+    for step in range(4):
+        with log.phase("train", "train"):
+            pass
+        log.step(step, {"train/loss": float(step)})
+    log.close()
+    log = RunLog(tmp_path, 4, stream=open("/dev/null", "w"))
+    assert log.rewind(1)["train/loss"] == 1.0
+    log.step(2, {"train/loss": 20.0})
+    log.close()
+    assert [(r["step"], r["train/loss"]) for r in read_metrics(tmp_path / "metrics.jsonl")] == \
+        [(0, 0.0), (1, 1.0), (2, 20.0)]
+    assert {e["step"] for e in read_metrics(tmp_path / "timeline.jsonl")} == {0, 1}
+
+
+# ----------------------------------------------------------------------------- stop and resume
+
+class Interrupted(Exception):
+    pass
+
+
+def interrupt_after(monkeypatch, step: int):
+    """Make the run die right after step `step`'s record is written (past its checkpoint's step)."""
+    end_step = Turns.end_step
+
+    def dying(self, s, metrics, state=None):
+        record = end_step(self, s, metrics, state)
+        if s == step:
+            raise Interrupted(f"killed after step {s}")
+        return record
+
+    monkeypatch.setattr(Turns, "end_step", dying)
+
+
+def comparable(records: list[dict]) -> list[dict]:
+    """Records without what depends on the clock or the process (times, memory, bytes moved) and
+    the weight syncs' figures (a resumed run sends the loaded weights once more)."""
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "mem/", "move/", "sync/", "rollout/generate_s"))}
+            for r in records]
+
+
+def weights(checkpoint: str) -> dict:
+    return load_file(str(Path(checkpoint) / "model.safetensors"))
+
+
+CASES = {
+    "sft": (sft, SFTRunConfig, ["+experiment=sft_quickstart", *TINY]),
+    "grpo": (grpo, grpo.GRPORunConfig, ["+experiment=grpo_quickstart", *TINY, "algorithm.num_generations=2",
+                                        "algorithm.max_new_tokens=8", "algorithm.warmup_sft_steps=0",
+                                        "algorithm.beta=0.04", "data.train_size=6"]),
+    "gkd": (gkd, GKDRunConfig, ["+experiment=gkd_quickstart", *TINY_GKD, "algorithm.lmbda=0.5",
+                                "placement.gkd_logits_topk=4"]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_stop_and_resume_equals_a_straight_run(name, tmp_path, monkeypatch):
+    """5 steps with a checkpoint every 2: straight, and killed after step 3 then resumed from
+    step 2 (step 3's metrics, written after the checkpoint, are replaced)."""
+    driver, schema, overrides = CASES[name]
+    base = overrides + ["backend=local", "run.steps=5", "run.save_every=2", "run.eval_every=2",
+                        f"teacher.cache_dir={tmp_path / 'teachers'}" if name == "gkd" else "run.keep_last=0"]
+    _, typed, plan = prepared(schema, base)
+    driver.validate(typed, plan)
+    straight = driver.run(typed, plan, tmp_path / "straight")
+
+    with monkeypatch.context() as m:
+        interrupt_after(m, 3)
+        with pytest.raises(Interrupted):
+            driver.run(typed, plan, tmp_path / "resumed")
+    assert [r["step"] for r in read_metrics(tmp_path / "resumed" / "metrics.jsonl")] == [0, 1, 2, 3]
+    _, typed, plan = prepared(schema, base + ["run.resume=auto"])
+    driver.validate(typed, plan)
+    resumed = driver.run(typed, plan, tmp_path / "resumed")
+
+    want, got = (read_metrics(tmp_path / d / "metrics.jsonl") for d in ("straight", "resumed"))
+    assert [r["step"] for r in got] == list(range(6))
+    assert comparable(got) == comparable(want)
+    a, b = weights(straight["checkpoint"]), weights(resumed["checkpoint"])
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    # The resumed run continued from step 2's checkpoint, with its optimizer: step counts agree.
+    state = torch.load(Path(resumed["checkpoint"]) / "trainer_state.pt", weights_only=True)
+    assert state["step"] == 5
+    # Resuming a finished run trains nothing and reports the last checkpoint.
+    again = driver.run(typed, plan, tmp_path / "resumed")
+    assert again["checkpoint"] == resumed["checkpoint"]
+    assert len(read_metrics(tmp_path / "resumed" / "metrics.jsonl")) == 6
+    assert json.loads((Path(resumed["checkpoint"]) / "driver_state.json").read_text())["step"] == 5
