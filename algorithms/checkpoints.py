@@ -45,7 +45,7 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, write: Callable[[Path
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     write(tmp)
-    _write_atomic(tmp / DRIVER_STATE, json.dumps({"step": step, **driver_state}, indent=1))
+    write_json_atomic(tmp / DRIVER_STATE, {"step": step, **driver_state})
     if final.exists():  # a resumed run saving the same step again: the new one replaces it
         shutil.rmtree(final)
     tmp.rename(final)
@@ -101,6 +101,10 @@ def find_resume(run_dir: str | os.PathLike, resume: Optional[str],
 def driver_state(checkpoint: str | os.PathLike) -> dict:
     """What the driver saved beside the trainer's state ({"step": N, ...})."""
     return json.loads((Path(checkpoint) / DRIVER_STATE).read_text())
+
+
+def write_json_atomic(path: Path, value: Any) -> None:
+    _write_atomic(path, json.dumps(value, indent=1))
 
 
 def _write_atomic(path: Path, text: str) -> None:

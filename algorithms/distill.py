@@ -34,7 +34,9 @@ from omegaconf import DictConfig
 from algorithms import common, sft
 from algorithms.config import LoopConfig, RunConfig, as_dict, engine_args, prepare, sft_phase
 from algorithms.data import DataConfig, load_task
-from algorithms.runlog import RunLog, run_dir
+from algorithms.checkpoints import write_json_atomic
+from algorithms.overlap import step_seed
+from algorithms.runlog import RunLog, read_metrics, run_dir
 from algorithms.tasks import Example
 from algorithms.validation import (AT_LEAST_1, NON_NEGATIVE, POSITIVE, check_run, check_scorer, require,
                                    require_all, require_roles)
@@ -47,6 +49,10 @@ from roles.models import resolve_config
 from roles.orm import KINDS as ORM_KINDS, ORM, ORMConfig
 from roles.prm import AGGREGATES, KINDS as PRM_KINDS, PRM, PRMConfig
 from roles.sampler import Sampler
+
+
+# What a resumed distill run continues its sampling from (in the run directory).
+SAMPLING_STATE = "sampling_state.json"
 
 
 @dataclass
@@ -105,16 +111,21 @@ SWIFT_DISTILL_KEYS = {"model": "model.path", "seed": "run.seed",
 
 
 def sample(cfg: DistillRunConfig, sampler: Any, prm: Any, orm: Any, train_set: list, eval_set: list,
-           out_path: Path, log: RunLog) -> dict:
+           out_path: Path, log: RunLog, resumed: Optional[dict] = None) -> dict:
     """The sampling loop; roles are worker groups (or fakes in tests). Writes the kept rows
-    to `out_path` and returns the last metrics record (with the run's totals)."""
+    to `out_path` and returns the last metrics record (with the run's totals). After every
+    step, sampling_state.json records what a resumed run continues from (`resumed`: its
+    content; the steps after it, written before an interruption, are dropped)."""
     algo, steps, n = cfg.algorithm, cfg.run.steps, cfg.algorithm.num_return_sequences
     sampling = SamplingParams(temperature=algo.temperature, top_p=algo.top_p, max_new_tokens=algo.max_new_tokens)
-    stream = common.PromptStream(train_set, cfg.run.prompts_per_step, cfg.run.seed)
-    totals: Counter = Counter()
-    record: dict = {}
-    with open(out_path, "w") as out:
-        for step in range(0, steps + 1):
+    first = resumed["step"] + 1 if resumed else 0
+    stream = common.PromptStream(train_set, cfg.run.prompts_per_step, cfg.run.seed, resumed["stream"] if resumed else 0)
+    totals: Counter = Counter(resumed["totals"] if resumed else {})
+    record: dict = log.rewind(resumed["step"]) if resumed else {}
+    if resumed:
+        _keep_lines(out_path, resumed["rows"])
+    with open(out_path, "a" if resumed else "w") as out:
+        for step in range(first, steps + 1):
             metrics: dict = {}
             if step == 0:
                 # Eval: greedy held-out accuracy of the policy that samples.
@@ -122,9 +133,11 @@ def sample(cfg: DistillRunConfig, sampler: Any, prm: Any, orm: Any, train_set: l
                     metrics["eval/accuracy"] = greedy_accuracy(sampler, eval_set, cfg.run.eval_max_new_tokens)
             else:
                 examples = next(stream)
-                # Generate: n candidates per prompt, prompts split over the sampler ranks.
+                # Generate: n candidates per prompt, prompts split over the sampler ranks; seeded by
+                # the step, so a resumed run draws what the uninterrupted one drew.
                 with log.phase("generate"):
-                    comps = sampler.call("sample", [ex.prompt_messages() for ex in examples], n, sampling,
+                    comps = sampler.call("sample", [ex.prompt_messages() for ex in examples], n,
+                                         replace(sampling, seed=step_seed(cfg.run.seed, step, 0)),
                                          dispatch="slice", collect="flatten")
                 texts = list(comps.texts)
                 if len(texts) != n * len(examples):
@@ -147,7 +160,18 @@ def sample(cfg: DistillRunConfig, sampler: Any, prm: Any, orm: Any, train_set: l
                 if step == steps:
                     metrics.update(summarize(totals, "total/"))
             record = log.step(step, metrics)
+            write_json_atomic(log.dir / SAMPLING_STATE, {"step": step, "stream": stream.drawn,
+                                                          "rows": int(totals["kept"]), "totals": dict(totals)})
     return record
+
+
+def _keep_lines(path: Path, n: int) -> None:
+    """Keep the first `n` lines of `path` (the rows of the steps a resumed run keeps)."""
+    lines = path.read_text().splitlines(keepends=True) if path.is_file() else []
+    if len(lines) < n:
+        raise RuntimeError(f"{path} holds {len(lines)} rows, but {SAMPLING_STATE} counts {n}; it was changed "
+                           "since. Start a new run (run.resume=null) in a fresh directory")
+    path.write_text("".join(lines[:n]))
 
 
 def select(examples: list[Example], texts: list[str], prm_scores: list[float], orm_scores: list[float],
@@ -212,7 +236,7 @@ def run_sft(cfg: DistillRunConfig, plan: Plan, model: Any, data: DataConfig, ste
                                                                           "workers": ["train"]}}})
     trainer = replace(cfg.trainer, lr=lr, total_steps=steps, warmup_steps=common.warmup_steps(steps))
     run = LoopConfig(steps=steps, prompts_per_step=cfg.algorithm.sft_batch, seed=cfg.run.seed,
-                     eval_max_new_tokens=cfg.run.eval_max_new_tokens)
+                     eval_max_new_tokens=cfg.run.eval_max_new_tokens, resume="auto" if cfg.run.resume else None)
     sft_cfg = sft_phase(cfg, model=resolve_config(model), trainer=trainer, data=data, run=run)
     return sft.run(sft_cfg, sft_plan, out_dir)
 
@@ -235,38 +259,53 @@ def run(cfg: DistillRunConfig, plan: Plan, out_dir: Path, resolved: Any = None) 
         print(f"distill: warm-up SFT of the policy for {algo.warmup_sft_steps} steps")
         policy = run_sft(cfg, plan, policy, cfg.data, algo.warmup_sft_steps, algo.warmup_lr,
                          out_dir / "warmup_sft")["checkpoint"]
-    roles = start_roles(cfg, plan, {"sampler": (Sampler, {"model": as_dict(resolve_config(policy)),
-                                                          "config": as_dict(cfg.rollout),
-                                                          **engine_args(cfg, "rollout")}),
-                                    "prm": (PRM, {"config": as_dict(cfg.prm)}),
-                                    "orm": (ORM, {"config": as_dict(cfg.orm)})})
-    log = RunLog(out_dir, cfg.run.steps, resolved_config=resolved)
-    path = log.dir / algo.output_file
-    print(f"distill: {cfg.run.steps} steps x {cfg.run.prompts_per_step} prompts x {algo.num_return_sequences} "
-          f"candidates from {len(train_set)} train examples ({stats['data/skipped_rows']} rows skipped) over "
-          f"{plan['sampler'].world_size} sampler / {plan['prm'].world_size} prm / {plan['orm'].world_size} orm "
-          f"rank(s); keep {algo.n_best_to_keep} per prompt with PRM >= {algo.prm_threshold}; output {path}")
-    try:
-        record = sample(cfg, roles["sampler"], roles["prm"], roles["orm"], train_set, eval_set, path, log)
-    finally:
-        log.close()
-        roles.shutdown()
+    path, state = Path(out_dir) / algo.output_file, Path(out_dir) / SAMPLING_STATE
+    resumed = json.loads(state.read_text()) if cfg.run.resume and state.is_file() else None
+    if resumed and resumed["step"] == cfg.run.steps:  # sampling had finished: on to the SFT phase
+        print(f"distill: sampling finished before ({state}); resuming after it")
+        record = read_metrics(Path(out_dir) / "metrics.jsonl")[-1]
+    else:
+        record = sample_with_roles(cfg, plan, policy, train_set, eval_set, stats, path, resumed, out_dir, resolved)
     record["dataset"] = str(path)
     if algo.sft_steps and not record.get("total/kept"):
         print("distill: no rows kept, so no SFT on them")
     elif algo.sft_steps:
         # SFT on the kept rows; held-out task examples go last so that SFT evaluates on them.
-        data = DataConfig(task="files", paths=[str(path), str(write_heldout(eval_set, log.dir / "heldout.jsonl"))],
+        data = DataConfig(task="files", paths=[str(path), str(write_heldout(eval_set, Path(out_dir) / "heldout.jsonl"))],
                           train_size=record["total/kept"], eval_size=len(eval_set), cache_dir=cfg.data.cache_dir)
         tuned = run_sft(cfg, plan, policy, data, algo.sft_steps, cfg.trainer.lr, out_dir / "sft")
         record.update({"sft/eval_accuracy": tuned["eval/accuracy"], "sft/checkpoint": tuned.get("checkpoint")})
     return record
 
 
+def sample_with_roles(cfg: DistillRunConfig, plan: Plan, policy: Any, train_set: list, eval_set: list, stats: dict,
+                      path: Path, resumed: Optional[dict], out_dir: Path, resolved: Any) -> dict:
+    """Start the sampler, PRM and ORM groups, sample (continuing from `resumed`), shut down."""
+    algo = cfg.algorithm
+    roles = start_roles(cfg, plan, {"sampler": (Sampler, {"model": as_dict(resolve_config(policy)),
+                                                          "config": as_dict(cfg.rollout),
+                                                          **engine_args(cfg, "rollout")}),
+                                    "prm": (PRM, {"config": as_dict(cfg.prm)}),
+                                    "orm": (ORM, {"config": as_dict(cfg.orm)})})
+    log = RunLog(out_dir, cfg.run.steps, resolved_config=resolved)
+    print(f"distill: {cfg.run.steps} steps x {cfg.run.prompts_per_step} prompts x {algo.num_return_sequences} "
+          f"candidates from {len(train_set)} train examples ({stats['data/skipped_rows']} rows skipped) over "
+          f"{plan['sampler'].world_size} sampler / {plan['prm'].world_size} prm / {plan['orm'].world_size} orm "
+          f"rank(s); keep {algo.n_best_to_keep} per prompt with PRM >= {algo.prm_threshold}; output {path}"
+          + (f"; resuming after sampling step {resumed['step']}" if resumed else ""))
+    try:
+        return sample(cfg, roles["sampler"], roles["prm"], roles["orm"], train_set, eval_set, path, log, resumed)
+    finally:
+        log.close()
+        roles.shutdown()
+
+
 def validate(cfg: DistillRunConfig, plan: Plan) -> None:
     """Every check of a distill run, before anything starts (algorithms/validation.py)."""
     require_roles(plan, ("sampler", "prm", "orm"), "distill", "use +experiment=distill_quickstart or "
                   "placement.device_groups with workers [sampler] and [prm, orm]")
+    require(cfg.run.resume in (None, "", "auto"), "run.resume", cfg.run.resume, "names a checkpoint, but distill "
+            "resumes by phase from its run directory", "use run.resume=auto with the old run's directory")
     check_run(cfg, plan)
     check_scorer(cfg.prm, "prm", PRM_KINDS)
     check_scorer(cfg.orm, "orm", ORM_KINDS)

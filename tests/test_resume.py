@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 from algorithms import checkpoints, gkd, grpo, sft
 from algorithms.checkpoints import complete_checkpoints, find_resume, save_checkpoint
 from algorithms.common import PromptStream
-from algorithms.config import GKDRunConfig, SFTRunConfig
+from algorithms.config import GKDRunConfig, SFTRunConfig, prepare
 from algorithms.runlog import RunLog, read_metrics
 from algorithms.tasks import Example
 from algorithms.turns import Turns
@@ -174,3 +174,43 @@ def test_stop_and_resume_equals_a_straight_run(name, tmp_path, monkeypatch):
     assert again["checkpoint"] == resumed["checkpoint"]
     assert len(read_metrics(tmp_path / "resumed" / "metrics.jsonl")) == 6
     assert json.loads((Path(resumed["checkpoint"]) / "driver_state.json").read_text())["step"] == 5
+
+
+def test_distill_resumes_its_sampling_and_then_the_sft_phase(tmp_path, monkeypatch):
+    """Killed after sampling step 3's record (its state not yet written), resumed: the same kept
+    rows and sampling metrics as a straight run; then the SFT phase runs once."""
+    from algorithms import distill
+    from tests.test_distill import DEVICE_GROUPS, tiny_config
+
+    def config(**run):
+        cfg = tiny_config({"device_groups": DEVICE_GROUPS}, sft_steps=2)
+        cfg["run"].update(steps=4, **run)
+        typed, plan = prepare({**cfg, "backend": {"workers": "local"}}, distill.DistillRunConfig,
+                              distill.SWIFT_DISTILL_KEYS)
+        distill.validate(typed, plan)
+        return typed, plan
+
+    straight = distill.run(*config(), tmp_path / "straight")
+    step = RunLog.step
+
+    def dying(self, s, metrics, quiet=False):
+        record = step(self, s, metrics, quiet)
+        if s == 3 and self.dir == tmp_path / "resumed":
+            raise Interrupted("killed after sampling step 3")
+        return record
+
+    with monkeypatch.context() as m:
+        m.setattr(RunLog, "step", dying)
+        with pytest.raises(Interrupted):
+            distill.run(*config(), tmp_path / "resumed")
+    assert json.loads((tmp_path / "resumed" / "sampling_state.json").read_text())["step"] == 2
+    resumed = distill.run(*config(resume="auto"), tmp_path / "resumed")
+    rows = [(tmp_path / d / "sampled.jsonl").read_text() for d in ("straight", "resumed")]
+    assert rows[0] == rows[1] and rows[0].count("\n") == straight["total/kept"] == resumed["total/kept"]
+    want, got = (read_metrics(tmp_path / d / "metrics.jsonl") for d in ("straight", "resumed"))
+    assert comparable(got) == comparable(want) and [r["step"] for r in got] == list(range(5))
+    assert resumed["sft/eval_accuracy"] == straight["sft/eval_accuracy"]
+    # Once more: sampling and SFT had finished, nothing runs again.
+    again = distill.run(*config(resume="auto"), tmp_path / "resumed")
+    assert again["sft/checkpoint"] == resumed["sft/checkpoint"]
+    assert len(read_metrics(tmp_path / "resumed" / "sft" / "metrics.jsonl")) == 3
