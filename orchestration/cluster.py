@@ -1,7 +1,11 @@
 """Start a local Ray cluster or join one, with quiet defaults."""
 from __future__ import annotations
 
+import ipaddress
 import os
+import socket
+import sys
+from pathlib import Path
 
 from orchestration.config import ClusterConfig
 
@@ -30,6 +34,47 @@ def _loopback_only() -> None:
 
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def cluster_is_local() -> bool:
+    """Whether every alive node of the connected Ray cluster runs on this host: then ranks meet
+    on 127.0.0.1. Decided when a group starts; a node an autoscaler adds later is not foreseen."""
+    import ray
+
+    return all(_own_address(n["NodeManagerAddress"]) for n in ray.nodes() if n["Alive"])
+
+
+def _own_address(ip: str) -> bool:
+    """Loopback, or an address a socket on this host can bind (one of its interfaces)."""
+    try:
+        addr = ipaddress.ip_address(ip)
+    except ValueError:
+        return False
+    if addr.is_loopback:
+        return True
+    try:
+        with socket.socket(socket.AF_INET6 if addr.version == 6 else socket.AF_INET) as s:
+            s.bind((ip, 0))
+        return True
+    except OSError:
+        return False
+
+
+def loopback_env() -> dict[str, str]:
+    """Environment that makes gloo and NCCL bind the loopback interface (gloo otherwise takes
+    the address the host name resolves to; NCCL its first non-loopback interface)."""
+    name = loopback_interface()
+    return {"GLOO_SOCKET_IFNAME": name, "NCCL_SOCKET_IFNAME": name}
+
+
+def loopback_interface() -> str:
+    for _, name in socket.if_nameindex():
+        try:  # IFF_LOOPBACK in the interface flags
+            if int(Path(f"/sys/class/net/{name}/flags").read_text(), 16) & 0x8:
+                return name
+        except (OSError, ValueError):
+            continue
+    return "lo0" if sys.platform == "darwin" else "lo"
 
 
 def init_cluster(cfg: ClusterConfig, demand: dict[str, float] | None = None):

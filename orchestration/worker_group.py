@@ -5,7 +5,10 @@ its own process after RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT are set
 role may start torch.distributed in its constructor. Calls go through
 `BaseWorkerGroup.call` (dispatch/execute/collect). The ranks of a tensor-parallel engine
 (vllm_tensor_parallel_size > 1) also get ENGINE_TP_SIZE/RANK/MASTER_ADDR/MASTER_PORT:
-where they meet, on the first rank of their engine. Failures come back as `WorkerError`
+where they meet, on the first rank of their engine. In a local run (every Ray node on this
+host) they meet on 127.0.0.1 and gloo/NCCL bind the loopback interface; the first rank serves
+its group's TCPStore on a socket bound there (torch.distributed would listen on every
+address). Failures come back as `WorkerError`
 naming role, rank and method, with the remote traceback; a dead actor is reported, not
 waited for.
 """
@@ -18,6 +21,7 @@ from typing import Any
 import ray
 
 from orchestration.base_group import BaseWorkerGroup, WorkerError
+from orchestration.cluster import cluster_is_local, loopback_env
 from orchestration.placement import Placement
 from orchestration.planner import RolePlan
 
@@ -25,21 +29,49 @@ from orchestration.planner import RolePlan
 class _RoleHost:
     """Actor body: holds one instance of a plain role class."""
 
-    def node_info(self) -> dict:
-        with socket.socket() as s, socket.socket() as t:  # the role's group, a tensor-parallel engine's
-            s.bind(("", 0))
-            t.bind(("", 0))
-            port, tp_port = s.getsockname()[1], t.getsockname()[1]
-        return {"ip": ray.util.get_node_ip_address(), "port": port, "tp_port": tp_port, "pid": os.getpid(),
-                "node_id": ray.get_runtime_context().get_node_id(),
+    def node_info(self, local: bool) -> dict:
+        """Where this rank runs and two ports it holds until setup (its group's, its tensor-parallel
+        engine's), on 127.0.0.1 in a local run so nothing it opens is reachable from the network."""
+        ip = "127.0.0.1" if local else ray.util.get_node_ip_address()
+        self.sockets = [socket.socket(), socket.socket()]
+        for s in self.sockets:
+            s.bind(("127.0.0.1" if local else "", 0))
+        return {"ip": ip, "port": self.sockets[0].getsockname()[1], "tp_port": self.sockets[1].getsockname()[1],
+                "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
 
-    def setup(self, role_cls: type, env: dict[str, str], args: tuple, kwargs: dict) -> None:
+    def setup(self, role_cls: type, env: dict[str, str], args: tuple, kwargs: dict,
+              serve: tuple[bool, bool] = (False, False)) -> None:
         os.environ.update(env)
+        # The store torch.distributed would open on *:port for the group (engine) whose first rank
+        # this is runs here on the held socket instead; torch joins a store already serving its port.
+        self.stores = []
+        for sock, wanted in zip(self.sockets, serve):
+            if wanted:
+                self.stores.append(_store_on(sock))
+            else:
+                sock.close()
         self.instance = role_cls(*args, **kwargs)
 
     def call(self, method: str, args: tuple, kwargs: dict) -> Any:
         return getattr(self.instance, method)(*args, **kwargs)
+
+
+def _store_on(sock: socket.socket) -> Any:
+    """A TCPStore server listening on `sock` (only where it is bound), shared by every store that
+    this process opens on its port (multi_tenant); None where torch.distributed is missing."""
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        dist = None
+    if dist is None or not dist.is_available():
+        sock.close()
+        return None
+    sock.listen(128)
+    store = dist.TCPStore("127.0.0.1", sock.getsockname()[1], None, True, wait_for_workers=False,
+                          multi_tenant=True, master_listen_fd=sock.fileno())
+    sock.detach()  # the store closes the descriptor
+    return store
 
 
 _RemoteHost = ray.remote(_RoleHost)
@@ -57,14 +89,21 @@ class WorkerGroup(BaseWorkerGroup):
         self.workers = [
             _RemoteHost.options(name=None, max_concurrency=1, **placement.slot(plan_entry, i).actor_options()).remote()
             for i in range(self.world_size)]
-        self.infos = self._wait([w.node_info.remote() for w in self.workers], "node_info",
+        local = cluster_is_local()
+        self.infos = self._wait([w.node_info.remote(local) for w in self.workers], "node_info",
                                 list(range(self.world_size)), timeout_s)
         master = self.infos[0]
-        envs = [{**(env or {}), "RANK": str(i), "WORLD_SIZE": str(self.world_size),
-                 "LOCAL_RANK": str(plan_entry.local_devices[i]), "MASTER_ADDR": master["ip"],
-                 "MASTER_PORT": str(master["port"]), "ROLE_NAME": self.role, **self._engine_env(i)}
+        envs = [{**(loopback_env() if local else {}), **(env or {}), "RANK": str(i),
+                 "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(plan_entry.local_devices[i]),
+                 "MASTER_ADDR": master["ip"], "MASTER_PORT": str(master["port"]), "ROLE_NAME": self.role,
+                 **self._engine_env(i)}
                 for i in range(self.world_size)]
-        refs = [w.setup.remote(role_cls, envs[i], init_args, init_kwargs or {}) for i, w in enumerate(self.workers)]
+        tp = self.tensor_parallel
+        # Only in a local run: elsewhere torch's own store (every address, any family) stays as it was.
+        serve = [(local and i == 0 and self.world_size > 1, local and tp > 1 and i % tp == 0)
+                 for i in range(self.world_size)]
+        refs = [w.setup.remote(role_cls, envs[i], init_args, init_kwargs or {}, serve[i])
+                for i, w in enumerate(self.workers)]
         self._wait(refs, "__init__", list(range(self.world_size)), timeout_s)
 
     def _engine_env(self, rank: int) -> dict[str, str]:

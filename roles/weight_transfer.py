@@ -9,7 +9,8 @@ Buckets are packed as in roles.weight_buckets. Five paths (chosen by
   processes across syncs; receivers copy from the mapping into their weights.
 * ``collective``: a process group of the sender and the receiving ranks only (its own
   TCPStore, gloo on CPU, NCCL on CUDA), separate from any data-parallel default group;
-  the sender broadcasts bucket after bucket, the layout and checksums go through the store.
+  the sender broadcasts bucket after bucket, the layout and checksums go through the store
+  as JSON that receivers validate (never pickle); the store listens only on the given host.
 * ``object_store``: packed buckets returned as numpy arrays (the caller carries them).
 * ``file``: safetensors files in a folder, loaded with `update_weights_from_path`
   (engines that only load from disk).
@@ -22,8 +23,9 @@ from __future__ import annotations
 import datetime
 import glob
 import os
-import pickle
+import json
 import shutil
+import socket
 import tempfile
 import time
 import warnings
@@ -33,7 +35,7 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from roles.weight_buckets import STRIDES, Manifest, bucket_checksum, layout_of, pack, unpack, verify
+from roles.weight_buckets import STRIDES, BucketLayout, Manifest, bucket_checksum, layout_of, pack, unpack, verify
 
 PATHS = ("cuda_ipc", "shm", "collective", "object_store", "file")
 SHM_PREFIX = "rayroles-weights-"
@@ -115,7 +117,12 @@ class WeightSender:
         elif path == "collective":
             import torch.distributed as dist
 
-            store = dist.TCPStore(host, 0, None, True, timeout=_timeout(channel), wait_for_workers=False)
+            # Listening only on `host` (127.0.0.1 in a local run); a TCPStore given just a port
+            # listens on every address.
+            sock = socket.create_server((host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+            store = dist.TCPStore(host, sock.getsockname()[1], None, True, timeout=_timeout(channel),
+                                  wait_for_workers=False, master_listen_fd=sock.fileno())
+            sock.detach()  # the store closes the descriptor
             on_cuda = self.weight_device().startswith("cuda")
             channel.update(host=host, port=store.port, world_size=world_size,
                            backend="nccl" if on_cuda else "gloo")
@@ -206,7 +213,7 @@ class WeightSender:
         if state["last_seq"] is not None:
             for key in ("manifest", "checksums"):
                 store.delete_key(f"w/{state['last_seq']}/{key}")
-        store.set(f"w/{manifest.seq}/manifest", pickle.dumps(manifest))
+        store.set(f"w/{manifest.seq}/manifest", manifest_to_json(manifest))
         largest = max((layout.nbytes for layout in manifest.buckets), default=0)
         device = next((t.device for b in buckets for _, t in b), torch.device("cpu"))
         if state["buf"] is None or state["buf"].shape[1] < largest or state["buf"].device != device:
@@ -224,7 +231,7 @@ class WeightSender:
         for work in works:
             if work is not None:
                 work.wait()
-        store.set(f"w/{manifest.seq}/checksums", pickle.dumps(manifest.checksums))
+        store.set(f"w/{manifest.seq}/checksums", json.dumps(manifest.checksums))
         state["last_seq"] = manifest.seq
 
 
@@ -306,7 +313,7 @@ class WeightReceiver:
             state = {"store": store, "port": channel["port"], "device": device, "buf": None,
                      "pg": _process_group(channel, store, channel["rank"], device)}
             states[channel["name"]] = state
-        manifest: Manifest = pickle.loads(state["store"].get(f"w/{seq}/manifest"))
+        manifest = manifest_from_json(state["store"].get(f"w/{seq}/manifest"), seq)
         total = manifest.total_bytes
         buf = state["buf"]
         if buf is None or buf.numel() != total:
@@ -321,8 +328,60 @@ class WeightReceiver:
             start += layout.nbytes
         for work in works:
             work.wait()
-        manifest.checksums = pickle.loads(state["store"].get(f"w/{seq}/checksums"))
+        raw = state["store"].get(f"w/{seq}/checksums")
+        manifest.checksums = _checksums_from_json(raw, len(manifest.buckets))
         return manifest, buckets
+
+
+# What a collective receiver reads from the store: plain JSON checked field by field, never
+# pickle (anyone who can reach the store could write it).
+DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
+                    "float8_e4m3fn", "float8_e5m2"})
+
+
+def manifest_to_json(m: Manifest) -> str:
+    return json.dumps({"seq": m.seq, "version": m.version, "path": m.path, "stride": m.stride,
+                       "buckets": [[b.names, [list(s) for s in b.shapes], b.dtypes, b.offsets, b.nbytes]
+                                   for b in m.buckets]})
+
+
+def manifest_from_json(raw: bytes, seq: int) -> Manifest:
+    """The manifest of sync `seq`; ValueError for anything but the layout manifest_to_json writes."""
+    try:
+        d = json.loads(raw)
+        _check(d["seq"] == seq and _is_int(d["version"]) and d["path"] == "collective" and _is_int(d["stride"], 1),
+               "seq, version, path or stride")
+        buckets = [_layout(*b) for b in d["buckets"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"weight sync {seq}: the manifest in the store is malformed ({type(e).__name__}: {e}); "
+                         "only trainer rank 0's send_weights writes it") from None
+    return Manifest(seq, d["version"], "collective", buckets, [], "", d["stride"])
+
+
+def _layout(names: list, shapes: list, dtypes: list, offsets: list, nbytes: int) -> BucketLayout:
+    _check(len(names) == len(shapes) == len(dtypes) == len(offsets) and _is_int(nbytes, 0), "bucket lengths")
+    for name, shape, dtype, off in zip(names, shapes, dtypes, offsets):
+        _check(isinstance(name, str) and dtype in DTYPES and isinstance(shape, list) and
+               all(_is_int(n, 0) for n in shape) and _is_int(off, 0), f"tensor {name!r}")
+        size = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+        _check(off + size <= nbytes, f"tensor {name!r} ends past its bucket")
+    return BucketLayout(names, [tuple(s) for s in shapes], dtypes, offsets, nbytes)
+
+
+def _checksums_from_json(raw: bytes, count: int) -> list[int]:
+    sums = json.loads(raw)
+    _check(isinstance(sums, list) and len(sums) in (0, count) and all(_is_int(x, 0) and x < 2**64 for x in sums),
+           f"checksums: want {count} integers in [0, 2**64)")
+    return sums
+
+
+def _check(ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(f"bad {what}")
+
+
+def _is_int(x: Any, low: Optional[int] = None) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and (low is None or x >= low)
 
 
 def load_named_weights(module: torch.nn.Module, pairs: Sequence[tuple[str, torch.Tensor]], owner: str) -> None:
