@@ -7,7 +7,7 @@ import socket
 import sys
 from pathlib import Path
 
-from orchestration.config import ClusterConfig
+from orchestration.config import ClusterConfig, ConfigError
 
 QUIET_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
              "RAY_DEDUP_LOGS": "1", "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
@@ -84,6 +84,9 @@ def init_cluster(cfg: ClusterConfig, demand: dict[str, float] | None = None):
     CPUs are scheduling slots, not cores) and `simulate_gpus` fake GPUs if set: actors
     then reserve and see GPU ids while engines compute on the CPU.
     """
+    if not cfg.call_timeout_s >= 0:
+        raise ConfigError(f"config key 'cluster.call_timeout_s'={cfg.call_timeout_s} must be >= 0. "
+                          "Fix: set the seconds a worker may stay silent, or 0 for no bound")
     quiet_ray_env()
     import ray
 

@@ -86,6 +86,10 @@ class ClusterConfig:
     log_to_driver: bool = True
     # Seconds to wait for placement groups before reporting missing resources.
     placement_timeout_s: float = 60.0
+    # Seconds the driver waits for a worker group's answer (a call, a constructor) before it
+    # reports the first silent rank like a dead one (stopped, hung, stuck in a collective);
+    # 0: no bound. Generous: a call may load a model or generate a long batch.
+    call_timeout_s: float = 1800.0
 
 
 @dataclass

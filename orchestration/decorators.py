@@ -49,6 +49,7 @@ class _Config:
     placement: Any = None
     owns_placement: bool = False
     groups: dict[str, BaseWorkerGroup] = field(default_factory=dict)
+    call_timeout_s: float | None = None  # the cluster config's bound on each wait for workers
 
     def spawn(self, cls: type, names: list[str], args: tuple, kwargs: dict) -> dict[str, BaseWorkerGroup]:
         for name in names:
@@ -66,7 +67,8 @@ class _Config:
                 group = LocalWorkerGroup(factory, self.plan[name], kwargs, init_args=args)
             else:
                 from orchestration.worker_group import WorkerGroup
-                group = WorkerGroup(factory, self.plan[name], kwargs, placement=self.placement, init_args=args)
+                group = WorkerGroup(factory, self.plan[name], kwargs, placement=self.placement, init_args=args,
+                                    timeout_s=self.call_timeout_s)
             self.groups[name] = made[name] = group
         return made
 
@@ -79,21 +81,24 @@ def configure(plan: Plan | Mapping, backend: str = "ray", placement: Any = None,
 
     `plan` is a Plan or a `device_groups` mapping whose workers name the groups. With
     backend='ray' and no `placement`, Ray is started if needed (`cluster`: a ClusterConfig,
-    e.g. with simulate_gpus) and the plan is placed; `teardown` removes that placement.
+    e.g. with simulate_gpus) and the plan is placed; `teardown` removes that placement. Waits for
+    the workers are bounded by `cluster.call_timeout_s` (ClusterConfig's default without one).
     """
+    from orchestration.config import ClusterConfig
+
     global _config
     teardown()
     if backend not in ("ray", "local"):
         raise ValueError(f"backend must be 'ray' or 'local', got {backend!r}")
     plan = plan if isinstance(plan, Plan) else plan_device_groups(plan)
     owns = False
+    cluster = cluster or ClusterConfig()
     if backend == "ray" and placement is None:
         from orchestration.cluster import init_cluster
-        from orchestration.config import ClusterConfig
         from orchestration.placement import create_placement
-        init_cluster(cluster or ClusterConfig(), plan.demand())
+        init_cluster(cluster, plan.demand())
         placement, owns = create_placement(plan), True
-    _config = _Config(plan, backend, placement, owns)
+    _config = _Config(plan, backend, placement, owns, call_timeout_s=cluster.call_timeout_s)
 
 
 def teardown() -> None:

@@ -65,7 +65,8 @@ def start_roles(cfg: Any, plan: Plan, roles: dict[str, tuple[type, dict]]) -> Ro
     started = Roles({}, placement)
     try:
         for r, (cls, kw) in roles.items():
-            started.groups[r] = WorkerGroup(cls, plan[r], kw, placement=placement)
+            started.groups[r] = WorkerGroup(cls, plan[r], kw, placement=placement,
+                                            timeout_s=cfg.cluster.call_timeout_s)
     except BaseException:
         started.shutdown()
         raise

@@ -10,12 +10,13 @@ host) they meet on 127.0.0.1 and gloo/NCCL bind the loopback interface; the firs
 its group's TCPStore on a socket bound there (torch.distributed would listen on every
 address). Failures come back as `WorkerError`
 naming role, rank and method, with the remote traceback; a dead actor is reported, not
-waited for.
+waited for, and so is a rank that stays silent past `timeout_s` (cluster.call_timeout_s).
 """
 from __future__ import annotations
 
 import os
 import socket
+import time
 from typing import Any
 
 import ray
@@ -85,13 +86,13 @@ class WorkerGroup(BaseWorkerGroup):
         self.world_size = plan_entry.world_size
         self.tensor_parallel = plan_entry.tensor_parallel_size
         self.lockstep = frozenset(getattr(role_cls, "LOCKSTEP_METHODS", ()))
-        self.timeout_s = timeout_s
+        self.timeout_s = timeout_s or None  # 0 or None: no bound
         self.workers = [
             _RemoteHost.options(name=None, max_concurrency=1, **placement.slot(plan_entry, i).actor_options()).remote()
             for i in range(self.world_size)]
         local = cluster_is_local()
         self.infos = self._wait([w.node_info.remote(local) for w in self.workers], "node_info",
-                                list(range(self.world_size)), timeout_s)
+                                list(range(self.world_size)), None)
         master = self.infos[0]
         envs = [{**(loopback_env() if local else {}), **(env or {}), "RANK": str(i),
                  "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(plan_entry.local_devices[i]),
@@ -104,7 +105,7 @@ class WorkerGroup(BaseWorkerGroup):
                  for i in range(self.world_size)]
         refs = [w.setup.remote(role_cls, envs[i], init_args, init_kwargs or {}, serve[i])
                 for i, w in enumerate(self.workers)]
-        self._wait(refs, "__init__", list(range(self.world_size)), timeout_s)
+        self._wait(refs, "__init__", list(range(self.world_size)), None)
 
     def _engine_env(self, rank: int) -> dict[str, str]:
         """Where rank `rank` meets the other ranks of its tensor-parallel engine (none at size 1)."""
@@ -120,12 +121,13 @@ class WorkerGroup(BaseWorkerGroup):
 
     def _wait(self, handles: list, method: str, indices: list[int], timeout: float | None) -> list:
         timeout = self.timeout_s if timeout is None else timeout
-        try:  # fast path: everything succeeds
+        start = time.monotonic()
+        try:  # fast path: everything succeeds in time
             return ray.get(handles, timeout=timeout)
         except ray.exceptions.GetTimeoutError:
-            raise WorkerError(self.role, indices[0], method, f"no result after {timeout}s") from None
+            timed_out = True
         except (ray.exceptions.RayTaskError, ray.exceptions.RayActorError):
-            pass
+            timed_out = False
         # Name the first failing rank, in rank order among the finished ones.
         ready, _ = ray.wait(handles, num_returns=len(handles), timeout=0)
         ready = set(ready)
@@ -141,7 +143,19 @@ class WorkerGroup(BaseWorkerGroup):
             except ray.exceptions.RayActorError as e:
                 raise WorkerError(self.role, index, method, f"the actor process died ({e.__class__.__name__}); "
                                   "check its log for an out-of-memory kill or a crash", str(e)) from None
+        silent = [index for ref, index in zip(handles, indices) if ref not in ready]
+        if timed_out and silent:  # none failed: the first rank still silent is reported like a dead one
+            raise WorkerError(self.role, silent[0], method, self._silence(silent, time.monotonic() - start))
+        if timed_out:  # every rank answered just after the bound
+            return ray.get(handles)
         raise WorkerError(self.role, indices[0], method, "failed, but no rank reported the error")
+
+    def _silence(self, ranks: list[int], waited: float) -> str:
+        infos = getattr(self, "infos", None)  # unknown while node_info itself is awaited
+        where = f" (pid {infos[ranks[0]]['pid']})" if infos else ""
+        return (f"no answer after {waited:.1f}s: the actor process{where} stopped answering (stopped, hung, "
+                f"or waiting in a collective for a rank that is gone); silent ranks {ranks}. "
+                "Check its log and stack (py-spy dump), or raise cluster.call_timeout_s (0: no bound)")
 
     def shutdown(self) -> None:
         for w in self.workers:

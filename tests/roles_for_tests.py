@@ -66,6 +66,13 @@ class Probe:
         time.sleep(120)
         return self.rank
 
+    def nap(self, seconds):
+        """Rank 1 sleeps: a worker that stops answering without dying."""
+        import time
+        if self.rank == 1:
+            time.sleep(seconds)
+        return self.rank
+
     def die(self):
         if self.rank == 1:
             os._exit(3)
