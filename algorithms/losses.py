@@ -112,9 +112,9 @@ def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
 
 
 def grpo_loss(logprobs: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor, *,
+              epsilon: float, epsilon_high: Optional[float], beta: float, loss_type: str,
               old_logprobs: Optional[torch.Tensor] = None, ref_logprobs: Optional[torch.Tensor] = None,
-              epsilon: float = 0.2, epsilon_high: Optional[float] = None, beta: float = 0.0,
-              loss_type: str = "grpo", max_completion_length: Optional[int] = None,
+              max_completion_length: Optional[int] = None,
               reduction: Reduction = "mean") -> tuple[torch.Tensor, dict]:
     """Clipped-ratio policy loss with an optional k3 KL penalty, TRL GRPOTrainer semantics.
 
@@ -124,6 +124,7 @@ def grpo_loss(logprobs: torch.Tensor, advantages: torch.Tensor, loss_mask: torch
     `loss_type` (see the module docstring for the numerator/denominator of each).
     Metrics: clip_ratio/low (r < 1-eps with A < 0), clip_ratio/high (r > 1+eps_high with
     A > 0), clip_ratio/region (either), ratio_mean, and kl (mean k3) when ref_logprobs is given.
+    The settings have no defaults here: GRPOAlgorithm holds them (epsilon_high None: epsilon).
     """
     _check_reduction(reduction)
     if loss_type not in LOSS_TYPES:
@@ -225,9 +226,8 @@ def _topk_distributions(student_logits, teacher_logprobs, teacher_indices, tempe
 
 
 def gkd_loss(student_logits: torch.Tensor, teacher_logprobs: torch.Tensor, loss_mask: torch.Tensor, *,
-             teacher_indices: Optional[torch.Tensor] = None, beta: float = 0.5, temperature: float = 1.0,
-             topk_mode: str = "renorm", teacher_temperature_applied: bool = False,
-             reduction: Reduction = "mean") -> tuple[torch.Tensor, dict]:
+             beta: float, temperature: float, topk_mode: str, teacher_indices: Optional[torch.Tensor] = None,
+             teacher_temperature_applied: bool = False, reduction: Reduction = "mean") -> tuple[torch.Tensor, dict]:
     """Generalized JSD between student and teacher next-token distributions, masked token mean.
 
     All inputs are aligned with each other: student_logits [B, T, V], loss_mask [B, T], and
@@ -240,6 +240,7 @@ def gkd_loss(student_logits: torch.Tensor, teacher_logprobs: torch.Tensor, loss_
     full vocabulary and 'renorm' this equals tempering the teacher's logits). With
     `teacher_temperature_applied` the teacher values are already at that temperature.
     Only positions with loss_mask > 0 are computed. Denominator: loss tokens.
+    beta, temperature and topk_mode have no defaults here: GKDAlgorithm holds them.
     """
     _check_reduction(reduction)
     if temperature <= 0:
@@ -291,12 +292,12 @@ class SFTLoss:
 
 class GRPOLoss:
     """GRPO on a batch with `advantages` ([B] or [B, T]), optional `old_logprobs` (behaviour
-    policy; None = on-policy single update) and `ref_logprobs` (needed when beta != 0)."""
+    policy; None = on-policy single update) and `ref_logprobs` (needed when beta != 0).
+    The settings are required: their defaults live once, in GRPOAlgorithm."""
     loss_inputs: tuple = ()
 
-    def __init__(self, epsilon: float = 0.2, epsilon_high: Optional[float] = None, beta: float = 0.04,
-                 loss_type: str = "grpo", max_completion_length: Optional[int] = None,
-                 reduction: StepReduction = "global"):
+    def __init__(self, *, epsilon: float, epsilon_high: Optional[float], beta: float, loss_type: str,
+                 max_completion_length: Optional[int] = None, reduction: StepReduction = "global"):
         _check_step_reduction(reduction)
         if loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
@@ -334,12 +335,12 @@ class GKDLoss:
     dataset responses, or teacher generations when seq_kd); this loss is the same for all.
     As in ms-swift, the SFT term counts only completions the student did not write: rows with
     `batch.sft_weight` 0 (the driver marks its on-policy generations so) are left out of it.
+    The settings are required: their defaults live once, in GKDAlgorithm.
     """
     loss_inputs: tuple = ("logits",)
 
-    def __init__(self, beta: float = 0.5, temperature: float = 0.9, sft_alpha: float = 0.0,
-                 topk_mode: str = "renorm", teacher_temperature_applied: bool = False,
-                 reduction: StepReduction = "global"):
+    def __init__(self, *, beta: float, temperature: float, sft_alpha: float, topk_mode: str,
+                 teacher_temperature_applied: bool = False, reduction: StepReduction = "global"):
         _check_step_reduction(reduction)
         if not 0.0 <= beta <= 1.0:
             raise ValueError(f"GKD beta must be in [0, 1], got {beta}")
@@ -395,8 +396,12 @@ def make_loss(name: str, **params):
     if name not in _LOSSES:
         raise ValueError(f"unknown loss {name!r}; choose one of {sorted(_LOSSES)}")
     cls = _LOSSES[name]
-    accepted = [p for p in inspect.signature(cls).parameters]
+    signature = inspect.signature(cls).parameters
+    accepted = list(signature)
     unknown = sorted(set(params) - set(accepted))
     if unknown:
         raise ValueError(f"loss {name!r} does not take {unknown}; it takes {accepted}")
+    missing = [p for p, v in signature.items() if v.default is v.empty and p not in params]
+    if missing:
+        raise ValueError(f"loss {name!r} needs {missing} (the algorithm config's values)")
     return cls(**params)

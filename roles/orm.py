@@ -153,8 +153,8 @@ class ScalarHeadModel:
     """A causal LM backbone with a linear head giving one scalar per token, and its own
     AdamW. The ORM reads the scalar at the last token, the PRM at each step's end."""
 
-    def __init__(self, model: Any, device: str = "auto", seed: int = 0, use_chat_template: bool = True,
-                 lr: float = 1e-5, weight_decay: float = 0.0, max_grad_norm: float = 1.0, micro_batch: int = 16):
+    def __init__(self, model: Any, device: str, seed: int, use_chat_template: bool, lr: float, weight_decay: float,
+                 max_grad_norm: float, micro_batch: int):
         # Imported here so that rule-based scoring never pays for transformers.
         from roles.models import build_model, load_tokenizer
 

@@ -65,7 +65,7 @@ class PRMConfig(ScorerModelConfig):
     reward_fn: Optional[str] = None
 
 
-def split_steps(completion: str, separator: str = "\n", answer_as_step: bool = False) -> List[str]:
+def split_steps(completion: str, separator: str, answer_as_step: bool) -> List[str]:
     """Non-empty, stripped pieces before the answer line (plus that line if answer_as_step)."""
     steps: List[str] = []
     for piece in completion.split(separator):
@@ -124,8 +124,7 @@ def _apply(a: int, op: str, b: int) -> Optional[int]:
     return a // b if b != 0 and a % b == 0 else None
 
 
-def verify_arithmetic(steps: Sequence[str], prompt: str = "", check_prompt: bool = True,
-                      answer_as_step: bool = False) -> List[float]:
+def verify_arithmetic(steps: Sequence[str], prompt: str, check_prompt: bool, answer_as_step: bool) -> List[float]:
     """Step scores of an arithmetic chain (see the module docstring for the rules)."""
     chain = prompt_chain(prompt) if check_prompt else None
     scores: List[float] = []

@@ -24,7 +24,7 @@ import torch
 from omegaconf import OmegaConf
 
 from roles.batch import Batch
-from roles.engines.options import TEACHER_ENGINES, check_engine
+from roles.engines.options import TEACHER_ENGINES, MegatronOptions, check_engine
 from roles.engines.torch_engine import process_memory
 from roles.engines.torch_trainer import host_bytes, module_tensors, rank_device, to_device, to_host
 from roles.models import DTYPES, ModelSpec, build_model, load_tokenizer, resolve_config
@@ -48,7 +48,7 @@ class Teacher(WeightReceiver):
     # empty slices too (an empty call returns empty tensors).
     LOCKSTEP_METHODS = ("logits",)
 
-    def __init__(self, model: ModelSpec = "small_qwen2", config: Union[TeacherConfig, Mapping[str, Any], None] = None,
+    def __init__(self, model: ModelSpec, config: Union[TeacherConfig, Mapping[str, Any], None] = None,
                  engine: str = "torch", engine_options: Optional[Mapping[str, Any]] = None):
         check_engine("teacher", engine, TEACHER_ENGINES)
         if config is None:
@@ -77,7 +77,9 @@ class Teacher(WeightReceiver):
         self._vocab_size = self.model.config.vocab_size
         if engine == "megatron":  # this TP rank's shard; TP peers join their slices in logits()
             from roles.engines import megatron_trainer as mt
-            mt.setup_parallel(int((engine_options or {}).get("tensor_parallel_size", 1)), self.device)
+            tp = (engine_options or {}).get("tensor_parallel_size", MegatronOptions.tensor_parallel_size)
+            # Seed 0: a frozen teacher in eval mode draws no random numbers.
+            mt.setup_parallel(int(tp), self.device, seed=0)
             self.model = mt.to_megatron(self.model, mt.tp_info()[1], self.device, next(self.model.parameters()).dtype)
         self.model = self.model.to(self.device).eval()
         self.model.requires_grad_(False)

@@ -131,7 +131,7 @@ class Trainer(WeightSender):
     # passes, tensor-parallel row joins): worker groups call every rank, empty slices too.
     LOCKSTEP_METHODS = ("train_step", "logprobs")
 
-    def __init__(self, model: ModelSpec = "tiny_qwen2", config: Union[TrainerConfig, Mapping, None] = None,
+    def __init__(self, model: ModelSpec, config: Union[TrainerConfig, Mapping, None] = None,
                  loss_fn: Optional[LossFn] = None, loss_inputs: Sequence[str] = (),
                  engine: str = "torch", engine_options: Optional[Mapping[str, Any]] = None):
         self.config = resolve_trainer_config(config)
@@ -267,7 +267,7 @@ class Trainer(WeightSender):
         return (lp[own], ent[own]) if entropy else lp[own]
 
     # ------------------------------------------------------------------ weights
-    def state_dict_buckets(self, bucket_mb: float = 64, dtype: Optional[str] = None,
+    def state_dict_buckets(self, bucket_mb: float, dtype: Optional[str] = None,
                            to_cpu: bool = True) -> list[list[tuple[str, torch.Tensor]]]:
         """All weights as [(HF name, tensor)] lists of at most `bucket_mb` MiB each (a larger
         tensor gets a bucket of its own), in the model's state_dict order; a tied weight

@@ -72,6 +72,14 @@ def test_zero_variance_groups():
 
 
 # ----------------------------------------------------------------------------- GRPO
+GRPO_FIXED = dict(epsilon=0.2, epsilon_high=None, beta=0.0, loss_type="grpo")
+
+
+def grpo(logprobs, advantages, loss_mask, **kw):
+    """grpo_loss with the settings a test does not vary: epsilon 0.2, no clip-higher, no KL."""
+    return grpo_loss(logprobs, advantages, loss_mask, **{**GRPO_FIXED, **kw})
+
+
 # Two sequences, T=4. Sequence 0: loss tokens 1..3, ratios 1.5, 0.5, 1.0, advantage +1.
 # Sequence 1: loss tokens 1..2, ratios 1.5, 0.5, advantage -1; position 3 is padding holding a
 # huge logprob that must not count. old_logprobs = 0, so logprobs = log(ratio).
@@ -93,8 +101,8 @@ def _grpo_inputs():
 ])
 def test_grpo_loss_types(loss_type, expected):
     logprobs, adv, mask, old = _grpo_inputs()
-    loss, m = grpo_loss(logprobs, adv, mask, old_logprobs=old, epsilon=0.2, loss_type=loss_type,
-                        max_completion_length=4)
+    loss, m = grpo(logprobs, adv, mask, old_logprobs=old, epsilon=0.2, loss_type=loss_type,
+                   max_completion_length=4)
     close(float(loss), expected)
     close(m["clip_ratio/low"], 1 / 5)
     close(m["clip_ratio/high"], 1 / 5)
@@ -105,10 +113,10 @@ def test_grpo_loss_types(loss_type, expected):
 def test_grpo_epsilon_high():
     logprobs, adv, mask, old = _grpo_inputs()
     # The high-clipped token now clips at 1.28: seq 0 mean (-1.28 - 0.5 - 1) / 3.
-    loss, m = grpo_loss(logprobs, adv, mask, old_logprobs=old, epsilon=0.2, epsilon_high=0.28)
+    loss, m = grpo(logprobs, adv, mask, old_logprobs=old, epsilon=0.2, epsilon_high=0.28)
     close(float(loss), ((-1.28 - 0.5 - 1.0) / 3 + 1.15) / 2)
     # With epsilon_high 0.6 nothing is high-clipped (1.5 < 1.6).
-    loss, m = grpo_loss(logprobs, adv, mask, old_logprobs=old, epsilon=0.2, epsilon_high=0.6)
+    loss, m = grpo(logprobs, adv, mask, old_logprobs=old, epsilon=0.2, epsilon_high=0.6)
     close(float(loss), ((-1.5 - 0.5 - 1.0) / 3 + 1.15) / 2)
     assert m["clip_ratio/high"] == 0.0
 
@@ -119,11 +127,11 @@ def test_grpo_epsilon_high():
 def test_grpo_sum_reduction_and_micro_batches(loss_type, numerator, denominator):
     logprobs, adv, mask, old = _grpo_inputs()
     kw = dict(epsilon=0.2, loss_type=loss_type, max_completion_length=4, reduction="sum")
-    loss, _ = grpo_loss(logprobs, adv, mask, old_logprobs=old, **kw)
+    loss, _ = grpo(logprobs, adv, mask, old_logprobs=old, **kw)
     close(float(loss), numerator)
     assert loss_denominator(loss_type, mask) == denominator
     # Split into two micro-batches: sum(numerators) / sum(denominators).
-    parts = [grpo_loss(logprobs[i:i + 1], adv[i:i + 1], mask[i:i + 1], old_logprobs=old[i:i + 1], **kw)[0]
+    parts = [grpo(logprobs[i:i + 1], adv[i:i + 1], mask[i:i + 1], old_logprobs=old[i:i + 1], **kw)[0]
              for i in range(2)]
     split = float(sum(parts)) / sum(loss_denominator(loss_type, mask[i:i + 1]) for i in range(2))
     # bnpo normalises each micro-batch by its own tokens, so it averages the two means instead.
@@ -138,25 +146,25 @@ def test_k3_kl_values_and_penalty():
     # ref - logp = +ln2 -> 2 - ln2 - 1; -ln2 -> 1/2 + ln2 - 1; their mean is exactly 1/4.
     close(k3_kl(logprobs, ref)[0, 1:], [1 - ln2, ln2 - 0.5])
     mask = torch.tensor([[0.0, 1, 1]], dtype=torch.float64)
-    loss, m = grpo_loss(logprobs, torch.zeros(1), mask, ref_logprobs=ref, beta=0.1)
+    loss, m = grpo(logprobs, torch.zeros(1), mask, ref_logprobs=ref, beta=0.1)
     close(loss, 0.1 * 0.25)
     close(m["kl"], 0.25)
     with pytest.raises(ValueError, match="ref_logprobs"):
-        grpo_loss(logprobs, torch.zeros(1), mask, beta=0.1)
+        grpo(logprobs, torch.zeros(1), mask, beta=0.1)
     with pytest.raises(ValueError, match="max_completion_length"):
-        grpo_loss(logprobs, torch.zeros(1), mask, loss_type="dr_grpo")
+        grpo(logprobs, torch.zeros(1), mask, loss_type="dr_grpo")
 
 
 def test_grpo_gradients():
     # On-policy (no old_logprobs): ratio 1, d loss / d logp_t = -A / n_tokens / B.
     logprobs = torch.tensor([[0.0, -0.3, -0.7]], requires_grad=True)
     mask = torch.tensor([[0.0, 1, 1]])
-    loss, _ = grpo_loss(logprobs, torch.tensor([2.0]), mask)
+    loss, _ = grpo(logprobs, torch.tensor([2.0]), mask)
     loss.backward()
     close(logprobs.grad[0], [0.0, -1.0, -1.0])
     # A clipped token passes no gradient: r = 1.5 > 1.2 with A > 0.
     logprobs = torch.tensor([[0.0, math.log(1.5), 0.0]], requires_grad=True)
-    loss, _ = grpo_loss(logprobs, torch.tensor([1.0]), mask, old_logprobs=torch.zeros(1, 3), epsilon=0.2)
+    loss, _ = grpo(logprobs, torch.tensor([1.0]), mask, old_logprobs=torch.zeros(1, 3), epsilon=0.2)
     loss.backward()
     close(logprobs.grad[0], [0.0, 0.0, -0.5])
 
@@ -220,6 +228,14 @@ def reference_topk(s_logits, t_logits, mask, idx, beta, temperature, mode):
     return float(d[keep].sum() / keep.sum())
 
 
+GKD_FIXED = dict(temperature=1.0, topk_mode="renorm")
+
+
+def gkd(student_logits, teacher_logprobs, loss_mask, **kw):
+    """gkd_loss with the settings a test does not vary: temperature 1, 'renorm' top-k."""
+    return gkd_loss(student_logits, teacher_logprobs, loss_mask, **{**GKD_FIXED, **kw})
+
+
 def _gkd_inputs(seed=0, B=2, T=5, V=11):
     g = torch.Generator().manual_seed(seed)
     s = torch.randn(B, T, V, generator=g, dtype=torch.float64) * 2
@@ -233,19 +249,19 @@ def _gkd_inputs(seed=0, B=2, T=5, V=11):
 def test_gkd_full_vocab_matches_reference(beta, temperature):
     s, t, mask = _gkd_inputs()
     teacher_logprobs = torch.log_softmax(t, dim=-1)  # what a Teacher serves (temperature 1)
-    loss, m = gkd_loss(s, teacher_logprobs, mask, beta=beta, temperature=temperature)
+    loss, m = gkd(s, teacher_logprobs, mask, beta=beta, temperature=temperature)
     close(float(loss), reference_jsd(s, t, mask, beta, temperature))
     close(m["jsd"], float(loss))
     # Teacher values already at the loss temperature give the same loss.
     tempered = torch.log_softmax(t / temperature, dim=-1)
-    loss2, _ = gkd_loss(s, tempered, mask, beta=beta, temperature=temperature, teacher_temperature_applied=True)
+    loss2, _ = gkd(s, tempered, mask, beta=beta, temperature=temperature, teacher_temperature_applied=True)
     close(float(loss2), float(loss))
 
 
 def test_gkd_temperature_changes_the_loss():
     s, t, mask = _gkd_inputs()
     tl = torch.log_softmax(t, dim=-1)
-    losses = [float(gkd_loss(s, tl, mask, beta=0.5, temperature=T)[0]) for T in (0.5, 1.0, 2.0)]
+    losses = [float(gkd(s, tl, mask, beta=0.5, temperature=T)[0]) for T in (0.5, 1.0, 2.0)]
     assert len({round(x, 6) for x in losses}) == 3
 
 
@@ -255,19 +271,19 @@ def test_gkd_topk_with_k_equal_vocab_is_full_vocab(beta, mode):
     s, t, mask = _gkd_inputs()
     tl = torch.log_softmax(t, dim=-1)
     values, indices = torch.topk(tl, k=tl.shape[-1], dim=-1)  # a permutation of the vocabulary
-    full = float(gkd_loss(s, tl, mask, beta=beta)[0])
-    topk = float(gkd_loss(s, values, mask, teacher_indices=indices, beta=beta, topk_mode=mode)[0])
+    full = float(gkd(s, tl, mask, beta=beta)[0])
+    topk = float(gkd(s, values, mask, teacher_indices=indices, beta=beta, topk_mode=mode)[0])
     close(topk, full)
     # At another temperature: renorm tempers the k values; tail needs them tempered by the teacher.
-    full_t = float(gkd_loss(s, tl, mask, beta=beta, temperature=0.7)[0])
+    full_t = float(gkd(s, tl, mask, beta=beta, temperature=0.7)[0])
     if mode == "renorm":
-        got = gkd_loss(s, values, mask, teacher_indices=indices, beta=beta, temperature=0.7, topk_mode=mode)[0]
+        got = gkd(s, values, mask, teacher_indices=indices, beta=beta, temperature=0.7, topk_mode=mode)[0]
     else:
         with pytest.raises(ValueError, match="teacher_temperature_applied"):
-            gkd_loss(s, values, mask, teacher_indices=indices, beta=beta, temperature=0.7, topk_mode=mode)
+            gkd(s, values, mask, teacher_indices=indices, beta=beta, temperature=0.7, topk_mode=mode)
         tv, ti = torch.topk(torch.log_softmax(t / 0.7, dim=-1), k=tl.shape[-1], dim=-1)
-        got = gkd_loss(s, tv, mask, teacher_indices=ti, beta=beta, temperature=0.7, topk_mode=mode,
-                       teacher_temperature_applied=True)[0]
+        got = gkd(s, tv, mask, teacher_indices=ti, beta=beta, temperature=0.7, topk_mode=mode,
+                  teacher_temperature_applied=True)[0]
     close(float(got), full_t)
 
 
@@ -276,12 +292,12 @@ def test_gkd_topk_with_k_equal_vocab_is_full_vocab(beta, mode):
 def test_gkd_topk_matches_reference(beta, mode):
     s, t, mask = _gkd_inputs(seed=1)
     values, indices = torch.topk(torch.log_softmax(t, dim=-1), k=4, dim=-1)
-    loss, m = gkd_loss(s, values, mask, teacher_indices=indices, beta=beta, topk_mode=mode)
+    loss, m = gkd(s, values, mask, teacher_indices=indices, beta=beta, topk_mode=mode)
     close(float(loss), reference_topk(s, t, mask, indices, beta, 1.0, mode))
     keep = mask > 0
     close(m["teacher_topk_mass"], float(values.exp().sum(-1)[keep].mean()))
     if mode == "renorm":
-        loss, _ = gkd_loss(s, values, mask, teacher_indices=indices, beta=beta, topk_mode=mode, temperature=1.5)
+        loss, _ = gkd(s, values, mask, teacher_indices=indices, beta=beta, topk_mode=mode, temperature=1.5)
         close(float(loss), reference_topk(s, t, mask, indices, beta, 1.5, mode))
 
 
@@ -299,8 +315,8 @@ def test_gkd_masks_exclude_padding_and_gradients_flow():
             teacher = teacher.clone()
             teacher[mask == 0] = float("nan")
         student = s_bad.clone().requires_grad_(True)
-        loss, _ = gkd_loss(student, teacher, mask, teacher_indices=idx, beta=0.5,
-                           topk_mode="tail" if idx is not None else "renorm")
+        loss, _ = gkd(student, teacher, mask, teacher_indices=idx, beta=0.5,
+                      topk_mode="tail" if idx is not None else "renorm")
         if idx is None:
             close(loss, expected)
         loss.backward()
@@ -313,10 +329,10 @@ def test_gkd_masks_exclude_padding_and_gradients_flow():
 def test_gkd_zero_when_student_equals_teacher(beta):
     s, _, mask = _gkd_inputs()
     tl = torch.log_softmax(s, dim=-1)
-    assert abs(float(gkd_loss(s, tl, mask, beta=beta, temperature=0.8)[0])) < 1e-12
+    assert abs(float(gkd(s, tl, mask, beta=beta, temperature=0.8)[0])) < 1e-12
     values, indices = torch.topk(tl, k=4, dim=-1)
     for mode in ("renorm", "tail"):
-        assert abs(float(gkd_loss(s, values, mask, teacher_indices=indices, beta=beta, topk_mode=mode)[0])) < 1e-12
+        assert abs(float(gkd(s, values, mask, teacher_indices=indices, beta=beta, topk_mode=mode)[0])) < 1e-12
 
 
 # ----------------------------------------------------------------------------- Trainer callables
@@ -349,12 +365,13 @@ def test_gkd_callable_rescales_trainer_temperature_and_adds_sft():
     nll_mean = float(nll[mask > 0].mean())
     # The trainer hands over logits divided by its own temperature (here 0.5).
     extras = {"logits": student_aligned / 0.5, "temperature": 0.5, "global_tokens": 12.0}
-    fn = make_loss("gkd", beta=0.5, temperature=0.9, sft_alpha=0.3, reduction="mean")
+    fn = make_loss("gkd", beta=0.5, temperature=0.9, sft_alpha=0.3, topk_mode="renorm", reduction="mean")
     assert fn.loss_inputs == ("logits",)
     loss, m = fn(torch.zeros(2, 6), batch, extras)
     close(loss, jsd + 0.3 * nll_mean)
     close(m["sft_nll"], nll_mean)
-    fn_global = pickle.loads(pickle.dumps(make_loss("gkd", beta=0.5, temperature=0.9, sft_alpha=0.3)))
+    fn_global = pickle.loads(pickle.dumps(make_loss("gkd", beta=0.5, temperature=0.9, sft_alpha=0.3,
+                                                    topk_mode="renorm")))
     share, _ = fn_global(torch.zeros(2, 6), batch, extras)
     assert fn_global.denominator(batch) == 6.0
     close(share, float(loss) * 6 / 12)
@@ -371,7 +388,7 @@ def test_gkd_sft_term_skips_rows_the_student_wrote():
     p = _softmax(student_raw[:, :-1])
     nll = -torch.log(p.gather(-1, batch.input_ids[:, 1:].unsqueeze(-1)).squeeze(-1))
     extras = {"logits": student_aligned, "temperature": 1.0}
-    fn = make_loss("gkd", beta=0.5, temperature=0.9, sft_alpha=0.3, reduction="mean")
+    fn = make_loss("gkd", beta=0.5, temperature=0.9, sft_alpha=0.3, topk_mode="renorm", reduction="mean")
     batch.sft_weight = torch.tensor([0.0, 1.0])
     loss, _ = fn(torch.zeros(2, 6), batch, extras)
     close(loss, jsd + 0.3 * float((nll[1] * mask[1]).sum() / mask.sum()))
@@ -384,7 +401,7 @@ def test_gkd_callable_topk():
     idx = batch.teacher_indices[:, 1:]
     expected = reference_topk(student_raw[:, :-1], teacher_raw[:, :-1], batch.loss_mask[:, 1:], idx, 1.0, 1.0,
                               "tail")
-    fn = GKDLoss(beta=1.0, temperature=1.0, topk_mode="tail", reduction="mean")
+    fn = GKDLoss(beta=1.0, temperature=1.0, sft_alpha=0.0, topk_mode="tail", reduction="mean")
     close(fn(torch.zeros(2, 6), batch, {"logits": student_aligned})[0], expected)
 
 
@@ -397,7 +414,8 @@ def _grpo_batch(rows=slice(None)):
 
 def test_grpo_callable_and_factory():
     logprobs, batch = _grpo_batch()
-    fn = pickle.loads(pickle.dumps(make_loss("grpo", epsilon=0.2, beta=0.0, loss_type="dapo", reduction="mean")))
+    fn = pickle.loads(pickle.dumps(make_loss("grpo", epsilon=0.2, epsilon_high=None, beta=0.0, loss_type="dapo",
+                                             reduction="mean")))
     assert isinstance(fn, GRPOLoss) and fn.denominator(batch) == 5.0
     loss, m = fn(logprobs, batch, {"entropy": torch.ones(2, 4)})
     close(loss, -0.4 / 5)
@@ -410,7 +428,11 @@ def test_grpo_callable_and_factory():
     with pytest.raises(ValueError, match="does not take"):
         make_loss("grpo", lmbda=0.5)
     with pytest.raises(ValueError, match="global_micro_batches"):
-        make_loss("grpo", beta=0.0, loss_type="bnpo")(logprobs, batch, {"global_tokens": 5.0, "global_sequences": 2.0})
+        make_loss("grpo", epsilon=0.2, epsilon_high=None, beta=0.0, loss_type="bnpo")(
+            logprobs, batch, {"global_tokens": 5.0, "global_sequences": 2.0})
+    # The algorithm's settings have no defaults in the loss: GRPOAlgorithm holds them.
+    with pytest.raises(ValueError, match=r"needs \['epsilon', 'epsilon_high', 'loss_type'\]"):
+        make_loss("grpo", beta=0.0)
     assert isinstance(make_loss("sft"), SFTLoss)
 
 
@@ -420,6 +442,7 @@ def test_grpo_callable_and_factory():
 def test_grpo_global_reduction_over_micro_batches(loss_type, expected):
     # Each sequence its own micro-batch (as on two ranks); the shares sum to the step loss.
     extras = {"global_tokens": 5.0, "global_sequences": 2.0, "global_micro_batches": 2.0}
-    fn = make_loss("grpo", epsilon=0.2, beta=0.0, loss_type=loss_type, max_completion_length=4)
+    fn = make_loss("grpo", epsilon=0.2, epsilon_high=None, beta=0.0, loss_type=loss_type,
+                   max_completion_length=4)
     shares = [fn(*_grpo_batch(slice(i, i + 1)), extras)[0] for i in range(2)]
     close(float(sum(shares)), expected)

@@ -51,8 +51,8 @@ def test_answer_line_as_last_step():
     incomplete = "31+8=39\n39-2=37\n#### 37"
     assert prm.score_steps([CHAIN_PROMPT] * 3, [CHAIN, wrong_answer, incomplete]) == [
         [1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 0]]
-    assert split_steps(CHAIN + "\ntrailing text") == ["31+8=39", "39-2=37", "37*16=592"]
-    assert split_steps(CHAIN, answer_as_step=True)[-1] == "#### 592"
+    assert split_steps(CHAIN + "\ntrailing text", "\n", False) == ["31+8=39", "39-2=37", "37*16=592"]
+    assert split_steps(CHAIN, "\n", answer_as_step=True)[-1] == "#### 592"
     assert PRM(step_separator="; ").score_steps([""], ["2+2=4; 4*3=13; 13-1=12"]) == [[1, 0, 0]]
 
 

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from roles.engines.megatron_convert import build_gpt_model, hf_to_megatron, megatron_to_hf
+from roles.engines.options import MegatronOptions
 from roles.engines.torch_trainer import (AUTOCAST_DTYPES, DIST_TIMEOUT, TorchTrainEngine, adamw, init_data_parallel,
                                          lr_schedule)
 
@@ -37,7 +38,7 @@ GRAD_BUCKET_BYTES = 32 * 2**20
 
 
 # ---------------------------------------------------------------------- process groups
-def setup_parallel(tp: int, device: torch.device, seed: int = 0) -> tuple[int, int]:
+def setup_parallel(tp: int, device: torch.device, seed: int) -> tuple[int, int]:
     """Join the process group (a 1-rank one without a worker group) and Megatron's TP/DP
     groups, with RNG and scratch memory for `device`; returns (rank, world size). Roles in
     one process share the groups, so they need one TP size."""
@@ -220,7 +221,7 @@ class MegatronTrainEngine(TorchTrainEngine):
                  schedule: str, seed: int):
         from megatron.core import parallel_state as ps
 
-        self.tp = int(options.get("tensor_parallel_size", 1))
+        self.tp = int(options.get("tensor_parallel_size", MegatronOptions.tensor_parallel_size))
         self.rank, self.world_size = setup_parallel(self.tp, device, seed)
         self.tp_rank, _, self.tp_group = tp_info()
         self.dp_group = ps.get_data_parallel_group()

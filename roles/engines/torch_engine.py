@@ -23,7 +23,7 @@ def pick_device(preference: str = "auto") -> torch.device:
     return device
 
 
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float) -> torch.Tensor:
     """[B, T] logprobs aligned with input_ids: out[:, t] = log p(ids[t] | ids[:t]); out[:, 0] = 0.
 
     `logits` is the model output for `input_ids` ([B, T, V]); temperature divides them first.
@@ -35,7 +35,7 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
     return torch.cat([torch.zeros_like(picked[:, :1]), picked], dim=1)
 
 
-def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """[B, T] entropy of the next-token distribution, aligned like `token_logprobs`."""
     if temperature != 1.0:
         logits = logits / temperature
