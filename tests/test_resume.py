@@ -214,3 +214,89 @@ def test_distill_resumes_its_sampling_and_then_the_sft_phase(tmp_path, monkeypat
     again = distill.run(*config(resume="auto"), tmp_path / "resumed")
     assert again["sft/checkpoint"] == resumed["sft/checkpoint"]
     assert len(read_metrics(tmp_path / "resumed" / "sft" / "metrics.jsonl")) == 3
+
+
+def test_a_killed_cli_run_resumes_in_its_hydra_directory(tmp_path):
+    """The documented way: SIGKILL the driver after a checkpoint, then the same command with
+    run.resume=auto and hydra.run.dir=<the old run>: metrics.jsonl holds every step once."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    steps, run_dir = 40, tmp_path / "run"
+    cmd = [sys.executable, "-m", "algorithms.sft", "+experiment=sft_quickstart", "backend=local", *TINY,
+           f"run.steps={steps}", "run.save_every=4", "run.keep_last=2", f"hydra.run.dir={run_dir}"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    repo = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen(cmd, cwd=repo, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    latest, deadline = run_dir / "checkpoints" / "latest", time.monotonic() + 300
+    while not latest.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "the run ended before it could be killed"
+    killed_at = [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")]
+    assert killed_at[-1] < steps
+    done = subprocess.run(cmd + ["run.resume=auto"], cwd=repo, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "resumed from" in done.stdout
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == list(range(steps + 1))
+    kept = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
+    assert kept == [f"step_{steps - 4}", f"step_{steps}"]  # keep_last=2
+
+
+def stop_and_resume(driver, schema, base, resume_overrides, tmp_path, monkeypatch):
+    """(straight records, resumed records, straight record, resumed record): `base` run straight,
+    and killed after step 3 then resumed with `resume_overrides` added."""
+    _, typed, plan = prepared(schema, base)
+    driver.validate(typed, plan)
+    straight = driver.run(typed, plan, tmp_path / "straight")
+    with monkeypatch.context() as m:
+        interrupt_after(m, 3)
+        with pytest.raises(Interrupted):
+            driver.run(typed, plan, tmp_path / "resumed")
+    _, typed, plan = prepared(schema, base + ["run.resume=auto", *resume_overrides])
+    driver.validate(typed, plan)
+    resumed = driver.run(typed, plan, tmp_path / "resumed")
+    want, got = (read_metrics(tmp_path / d / "metrics.jsonl") for d in ("straight", "resumed"))
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(6))
+    return want, got, straight, resumed
+
+
+@pytest.mark.parametrize("engine", ["deepspeed", "megatron"])
+def test_sharded_engines_resume_within_tolerance(engine, ray_cluster, tmp_path, monkeypatch):
+    """Two trainer ranks (ZeRO-2 / tensor-parallel 2) on Ray, killed after step 3 (checkpoint
+    at 2) and resumed: step 3 again, from the restored weights, optimizer and schedule, gives
+    the loss, gradient norm and learning rate of its first run to 1e-5 (relative)."""
+    pytest.importorskip({"deepspeed": "deepspeed", "megatron": "megatron.core"}[engine])
+    options = ["deepspeed.zero_stage=2"] if engine == "deepspeed" else ["megatron.tensor_parallel_size=2"]
+    base = ["+experiment=sft_quickstart", *TINY, "model=tiny_llama", f"backend.train={engine}", *options,
+            "placement.train.gpus=2", "run.save_every=2", "run.eval_every=0"]
+    _, typed, plan = prepared(SFTRunConfig, base)
+    sft.validate(typed, plan)
+    with monkeypatch.context() as m:
+        interrupt_after(m, 3)
+        with pytest.raises(Interrupted):
+            sft.run(typed, plan, tmp_path)
+    first = read_metrics(tmp_path / "metrics.jsonl")[3]
+    _, typed, plan = prepared(SFTRunConfig, base + ["run.resume=auto"])
+    sft.run(typed, plan, tmp_path)
+    again = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in again] == [0, 1, 2, 3]
+    for key in ("train/loss", "train/grad_norm", "train/lr"):
+        assert again[3][key] == pytest.approx(first[key], rel=1e-5), key
+
+
+def test_a_colocated_grpo_run_resumes_on_separate_devices(ray_cluster, tmp_path, monkeypatch):
+    """Placement may change between the interruption and the resume (same rank counts): the
+    resumed run on separate devices equals the colocated straight run."""
+    _, _, overrides = CASES["grpo"]
+    base = [*overrides, "run.steps=5", "run.save_every=2", "run.eval_every=0"]
+    separate = ["placement.colocate_groups=null", "placement.offload_model=false",
+                "placement.offload_optimizer=false", "placement.sleep_level=0"]
+    want, got, straight, resumed = stop_and_resume(grpo, grpo.GRPORunConfig, base, separate, tmp_path, monkeypatch)
+    assert comparable(got) == comparable(want)
+    a, b = weights(straight["checkpoint"]), weights(resumed["checkpoint"])
+    assert all(torch.equal(a[k], b[k]) for k in a)
