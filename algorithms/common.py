@@ -14,22 +14,45 @@ from roles.batch import SamplingParams
 from roles.orm import ORM
 
 
+def chat_prompt(tokenizer: Any, ex: Example) -> str:
+    """An example's prompt as the rollout encodes it: chat-rendered with the generation prompt."""
+    return tokenizer.apply_chat_template(ex.prompt_messages(), add_generation_prompt=True, tokenize=False)
+
+
+def chat_texts(tokenizer: Any, ex: Example) -> tuple[str, str]:
+    """(prompt, whole conversation with the reply) of an example, rendered as training reads them."""
+    return chat_prompt(tokenizer, ex), tokenizer.apply_chat_template(ex.messages(), tokenize=False)
+
+
 def encode_examples(tokenizer: Any, examples: list[Example], pretrain: bool = False) -> Completions:
-    """Dataset responses as completions: chat-rendered prompt ids + response ids + eos."""
+    """Dataset responses as completions: chat-rendered prompt ids + response ids + eos. An
+    example with `max_tokens` (a reply too long for the run) is cut to that many tokens."""
     prompt_ids, completion_ids = [], []
     for ex in examples:
-        prompt = tokenizer.apply_chat_template(ex.prompt_messages(), add_generation_prompt=True, tokenize=False)
-        full = tokenizer.apply_chat_template(ex.messages(), tokenize=False)
+        prompt, full = chat_texts(tokenizer, ex)
         p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         f = tokenizer(full, add_special_tokens=False)["input_ids"]
         if f[:len(p)] != p:  # the template must extend the prompt; else train on the whole text
             p = []
         if pretrain:
             p, f = f[:1], f
+        if ex.max_tokens is not None:
+            # Cut like a max_length truncation: the reply's end goes, no eos is added.
+            f = f[:ex.max_tokens]
         prompt_ids.append(p)
         completion_ids.append(f[len(p):])
     n = len(examples)
     return Completions(list(range(n)), prompt_ids, completion_ids, [""] * n, [], ["stop"] * n, [0] * n)
+
+
+def record_data_stats(log: Any, stats: dict, resume: Any) -> None:
+    """load_task's counts into the run's step-0 record (RunLog sums added values into the next
+    record it writes). A run resuming from a checkpoint has its step-0 record already."""
+    from algorithms.checkpoints import find_resume
+
+    if find_resume(log.dir, resume, report=lambda _: None) is None:
+        for key, value in stats.items():
+            log.add(key, value)
 
 
 def batch_of(tokenizer: Any, completions: Completions) -> Batch:

@@ -1,10 +1,30 @@
-"""Task selection for the drivers: `data:` config -> training and held-out examples."""
+"""Task selection for the drivers: `data:` config -> training and held-out examples.
+
+Bad rows never stop a run. Rows a user file cannot give (algorithms/tasks.py SKIP_REASONS) are
+skipped, and, given the run's `RowLimits`, so are rows longer than the run's models take:
+
+* a prompt generated from (training prompts of GRPO, GKD and distill, every held-out prompt)
+  must fit the context with the generation budget: prompt tokens + max_new_tokens (held out:
+  run.eval_max_new_tokens) <= context. Longer prompts are skipped: cutting one changes the task.
+* a conversation trained on (SFT, GKD's dataset replies) may be data.max_length tokens long (0 or
+  null: the context); a longer reply is cut at its end and counted, a row whose prompt alone
+  leaves no reply token is skipped.
+
+Lengths are counted with the run's tokenizer on the chat-rendered text, as the rollout and
+`encode_examples` feed it. `load_task` prints one line with the counts per reason and returns
+them as the stats the drivers write into their step-0 metrics record.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import List, Optional
+import json
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, List, Optional
 
-from algorithms.tasks import ArithmeticConfig, Example, arithmetic_examples, gsm_examples, load_user_data
+from algorithms.common import chat_prompt, chat_texts
+from algorithms.tasks import (SKIP_REASONS, ArithmeticConfig, Example, arithmetic_examples, gsm_examples,
+                             load_user_data)
 from orchestration.config import ConfigError
 
 
@@ -25,34 +45,220 @@ class DataConfig:
     seed: int = 0
     # Cache folder of the `datasets` loader for task=files; None: its default.
     cache_dir: Optional[str] = None
+    # Longest training conversation (prompt + reply) in tokens for SFT and GKD's dataset
+    # replies; longer replies are cut at their end. 0 or null: the model's context.
+    max_length: Optional[int] = None
 
 
-def load_task(cfg: DataConfig) -> tuple[list[Example], list[Example], dict]:
-    """(train, held-out, stats); stats count rows skipped as malformed. A task that cannot
+@dataclass
+class RowLimits:
+    """What a run's models take, in tokens; built by `row_limits` from a driver's config."""
+    # The run's tokenizer (roles.models.load_tokenizer).
+    tokenizer: Any
+    # Longest sequence (prompt + generation) the run's models take; None: unknown, prompts
+    # are not checked.
+    context: Optional[int]
+    # Tokens generated after a training prompt; None: training prompts are not generated from.
+    new_tokens: Optional[int] = None
+    # Tokens generated after a held-out prompt (run.eval_max_new_tokens).
+    eval_new_tokens: int = 0
+    # Longest training conversation trained on, replies cut to it; None: replies are not trained on.
+    max_length: Optional[int] = None
+
+
+def model_context(spec: Any) -> Optional[int]:
+    """Longest sequence of a model spec (preset, ModelConfig, mapping or checkpoint directory):
+    its max_position_embeddings (config.json for a checkpoint); None when config.json has none."""
+    from roles.models import resolve_config
+
+    cfg = resolve_config(spec)
+    if cfg.path is None:
+        return cfg.max_position_embeddings
+    path = Path(cfg.path) / "config.json"
+    if not path.is_file():  # validation names the missing file; nothing to measure against here
+        return None
+    config = json.loads(path.read_text())
+    # GPT-2-style and other configs name it differently.
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        if isinstance(config.get(key), int):
+            return config[key]
+    return None
+
+
+def row_limits(cfg: Any, new_tokens: Optional[int] = None, replies: bool = False,
+               teacher: Any = None) -> RowLimits:
+    """The limits of a driver's run config `cfg` (model, run, data, backend and vllm sections):
+    training prompts are generated from with `new_tokens` (None: they are not, as in SFT);
+    `replies`: the run trains on the dataset's replies; `teacher`: a teacher model that reads
+    the same sequences (its context counts too)."""
+    from roles.models import load_tokenizer
+
+    contexts = [model_context(cfg.model)] + ([model_context(teacher)] if teacher is not None else [])
+    if new_tokens is not None and cfg.backend.rollout == "vllm":
+        contexts.append(cfg.vllm.max_model_len)  # the vLLM rollout's own limit, when lower
+    if teacher is not None and cfg.backend.teacher == "vllm":
+        contexts.append(cfg.vllm.max_model_len - 1)  # it needs one position past the sequence
+    known = [c for c in contexts if c is not None]
+    context = min(known) if known else None
+    max_length = None
+    if replies:
+        if (cfg.data.max_length or 0) < 0:
+            raise ConfigError(f"config key 'data.max_length'={cfg.data.max_length} is negative. "
+                              "Fix: a token count, or 0 for the model's context")
+        # Never past the context: positions beyond it do not exist.
+        bounds = [x for x in (cfg.data.max_length, context) if x]
+        max_length = min(bounds) if bounds else None
+    return RowLimits(load_tokenizer(cfg.model), context, new_tokens, cfg.run.eval_max_new_tokens, max_length)
+
+
+class _Tally:
+    """Skipped rows per reason (with the first of each) and cut replies."""
+
+    def __init__(self, reasons: Optional[dict] = None, first: Optional[dict] = None):
+        self.reasons: Counter = Counter(reasons or {})
+        self.first: dict = dict(first or {})
+        self.truncated = 0
+
+    def skip(self, reason: str, where: str) -> None:
+        self.reasons[reason] += 1
+        self.first.setdefault(reason, where)
+
+    def stats(self) -> dict:
+        order = sorted(self.reasons, key=lambda r: SKIP_REASONS.index(r) if r in SKIP_REASONS else len(SKIP_REASONS))
+        return {"data/skipped_rows": sum(self.reasons.values()),
+                **{f"data/skipped/{r}": self.reasons[r] for r in order}, "data/truncated": self.truncated}
+
+
+def _prompt_limit(limits: Optional[RowLimits], held_out: bool) -> Optional[int]:
+    budget = None if limits is None else limits.eval_new_tokens if held_out else limits.new_tokens
+    return None if budget is None or limits.context is None else limits.context - budget
+
+
+def _lengths(tokenizer: Any, examples: list[Example], whole: bool) -> tuple[list[int], list[int]]:
+    """Token counts of each example's rendered prompt and (whole=True, else zeros) whole conversation."""
+    texts = [chat_texts(tokenizer, ex) if whole else (chat_prompt(tokenizer, ex), "") for ex in examples]
+
+    def count(strings: list[str]) -> list[int]:
+        return [len(ids) for ids in tokenizer(strings, add_special_tokens=False)["input_ids"]] if strings else []
+
+    return count([p for p, _ in texts]), count([f for _, f in texts]) if whole else [0] * len(texts)
+
+
+def _fit(examples: list[Example], limits: Optional[RowLimits], held_out: bool, tally: _Tally,
+         want: Optional[int] = None) -> list[tuple[int, Example]]:
+    """(index, example) of the examples that meet the limits, in order (replies of training rows
+    cut to max_length); the others are counted as too_long. `want`: at most this many, taken from
+    the end (a file's held-out rows are its last ones); no row before them is looked at."""
+    prompt_limit = _prompt_limit(limits, held_out)
+    max_length = None if held_out or limits is None else limits.max_length
+    order = list(range(len(examples)))
+    if want is not None:
+        order.reverse()
+    if prompt_limit is None and max_length is None:
+        return sorted((i, examples[i]) for i in order[:want]) if want is not None else list(enumerate(examples))
+    kept: list[tuple[int, Example]] = []
+    # Lengths a chunk at a time: the held-out search usually ends within its first chunk.
+    chunk = max(want or 0, 256)
+    for start in range(0, len(order), chunk):
+        idx = order[start:start + chunk]
+        prompts, fulls = _lengths(limits.tokenizer, [examples[i] for i in idx], max_length is not None)
+        for i, p, f in zip(idx, prompts, fulls):
+            if want is not None and len(kept) == want:
+                return sorted(kept, key=lambda pair: pair[0])
+            ex = examples[i]
+            if prompt_limit is not None and p > prompt_limit:
+                budget = (f"run.eval_max_new_tokens {limits.eval_new_tokens}" if held_out
+                          else f"max_new_tokens {limits.new_tokens}")
+                tally.skip("too_long", f"{ex.source}: a {'held-out ' if held_out else ''}prompt of {p} tokens, "
+                                       f"over {prompt_limit} (context {limits.context} - {budget})")
+            elif max_length is not None and p >= max_length:
+                tally.skip("too_long", f"{ex.source}: a prompt of {p} tokens leaves no reply token within "
+                                       f"{max_length}")
+            else:
+                if max_length is not None and f > max_length:
+                    ex = replace(ex, max_tokens=max_length)
+                    tally.truncated += 1
+                kept.append((i, ex))
+    return sorted(kept, key=lambda pair: pair[0])
+
+
+def load_task(cfg: DataConfig, limits: Optional[RowLimits] = None) -> tuple[list[Example], list[Example], dict]:
+    """(train, held-out, stats). Bad rows are skipped (and, with `limits`, rows over them
+    skipped or cut, see the module docstring); stats count them ("data/skipped_rows",
+    "data/skipped/<reason>", "data/truncated"), also printed as one line. A task that cannot
     give the asked examples raises ConfigError naming the data. key."""
     try:
-        return _load_task(cfg)
+        train, held, tally = _load_task(cfg, limits)
     except ConfigError:
         raise
     except ValueError as e:
         raise ConfigError(f"config key 'data.{cfg.task}': {e}. Fix: change the data. keys named") from None
+    stats = tally.stats()
+    print(_report(len(train), len(held), stats, tally.first, limits))
+    return train, held, stats
 
 
-def _load_task(cfg: DataConfig) -> tuple[list[Example], list[Example], dict]:
+def _report(n_train: int, n_held: int, stats: dict, first: dict, limits: Optional[RowLimits]) -> str:
+    """The one line about the loaded data: kept rows, skipped rows per reason (with the first
+    of each), cut replies."""
+    line = f"data: {n_train} train / {n_held} held-out examples"
+    skipped = {k.rsplit("/", 1)[1]: n for k, n in stats.items() if k.startswith("data/skipped/")}
+    if skipped:
+        line += f"; skipped {stats['data/skipped_rows']} rows: " + ", ".join(
+            f"{reason} {n} (first: {first[reason]})" if reason in first else f"{reason} {n}"
+            for reason, n in skipped.items())
+    else:
+        line += "; no row skipped"
+    if stats["data/truncated"]:
+        line += f"; replies cut to {limits.max_length} tokens: {stats['data/truncated']}"
+    return line
+
+
+def _load_task(cfg: DataConfig, limits: Optional[RowLimits]) -> tuple[list[Example], list[Example], _Tally]:
     if cfg.task == "arithmetic":
-        return (arithmetic_examples(cfg.train_size, seed=cfg.seed, split="train", config=cfg.arithmetic),
-                arithmetic_examples(cfg.eval_size, seed=cfg.seed + 1, split="test", config=cfg.arithmetic),
-                {"data/skipped_rows": 0})
+        train = arithmetic_examples(cfg.train_size, seed=cfg.seed, split="train", config=cfg.arithmetic)
+        held = arithmetic_examples(cfg.eval_size, seed=cfg.seed + 1, split="test", config=cfg.arithmetic)
+        return _fit_split(train, held, limits, _Tally(), cfg)
     if cfg.task == "gsm":
-        return (gsm_examples(cfg.train_size, seed=cfg.seed, split="train"),
-                gsm_examples(cfg.eval_size, seed=cfg.seed + 1, split="test"), {"data/skipped_rows": 0})
+        train = gsm_examples(cfg.train_size, seed=cfg.seed, split="train")
+        held = gsm_examples(cfg.eval_size, seed=cfg.seed + 1, split="test")
+        return _fit_split(train, held, limits, _Tally(), cfg)
     if cfg.task == "files":
         if not cfg.paths:
             raise ConfigError("config key 'data.paths'=[] is empty with data.task=files. "
                               "Fix: data.paths=[/path/train.jsonl]")
         data = load_user_data(list(cfg.paths), max_examples=cfg.train_size + cfg.eval_size, cache_dir=cfg.cache_dir)
-        if len(data.examples) <= cfg.eval_size:
-            raise ConfigError(f"config key 'data.paths': only {len(data.examples)} usable rows "
-                              f"({data.skipped} skipped), need more than data.eval_size={cfg.eval_size}. Fix: add rows or lower data.eval_size")
-        return data.examples[:-cfg.eval_size], data.examples[-cfg.eval_size:], {"data/skipped_rows": data.skipped}
+        tally = _Tally(data.skip_reasons, data.first_bad)
+        examples = data.examples
+        # Held-out rows are the last eval_size rows that fit the eval budget; the ones passed
+        # over are skipped, those before them are the training rows.
+        held = _fit(examples, limits, True, tally, want=cfg.eval_size)
+        before = held[0][0] if held else len(examples)
+        train = [ex for _, ex in _fit(examples[:before], limits, False, tally)]
+        held = [ex for _, ex in held]
+        if not train or len(held) < cfg.eval_size:
+            _refuse(cfg, tally, limits, f"config key 'data.paths': only {len(train)} training and {len(held)} "
+                    f"held-out rows usable ({tally.stats()['data/skipped_rows']} skipped)",
+                    "add rows or lower data.eval_size")
+        return train, held, tally
     raise ConfigError(f"config key 'data.task'={cfg.task!r} is not a task. Fix: use arithmetic, gsm or files")
+
+
+def _fit_split(train: list[Example], held: list[Example], limits: Optional[RowLimits], tally: _Tally,
+               cfg: DataConfig) -> tuple[list[Example], list[Example], _Tally]:
+    train = [ex for _, ex in _fit(train, limits, False, tally)]
+    held = [ex for _, ex in _fit(held, limits, True, tally)]
+    if not train or not held:
+        _refuse(cfg, tally, limits, f"config key 'data.task'={cfg.task}: {len(train)} training and {len(held)} "
+                "held-out examples fit", "change the data. keys")
+    return train, held, tally
+
+
+def _refuse(cfg: DataConfig, tally: _Tally, limits: Optional[RowLimits], what: str, fix: str) -> None:
+    """Too few rows left: one ConfigError with the counts per reason and the first of each."""
+    if tally.reasons.get("too_long"):
+        fix += (f", or give the rows room: the context is {limits.context} tokens; lower run.eval_max_new_tokens "
+                "or algorithm.max_new_tokens, or use a model with a longer context")
+    reasons = ", ".join(f"{r} {n}" for r, n in sorted(tally.reasons.items())) or "none"
+    raise ConfigError(f"{what}; skipped: {reasons} (first: {tally.first}); need at least one training row and "
+                      f"data.eval_size={cfg.eval_size} held-out rows. Fix: {fix}")

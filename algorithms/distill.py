@@ -33,7 +33,7 @@ from omegaconf import DictConfig
 
 from algorithms import common, sft
 from algorithms.config import LoopConfig, RunConfig, as_dict, engine_args, prepare, sft_phase
-from algorithms.data import DataConfig, load_task
+from algorithms.data import DataConfig, load_task, row_limits
 from algorithms.checkpoints import write_json_atomic
 from algorithms.overlap import step_seed
 from algorithms.runlog import RunLog, read_metrics, run_dir
@@ -251,7 +251,7 @@ def write_heldout(examples: list[Example], path: Path) -> Path:
 def run(cfg: DistillRunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> dict:
     """Optional warm-up SFT, sampling with the planned roles, optional SFT on the kept rows.
     Returns the sampling's last metrics record, plus the SFT results under sft/."""
-    train_set, eval_set, stats = load_task(cfg.data)
+    train_set, eval_set, stats = load_task(cfg.data, row_limits(cfg, cfg.algorithm.max_new_tokens))
     if cfg.backend.workers == "ray":  # sized for this plan before any SFT phase uses it
         init_cluster(cfg.cluster, plan.demand())
     algo, policy = cfg.algorithm, cfg.model
@@ -288,8 +288,9 @@ def sample_with_roles(cfg: DistillRunConfig, plan: Plan, policy: Any, train_set:
                                     "prm": (PRM, {"config": as_dict(cfg.prm)}),
                                     "orm": (ORM, {"config": as_dict(cfg.orm)})})
     log = RunLog(out_dir, cfg.run.steps, resolved_config=resolved)
+    common.record_data_stats(log, {} if resumed else stats, None)  # a resumed sampling has its step 0
     print(f"distill: {cfg.run.steps} steps x {cfg.run.prompts_per_step} prompts x {algo.num_return_sequences} "
-          f"candidates from {len(train_set)} train examples ({stats['data/skipped_rows']} rows skipped) over "
+          f"candidates from {len(train_set)} train examples over "
           f"{plan['sampler'].world_size} sampler / {plan['prm'].world_size} prm / {plan['orm'].world_size} orm "
           f"rank(s); keep {algo.n_best_to_keep} per prompt with PRM >= {algo.prm_threshold}; output {path}"
           + (f"; resuming after sampling step {resumed['step']}" if resumed else ""))

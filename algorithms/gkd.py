@@ -35,7 +35,7 @@ from omegaconf import DictConfig
 
 from algorithms import common, overlap, sft
 from algorithms.config import GKDRunConfig, LoopConfig, SWIFT_GKD_KEYS, as_dict, engine_args, prepare, sft_phase
-from algorithms.data import load_task
+from algorithms.data import load_task, row_limits
 from algorithms.losses import TOPK_MODES, make_loss
 from algorithms.runlog import RunLog, run_dir
 from algorithms.turns import Turns
@@ -144,7 +144,8 @@ def warm_teacher(cfg: GKDRunConfig, out_dir: Path) -> str:
 
 
 def run(cfg: GKDRunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> dict:
-    train_set, eval_set, stats = load_task(cfg.data)
+    train_set, eval_set, stats = load_task(cfg.data, row_limits(cfg, cfg.algorithm.max_new_tokens, replies=True,
+                                                                teacher=plan["teacher"].model or cfg.teacher.model))
     if cfg.backend.workers == "ray":  # sized for this plan before the teacher warm-up uses it
         init_cluster(cfg.cluster, plan.demand())
     teacher_model = plan["teacher"].model or cfg.teacher.model
@@ -170,7 +171,7 @@ def run(cfg: GKDRunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> d
           f"{'top-%d %s' % (topk, cfg.algorithm.topk_mode) if topk else 'full vocabulary'}); output {log.dir}")
     try:
         record = train(cfg, plan, roles["train"], roles["rollout"], roles["teacher"], train_set, eval_set,
-                       load_tokenizer(student), log, step0={"teacher/eval_accuracy": teacher_accuracy},
+                       load_tokenizer(student), log, step0={"teacher/eval_accuracy": teacher_accuracy, **stats},
                        teacher_writer=judge if cfg.algorithm.seq_kd else None)
         record["teacher/eval_accuracy"] = teacher_accuracy
         return record

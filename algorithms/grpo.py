@@ -39,7 +39,7 @@ from omegaconf import DictConfig
 from algorithms import common, overlap, sft
 from algorithms.advantages import group_advantages, zero_variance_groups
 from algorithms.config import LoopConfig, RunConfig, SWIFT_COMMON_KEYS, as_dict, engine_args, prepare, sft_phase
-from algorithms.data import load_task
+from algorithms.data import load_task, row_limits
 from algorithms.grpo_rewards import Rewards, planned_reward_configs, reward_specs
 from algorithms.losses import LOSS_TYPES, make_loss
 from algorithms.runlog import RunLog, run_dir
@@ -271,7 +271,7 @@ def warm_start(cfg: GRPORunConfig, train_ranks: int, out_dir: Path) -> str:
 def run(cfg: GRPORunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> dict:
     """Warm start (optional), start the roles of `plan`, train, shut down. Returns the last record."""
     out_dir = Path(out_dir)
-    train_set, eval_set, _ = load_task(cfg.data)
+    train_set, eval_set, stats = load_task(cfg.data, row_limits(cfg, cfg.algorithm.max_new_tokens))
     if cfg.backend.workers == "ray":  # sized for this plan before the warm start uses it
         init_cluster(cfg.cluster, plan.demand())
     a = cfg.algorithm
@@ -297,6 +297,7 @@ def run(cfg: GRPORunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> 
     rewards = Rewards(specs, {role: roles[role] for role in planned})
     reference = roles["reference"] if a.beta else None
     log = RunLog(out_dir, cfg.run.steps, resolved_config=resolved)
+    common.record_data_stats(log, stats, cfg.run.resume)
     print(f"grpo: {len(train_set)} train / {len(eval_set)} held-out examples; {cfg.run.steps} steps x "
           f"{cfg.run.prompts_per_step} prompts x {a.num_generations} completions = "
           f"{cfg.run.prompts_per_step * a.num_generations} sequences in {a.steps_per_generation} update(s); "

@@ -19,7 +19,7 @@ from omegaconf import DictConfig
 
 from algorithms import common
 from algorithms.config import SFTRunConfig, SWIFT_COMMON_KEYS, as_dict, engine_args, prepare
-from algorithms.data import load_task
+from algorithms.data import load_task, row_limits
 from algorithms.losses import make_loss
 from algorithms.runlog import RunLog, run_dir
 from algorithms.turns import Turns
@@ -54,7 +54,7 @@ def train(cfg: SFTRunConfig, plan: Any, trainer: Any, evaluator: Any, train_set:
 
 def run(cfg: SFTRunConfig, plan: Any, out_dir: Path, resolved: Any = None) -> dict:
     """Start the roles of `plan`, train, shut down. Returns the last metrics record."""
-    train_set, eval_set, stats = load_task(cfg.data)
+    train_set, eval_set, stats = load_task(cfg.data, row_limits(cfg, replies=True))
     role = "train" if "train" in plan.roles else "default"
     loss = make_loss("sft")
     roles = start_roles(cfg, plan, {role: (Trainer, {"model": as_dict(cfg.model), "config": as_dict(cfg.trainer),
@@ -62,8 +62,9 @@ def run(cfg: SFTRunConfig, plan: Any, out_dir: Path, resolved: Any = None) -> di
                                                      **engine_args(cfg, "train")})})
     evaluator = driver_group(Rollout, {"model": as_dict(cfg.model), "config": as_dict(cfg.rollout)}, "evaluator")
     log = RunLog(out_dir, cfg.run.steps, resolved_config=resolved)
-    print(f"sft: {len(train_set)} train / {len(eval_set)} held-out examples ({stats['data/skipped_rows']} rows "
-          f"skipped); {cfg.run.steps} steps x {cfg.run.prompts_per_step} sequences over "
+    common.record_data_stats(log, stats, cfg.run.resume)
+    print(f"sft: {len(train_set)} train / {len(eval_set)} held-out examples; {cfg.run.steps} steps x "
+          f"{cfg.run.prompts_per_step} sequences over "
           f"{plan[role].world_size} {role} rank(s); output {log.dir}")
     try:
         return train(cfg, plan, roles[role], evaluator, train_set, eval_set, load_tokenizer(as_dict(cfg.model)), log)

