@@ -24,8 +24,29 @@ def compose_plan_config(overrides):
         return compose(config_name="config", overrides=overrides)
 
 
-def test_shipped_configs_exist():
-    assert len(EXPERIMENTS) >= 6 and {"colocate", "separate"} <= set(PLACEMENTS)
+# Words naming a driver in an experiment's file name or header comment.
+DRIVER_WORDS = {"sft": ("sft",), "grpo": ("grpo",), "gkd": ("gkd",), "distill": ("distill", "sampling")}
+
+
+def test_every_experiment_names_a_driver_that_runs_it():
+    """Each shipped experiment is listed with its driver in tests/test_experiments_run.py (which
+    runs it for one step), the driver module has validate/run/main, and the file's name or
+    header comment names that driver."""
+    import importlib
+
+    from tests.test_experiments_run import EXPERIMENTS as RUN
+
+    assert sorted(RUN) == EXPERIMENTS, "list a new experiment in tests/test_experiments_run.EXPERIMENTS"
+    for name, (driver, workers, _) in RUN.items():
+        module = importlib.import_module(f"algorithms.{driver}")
+        assert all(callable(getattr(module, f, None)) for f in ("validate", "run", "main")), driver
+        assert workers in ("local", "ray"), name
+        header = (CONF / "experiment" / f"{name}.yaml").read_text().split("defaults:")[0].lower()
+        assert any(w in name or w in header for w in DRIVER_WORDS[driver]), f"{name} does not name {driver}"
+
+
+def test_shipped_placements_exist():
+    assert {"colocate", "separate"} <= set(PLACEMENTS)
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
