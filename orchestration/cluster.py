@@ -1,4 +1,6 @@
-"""Start a local Ray cluster or join one, with quiet defaults."""
+"""Start a local Ray cluster or join one, with quiet defaults; tell a local run (every node on
+this host) from a multi-node one. Starting a local cluster first removes what killed earlier
+runs left (orchestration.cleanup) and records this process as the new cluster's owner."""
 from __future__ import annotations
 
 import ipaddress
@@ -7,6 +9,7 @@ import socket
 import sys
 from pathlib import Path
 
+from orchestration import cleanup
 from orchestration.config import ClusterConfig, ConfigError
 
 QUIET_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
@@ -104,9 +107,15 @@ def init_cluster(cfg: ClusterConfig, demand: dict[str, float] | None = None):
     num_cpus = cfg.num_cpus or max(os.cpu_count() or 1, int(demand.get("CPU", 0)) + 1)
     if cfg.node_ip in ("127.0.0.1", "localhost"):
         _loopback_only()
+    removed = cleanup.remove_orphans()
+    if removed:
+        print(f"cluster: removed {len(removed)} leftovers of earlier runs that were killed, e.g. {removed[0]}")
+    cleanup.forget_session_at_exit()  # before ray.init: runs after Ray's own exit handler
     # address="local": always a new cluster, never one found running on this machine.
-    ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=cfg.dashboard,
-             object_store_memory=cfg.object_store_mb * 2**20 if cfg.object_store_mb else None,
-             _node_ip_address=cfg.node_ip, log_to_driver=cfg.log_to_driver,
-             configure_logging=True, logging_level="WARNING")
+    context = ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=cfg.dashboard,
+                       object_store_memory=cfg.object_store_mb * 2**20 if cfg.object_store_mb else None,
+                       _node_ip_address=cfg.node_ip, log_to_driver=cfg.log_to_driver,
+                       configure_logging=True, logging_level="WARNING")
+    # Whoever finds this process gone removes the cluster's leftovers (orchestration.cleanup).
+    cleanup.record_session(context.address_info["session_dir"])
     return ray

@@ -78,17 +78,44 @@ def _map_shm(path: str, nbytes: int, create: bool) -> torch.Tensor:
     return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
 
 
+def _start_ticks(pid: int) -> int:
+    """When `pid` started (clock ticks since boot, /proc/<pid>/stat field 22; 0 where unknown).
+    File names carry it beside the PID, so a reused PID is not taken for the writer
+    (orchestration.cleanup reads the same names)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat[stat.rindex(")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _scratch_name(name: str) -> str:
+    return f"{SHM_PREFIX}{os.getpid()}-{_start_ticks(os.getpid())}-{name}"
+
+
+def _writer_gone(fields: list[str]) -> bool:
+    """From a file name's "<pid>-<start>-..." fields (older names: "<pid>-..."): its writer has exited."""
+    pid = int(fields[0])
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's process
+        return False
+    start = int(fields[1]) if len(fields) > 2 and fields[1].isdigit() else 0
+    now = _start_ticks(pid)
+    return bool(start and now and now != start)
+
+
 def _remove_stale_shm(folder: str) -> None:
     """Files of senders whose process is gone (a killed actor cannot clean up after itself)."""
     for path in glob.glob(os.path.join(folder, SHM_PREFIX + "*")):
-        try:
-            pid = int(os.path.basename(path)[len(SHM_PREFIX):].split("-")[0])
-            if pid != os.getpid():
-                os.kill(pid, 0)
-        except ProcessLookupError:
-            Path(path).unlink(missing_ok=True)
-        except (ValueError, PermissionError):
-            continue
+        fields = os.path.basename(path)[len(SHM_PREFIX):].split("-")
+        if fields[0].isdigit() and int(fields[0]) != os.getpid() and _writer_gone(fields):
+            try:
+                Path(path).unlink(missing_ok=True)
+            except OSError:  # another user's file
+                pass
 
 
 class WeightSender:
@@ -103,12 +130,12 @@ class WeightSender:
         if path == "shm":
             folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
             _remove_stale_shm(folder)
-            channel["location"] = os.path.join(folder, f"{SHM_PREFIX}{os.getpid()}-{name}")
+            channel["location"] = os.path.join(folder, _scratch_name(name))
             channel["scratch"] = channel["location"] + "-*"  # what may be deleted once all is done
         elif path == "file":
             if not file_dir:  # removed again by close_weight_channels
                 self.__dict__.setdefault("_temp_dirs", []).append(
-                    os.path.join(tempfile.gettempdir(), f"{SHM_PREFIX}{os.getpid()}-{name}"))
+                    os.path.join(tempfile.gettempdir(), _scratch_name(name)))
             folder = file_dir or self._temp_dirs[-1]
             Path(folder).expanduser().mkdir(parents=True, exist_ok=True)
             channel["location"] = str(Path(folder).expanduser())
