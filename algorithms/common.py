@@ -1,11 +1,15 @@
 """Pieces every driver uses: encoding examples into batches, the prompt stream, eval
-accuracy, the warm-up rule of inner SFT phases, and the Hydra entry-point wrapper that turns
-config errors into one line. Turn-taking, weight sync and the end of a step: algorithms/turns.py."""
+accuracy, the warm-up rule of inner SFT phases, restarts after a lost worker (events.jsonl),
+and the Hydra entry-point wrapper that turns config errors into one line. Turn-taking, weight sync and the end of a step: algorithms/turns.py."""
 from __future__ import annotations
 
 import functools
+import json
 import random
 import sys
+import time
+from dataclasses import replace
+from pathlib import Path
 from typing import Any, Callable
 
 from algorithms.tasks import Example
@@ -111,6 +115,34 @@ def warmup_steps(steps: int) -> int:
     """Learning-rate warm-up of an SFT phase inside another run (GRPO's warm start, GKD's
     teacher, distill's SFT): a tenth of its steps, at most 20."""
     return min(20, steps // 10)
+
+
+def record_event(out_dir: Any, event: dict) -> None:
+    """One line of <run dir>/events.jsonl (restarts: what was lost, where, when)."""
+    line = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), **event}
+    with open(Path(out_dir) / "events.jsonl", "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+def run_with_restarts(run: Callable, cfg: Any, plan: Any, out_dir: Any, resolved: Any = None) -> dict:
+    """`run(cfg, plan, out_dir, resolved)`; a rank lost beyond what its group replaces (a
+    trainer rank, or a role's restarts used up) restarts every role from the run's newest
+    checkpoint, up to run.max_restarts times."""
+    from orchestration.base_group import WorkerError
+
+    left = cfg.run.max_restarts
+    while True:
+        try:
+            return run(cfg, plan, out_dir, resolved)
+        except WorkerError as e:
+            if not e.lost or left <= 0:
+                raise
+            left -= 1
+            print(f"{e.role} rank {e.rank} was lost in {e.method}(); restarting every role from the newest "
+                  f"checkpoint ({left} restart(s) left)", file=sys.stderr)
+            record_event(out_dir, {"event": "restart", "scope": "run", "role": e.role, "rank": e.rank,
+                                   "method": e.method, "error": str(e).splitlines()[0]})
+            cfg = replace(cfg, run=replace(cfg.run, resume="auto"))
 
 
 def friendly_errors(main: Callable) -> Callable:

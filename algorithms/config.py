@@ -44,6 +44,11 @@ class LoopConfig:
     resume: Optional[str] = None
     # Keep only the k newest checkpoints of the run; 0 keeps all.
     keep_last: int = 0
+    # Lost workers survived (Ray only; a process that died or stopped answering): a rollout,
+    # sampler, teacher, PRM or ORM rank is replaced and its call retried, up to N times per
+    # role; a lost trainer rank restarts every role from the newest checkpoint, up to N times.
+    # 0: the run stops with the error. Each restart is a line of events.jsonl.
+    max_restarts: int = 0
 
 
 @dataclass

@@ -286,7 +286,7 @@ def sample_with_roles(cfg: DistillRunConfig, plan: Plan, policy: Any, train_set:
                                                           "config": as_dict(cfg.rollout),
                                                           **engine_args(cfg, "rollout")}),
                                     "prm": (PRM, {"config": as_dict(cfg.prm)}),
-                                    "orm": (ORM, {"config": as_dict(cfg.orm)})})
+                                    "orm": (ORM, {"config": as_dict(cfg.orm)})}, restarts=cfg.run.max_restarts)
     log = RunLog(out_dir, cfg.run.steps, resolved_config=resolved)
     common.record_data_stats(log, {} if resumed else stats, None)  # a resumed sampling has its step 0
     print(f"distill: {cfg.run.steps} steps x {cfg.run.prompts_per_step} prompts x {algo.num_return_sequences} "
@@ -352,7 +352,7 @@ register_schema(DistillRunConfig)
 def main(cfg: DictConfig) -> None:
     typed, plan = prepare(cfg, DistillRunConfig, SWIFT_DISTILL_KEYS)
     validate(typed, plan)
-    record = run(typed, plan, run_dir(), resolved=cfg)
+    record = common.run_with_restarts(run, typed, plan, run_dir(), resolved=cfg)
     print(json.dumps({k: v for k, v in record.items() if k.startswith(("eval/", "total/", "sft/", "dataset"))}))
 
 

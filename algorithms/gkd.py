@@ -163,7 +163,7 @@ def run(cfg: GKDRunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> d
                             "loss_inputs": loss.loss_inputs, **engine_args(cfg, "train")}),
         "rollout": (Rollout, {"model": student, "config": as_dict(cfg.rollout), **engine_args(cfg, "rollout")}),
         "teacher": (Teacher, {"model": teacher_model, "config": as_dict(cfg.teacher.engine),
-                              **engine_args(cfg, "teacher")})})
+                              **engine_args(cfg, "teacher")})}, restarts=cfg.run.max_restarts)
     log = RunLog(out_dir, cfg.run.steps, resolved_config=resolved)
     topk = plan.gkd_logits_topk
     print(f"gkd: {len(train_set)} train / {len(eval_set)} held-out examples; {cfg.run.steps} steps x "
@@ -240,7 +240,7 @@ register_schema(GKDRunConfig)
 def main(cfg: DictConfig) -> None:
     typed, plan = prepare(cfg, GKDRunConfig, SWIFT_GKD_KEYS)
     validate(typed, plan)
-    record = run(typed, plan, run_dir(), resolved=cfg)
+    record = common.run_with_restarts(run, typed, plan, run_dir(), resolved=cfg)
     print(json.dumps({k: v for k, v in record.items() if k.startswith(("eval/", "teacher/"))}))
 
 

@@ -291,7 +291,8 @@ def run(cfg: GRPORunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> 
         "train": (Trainer, {**policy, "loss_fn": loss, "loss_inputs": ("entropy",)}),
         "rollout": (Rollout, {"model": model, "config": as_dict(cfg.rollout), **engine_args(cfg, "rollout")}),
         **({"reference": (Trainer, policy)} if a.beta else {}),
-        **{role: ({"orm": ORM, "prm": PRM}[role], {"config": c}) for role, c in planned.items()}})
+        **{role: ({"orm": ORM, "prm": PRM}[role], {"config": c}) for role, c in planned.items()}},
+        restarts=cfg.run.max_restarts)
     if warm and a.warmup_keep_optimizer:
         roles["train"].call("load_optimizer_moments", warm)
     rewards = Rewards(specs, {role: roles[role] for role in planned})
@@ -387,7 +388,7 @@ register_schema(GRPORunConfig)
 def main(cfg: DictConfig) -> None:
     typed, plan = prepare(cfg, GRPORunConfig, SWIFT_GRPO_KEYS)
     validate(typed, plan)
-    record = run(typed, plan, run_dir(), resolved=cfg)
+    record = common.run_with_restarts(run, typed, plan, run_dir(), resolved=cfg)
     print(json.dumps({k: v for k, v in record.items() if k.startswith("eval/")}))
 
 

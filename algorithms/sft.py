@@ -87,7 +87,7 @@ register_schema(SFTRunConfig)
 def main(cfg: DictConfig) -> None:
     typed, plan = prepare(cfg, SFTRunConfig, SWIFT_COMMON_KEYS)
     validate(typed, plan)
-    run(typed, plan, run_dir(), resolved=cfg)
+    common.run_with_restarts(run, typed, plan, run_dir(), resolved=cfg)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from algorithms.checkpoints import driver_state, find_resume, save_checkpoint
-from algorithms.common import accuracy
+from algorithms.common import accuracy, record_event
 from algorithms.runlog import RunLog, timed_call
 from orchestration.config import WeightSyncConfig
 from orchestration.planner import Plan
@@ -73,6 +73,10 @@ class Turns:
             with self.turn("train"):
                 self.trainer.call("load", str(self.resumed_from))
             print(f"resumed from {self.resumed_from}: continuing at step {self.first_step}")
+        self.version = self.first_step - 1 if self.first_step > 0 else 0  # of the weights the rollout should hold
+        for name, group in self.roles.items():  # a replaced rank of a restartable role (Ray groups)
+            if hasattr(group, "on_restart"):
+                group.on_restart = self._restored
         for name in ("reference", "teacher"):  # they wait offloaded for their first turn
             if name in self.roles and self.offload[name] is not None:
                 timed_call(log, name, self.roles[name], "offload", *self.offload[name])
@@ -116,12 +120,26 @@ class Turns:
                 prefetch.drain()
         return self._send(version)
 
+    def _restored(self, group: Any, rank: int) -> None:
+        """A lost rank of `group` was replaced: a rollout rank gets the weights it should hold
+        (it starts with its model's); the restart is counted and recorded."""
+        if group is self.rollout:
+            if self._sync is not None:  # its channel (shared files, process groups) knew the lost rank
+                self._sync.close()
+                self._sync = None
+            if not self.behind:
+                buckets = self.trainer.call("state_dict_buckets", self.settings.bucket_mb, execute="first")
+                group.call_rank(rank, "update_weights", buckets, self.version)
+        self.log.add("events/restarts", 1)
+        record_event(self.log.dir, {"event": "restart", "scope": "rank", "role": group.role, "rank": rank,
+                                    "step": self.log.current_step})
+
     def _send(self, version: int) -> dict[str, Any]:
         with self.log.phase("sync_weights", "train", "rollout"):
             if self._sync is None:
                 self._sync = WeightSync(self.trainer, self.settings)
             metrics = sync_metrics(self._sync.sync([self.rollout], version))
-        self.behind = False
+        self.behind, self.version = False, version
         return metrics
 
     # ------------------------------------------------------------------ end of step / run

@@ -12,10 +12,12 @@ from orchestration import dispatch as dsp
 
 
 class WorkerError(RuntimeError):
-    """A worker failed or died. Names the role, rank and method; carries the remote traceback."""
+    """A worker failed or died. Names the role, rank and method; carries the remote traceback.
+    `lost`: the rank's process died or stopped answering (a restart may help), rather than its
+    code raising (a restart would raise again)."""
 
-    def __init__(self, role: str, rank: int, method: str, problem: str, traceback: str = ""):
-        self.role, self.rank, self.method = role, rank, method
+    def __init__(self, role: str, rank: int, method: str, problem: str, traceback: str = "", lost: bool = False):
+        self.role, self.rank, self.method, self.lost = role, rank, method, lost
         msg = f"{role} rank {rank} failed in {method}(): {problem}"
         if traceback:
             msg += f"\n--- remote traceback ({role} rank {rank}) ---\n{traceback.rstrip()}"
@@ -75,6 +77,10 @@ class BaseWorkerGroup:
             results = self._wait(handles, method, indices, timeout)
             return dsp.collect(collect, [r for i, r in zip(indices, results) if i % tp == 0])
         return GroupFuture(finish)
+
+    def call_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run `method` on rank `rank` alone and wait (e.g. weights for a rank just restarted)."""
+        return self._wait([self._submit(rank, method, args, kwargs)], method, [rank], None)[0]
 
     def _submit(self, index: int, method: str, args: tuple, kwargs: dict) -> Any:
         raise NotImplementedError

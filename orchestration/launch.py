@@ -36,6 +36,14 @@ class Roles:
         self._closed = True
 
 
+def restartable(role_cls: type, entry: Any) -> bool:
+    """A rank of this role can be replaced alone: the class says it keeps no state of its own
+    (RESTARTABLE), and its ranks meet in no collective (one rank per engine, and no lockstep
+    method across several ranks)."""
+    collective = entry.tensor_parallel_size > 1 or (entry.world_size > 1 and getattr(role_cls, "LOCKSTEP_METHODS", ()))
+    return getattr(role_cls, "RESTARTABLE", False) and not collective
+
+
 def driver_group(role_cls: type, init_kwargs: dict, role: str = "driver") -> LocalWorkerGroup:
     """One rank of a role inside the driver process (e.g. an evaluator beside remote trainers)."""
     from orchestration.planner import RolePlan
@@ -44,10 +52,11 @@ def driver_group(role_cls: type, init_kwargs: dict, role: str = "driver") -> Loc
     return LocalWorkerGroup(role_cls, entry, init_kwargs)
 
 
-def start_roles(cfg: Any, plan: Plan, roles: dict[str, tuple[type, dict]]) -> Roles:
+def start_roles(cfg: Any, plan: Plan, roles: dict[str, tuple[type, dict]], restarts: int = 0) -> Roles:
     """Build a worker group per role named in `roles` ({role: (class, init kwargs)}).
 
-    `cfg` is the typed run config (its `backend` and `cluster` sections are read).
+    `cfg` is the typed run config (its `backend` and `cluster` sections are read). On Ray,
+    `restarts` lost ranks of each restartable role (see `restartable`) are replaced on the fly.
     """
     missing = sorted(set(roles) - set(plan.roles))
     if missing:
@@ -66,7 +75,8 @@ def start_roles(cfg: Any, plan: Plan, roles: dict[str, tuple[type, dict]]) -> Ro
     try:
         for r, (cls, kw) in roles.items():
             started.groups[r] = WorkerGroup(cls, plan[r], kw, placement=placement,
-                                            timeout_s=cfg.cluster.call_timeout_s)
+                                            timeout_s=cfg.cluster.call_timeout_s,
+                                            restarts=restarts if restartable(cls, plan[r]) else 0)
     except BaseException:
         started.shutdown()
         raise

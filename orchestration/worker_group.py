@@ -11,13 +11,19 @@ its group's TCPStore on a socket bound there (torch.distributed would listen on 
 address). Failures come back as `WorkerError`
 naming role, rank and method, with the remote traceback; a dead actor is reported, not
 waited for, and so is a rank that stays silent past `timeout_s` (cluster.call_timeout_s).
+
+A group built with `restarts` > 0 (roles whose ranks hold no state but their weights and meet
+in no collective: rollout, sampler, teacher, PRM, ORM) replaces a rank that died or went
+silent with a fresh actor on the same bundle, calls `on_restart(group, rank)` (the driver
+gives a rollout its current weights there) and runs the rank's share of the call again.
 """
 from __future__ import annotations
 
 import os
 import socket
+import sys
 import time
-from typing import Any
+from typing import Any, Callable, Optional
 
 import ray
 
@@ -81,12 +87,15 @@ _RemoteHost = ray.remote(_RoleHost)
 class WorkerGroup(BaseWorkerGroup):
     def __init__(self, role_cls: type, plan_entry: RolePlan, init_kwargs: dict | None = None, *,
                  placement: Placement, init_args: tuple = (), env: dict[str, str] | None = None,
-                 timeout_s: float | None = None):
-        self.role, self.plan_entry = plan_entry.role, plan_entry
+                 timeout_s: float | None = None, restarts: int = 0):
+        self.role, self.plan_entry, self.placement = plan_entry.role, plan_entry, placement
         self.world_size = plan_entry.world_size
         self.tensor_parallel = plan_entry.tensor_parallel_size
         self.lockstep = frozenset(getattr(role_cls, "LOCKSTEP_METHODS", ()))
         self.timeout_s = timeout_s or None  # 0 or None: no bound
+        self.restarts_left = restarts
+        self.on_restart: Optional[Callable[["WorkerGroup", int], None]] = None
+        self._calls: dict[Any, tuple[int, str, tuple, dict]] = {}  # pending ref -> (rank, method, args, kwargs)
         self.workers = [
             _RemoteHost.options(name=None, max_concurrency=1, **placement.slot(plan_entry, i).actor_options()).remote()
             for i in range(self.world_size)]
@@ -103,9 +112,23 @@ class WorkerGroup(BaseWorkerGroup):
         # Only in a local run: elsewhere torch's own store (every address, any family) stays as it was.
         serve = [(local and i == 0 and self.world_size > 1, local and tp > 1 and i % tp == 0)
                  for i in range(self.world_size)]
+        self._setup = (role_cls, envs, init_args, init_kwargs or {}, serve)
         refs = [w.setup.remote(role_cls, envs[i], init_args, init_kwargs or {}, serve[i])
                 for i, w in enumerate(self.workers)]
         self._wait(refs, "__init__", list(range(self.world_size)), None)
+
+    def restart_rank(self, index: int) -> None:
+        """A fresh actor for rank `index` on its bundle, built as the first one was."""
+        role_cls, envs, init_args, init_kwargs, serve = self._setup
+        try:
+            ray.kill(self.workers[index], no_restart=True)
+        except Exception:  # already gone
+            pass
+        options = self.placement.slot(self.plan_entry, index).actor_options()
+        self.workers[index] = _RemoteHost.options(name=None, max_concurrency=1, **options).remote()
+        ray.get(self.workers[index].node_info.remote(cluster_is_local()), timeout=self.timeout_s)
+        ray.get(self.workers[index].setup.remote(role_cls, envs[index], init_args, init_kwargs, serve[index]),
+                timeout=self.timeout_s)
 
     def _engine_env(self, rank: int) -> dict[str, str]:
         """Where rank `rank` meets the other ranks of its tensor-parallel engine (none at size 1)."""
@@ -117,9 +140,42 @@ class WorkerGroup(BaseWorkerGroup):
                 "ENGINE_TP_MASTER_ADDR": leader["ip"], "ENGINE_TP_MASTER_PORT": str(leader["tp_port"])}
 
     def _submit(self, index: int, method: str, args: tuple, kwargs: dict) -> Any:
-        return self.workers[index].call.remote(method, args, kwargs)
+        ref = self.workers[index].call.remote(method, args, kwargs)
+        if self.restarts_left > 0:
+            self._calls[ref] = (index, method, args, kwargs)
+        return ref
 
     def _wait(self, handles: list, method: str, indices: list[int], timeout: float | None) -> list:
+        while True:
+            try:
+                results = self._wait_once(handles, method, indices, timeout)
+            except WorkerError as e:
+                if not (e.lost and self.restarts_left > 0 and all(h in self._calls for h in handles)):
+                    raise
+                handles = self._replace(e, handles)
+                continue
+            for h in handles:
+                self._calls.pop(h, None)
+            return results
+
+    def _replace(self, error: WorkerError, handles: list) -> list:
+        """Restart the lost rank of `error` and submit its share of the call again."""
+        self.restarts_left -= 1
+        print(f"{self.role} rank {error.rank} was lost in {error.method}() and is restarted "
+              f"({self.restarts_left} restart(s) left): {str(error).splitlines()[0]}", file=sys.stderr)
+        self.restart_rank(error.rank)
+        if self.on_restart is not None:
+            self.on_restart(self, error.rank)
+        out = []
+        for h in handles:
+            index, method, args, kwargs = self._calls[h]
+            if index == error.rank:
+                self._calls.pop(h)
+                h = self._submit(index, method, args, kwargs)
+            out.append(h)
+        return out
+
+    def _wait_once(self, handles: list, method: str, indices: list[int], timeout: float | None) -> list:
         timeout = self.timeout_s if timeout is None else timeout
         start = time.monotonic()
         try:  # fast path: everything succeeds in time
@@ -142,10 +198,11 @@ class WorkerGroup(BaseWorkerGroup):
                                   str(e)) from None
             except ray.exceptions.RayActorError as e:
                 raise WorkerError(self.role, index, method, f"the actor process died ({e.__class__.__name__}); "
-                                  "check its log for an out-of-memory kill or a crash", str(e)) from None
+                                  "check its log for an out-of-memory kill or a crash", str(e), lost=True) from None
         silent = [index for ref, index in zip(handles, indices) if ref not in ready]
         if timed_out and silent:  # none failed: the first rank still silent is reported like a dead one
-            raise WorkerError(self.role, silent[0], method, self._silence(silent, time.monotonic() - start))
+            raise WorkerError(self.role, silent[0], method, self._silence(silent, time.monotonic() - start),
+                              lost=True)
         if timed_out:  # every rank answered just after the bound
             return ray.get(handles)
         raise WorkerError(self.role, indices[0], method, "failed, but no rank reported the error")

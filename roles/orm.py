@@ -240,6 +240,9 @@ class ScalarHeadModel:
 
 class ORM:
     """Outcome scores: `score(prompts, completions, references) -> list[float]`."""
+    # No state a fresh rank could not get back (weights: its model path or a sync), so a lost
+    # rank may be replaced (orchestration.launch.restartable).
+    RESTARTABLE = True
 
     def __init__(self, config: ORMConfig | Mapping[str, Any] | None = None, **overrides: Any):
         self.config = cfg = typed_config(ORMConfig, config, overrides, "orm")

@@ -153,6 +153,9 @@ def verify_arithmetic(steps: Sequence[str], prompt: str, check_prompt: bool, ans
 
 class PRM:
     """Step scores: `score_steps(prompts, completions, references=None) -> list[list[float]]`."""
+    # No state a fresh rank could not get back (weights: its model path or a sync), so a lost
+    # rank may be replaced (orchestration.launch.restartable).
+    RESTARTABLE = True
 
     def __init__(self, config: PRMConfig | Mapping[str, Any] | None = None, **overrides: Any):
         self.config = cfg = typed_config(PRMConfig, config, overrides, "prm")

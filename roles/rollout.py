@@ -112,6 +112,9 @@ def _named_tensors(buckets) -> list[tuple[str, torch.Tensor]]:
 
 
 class Rollout(WeightReceiver):
+    # No state a fresh rank could not get back (weights: its model path or a sync), so a lost
+    # rank may be replaced (orchestration.launch.restartable).
+    RESTARTABLE = True
     def __init__(self, model: ModelSpec, tokenizer: Any = None,
                  config: Union[RolloutConfig, Mapping[str, Any], None] = None,
                  engine: str = "torch", engine_options: Optional[Mapping[str, Any]] = None):

@@ -17,6 +17,9 @@ from roles.weight_transfer import WeightReceiver
 
 
 class Sampler(WeightReceiver):
+    # No state a fresh rank could not get back (weights: its model path or a sync), so a lost
+    # rank may be replaced (orchestration.launch.restartable).
+    RESTARTABLE = True
     def __init__(self, model: Optional[ModelSpec] = None, tokenizer: Any = None,
                  config: Union[RolloutConfig, Mapping[str, Any], None] = None, *, rollout: Optional[Rollout] = None,
                  engine: str = "torch", engine_options: Optional[Mapping[str, Any]] = None):

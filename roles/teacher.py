@@ -44,6 +44,9 @@ class TeacherConfig:
 
 
 class Teacher(WeightReceiver):
+    # No state a fresh rank could not get back (weights: its model path or a sync), so a lost
+    # rank may be replaced (orchestration.launch.restartable).
+    RESTARTABLE = True
     # Tensor-parallel Megatron peers join their rows here: worker groups call every rank,
     # empty slices too (an empty call returns empty tensors).
     LOCKSTEP_METHODS = ("logits",)

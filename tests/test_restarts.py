@@ -1,0 +1,127 @@
+"""Surviving lost workers (run.max_restarts): a restartable group replaces a killed rank and
+runs its share again; a GRPO run on Ray whose rollout process is killed loses no step, and one
+whose trainer process is killed continues from its newest checkpoint."""
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from algorithms import common, grpo
+from algorithms.runlog import read_metrics
+from algorithms.turns import Turns
+from orchestration.base_group import WorkerError
+from orchestration.planner import make_plan
+from tests.driver_helpers import TINY, prepared
+from tests.roles_for_tests import Probe
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one intra-op thread
+
+
+class Stateless(Probe):
+    RESTARTABLE = True
+    LOCKSTEP_METHODS = ()
+
+    def fail(self):
+        raise ValueError("a bug in the role's code")
+
+
+def wait_dead(pid: int) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return
+        except OSError:
+            return
+        time.sleep(0.05)
+
+
+def test_a_killed_rank_of_a_restartable_group_is_replaced_and_its_share_run_again(ray_cluster):
+    from orchestration.launch import restartable
+    from orchestration.placement import create_placement
+    from orchestration.worker_group import WorkerGroup
+
+    plan = make_plan({"rollout": {"gpus": 2}})
+    assert restartable(Stateless, plan["rollout"]) and not restartable(Probe, plan["rollout"])
+    placement = create_placement(plan, timeout_s=30)
+    try:
+        g = WorkerGroup(Stateless, plan["rollout"], placement=placement, restarts=1)
+        seen = []
+        g.on_restart = lambda group, rank: seen.append((group.role, rank, group.call_rank(rank, "whoami")["pid"]))
+        before = [r["pid"] for r in g.call("whoami")]
+        os.kill(before[1], signal.SIGKILL)
+        wait_dead(before[1])
+        assert g.call("rank_and_len", list(range(5)), dispatch="slice", collect="flatten") == [(0, 3), (1, 2)]
+        after = [r["pid"] for r in g.call("whoami")]
+        assert after[0] == before[0] and after[1] != before[1] and seen == [("rollout", 1, after[1])]
+        assert g.restarts_left == 0
+        # A bug in the role's code is no lost process: raised at once, nothing restarted.
+        with pytest.raises(WorkerError, match="ValueError: a bug") as bug:
+            g.call("fail")
+        assert not bug.value.lost
+        # Restarts used up: the next loss is the caller's.
+        os.kill(after[0], signal.SIGKILL)
+        wait_dead(after[0])
+        with pytest.raises(WorkerError, match="rollout rank 0 failed in echo\\(\\): the actor process died") as lost:
+            g.call("echo", 1)
+        assert lost.value.lost
+        g.shutdown()
+    finally:
+        placement.remove()
+
+
+def kill_after(monkeypatch, step: int, role: str, rank: int = 0):
+    """SIGKILL rank `rank` of `role` right after step `step`'s record is first written."""
+    end_step, done = Turns.end_step, []
+
+    def killing(self, s, metrics, state=None):
+        record = end_step(self, s, metrics, state)
+        if s == step and not done:
+            done.append(s)
+            pid = self.roles[role].infos[rank]["pid"]
+            os.kill(pid, signal.SIGKILL)
+            wait_dead(pid)
+        return record
+
+    monkeypatch.setattr(Turns, "end_step", killing)
+
+
+GRPO = ["+experiment=grpo_quickstart", *TINY, "algorithm.num_generations=2", "algorithm.max_new_tokens=8",
+        "algorithm.warmup_sft_steps=0", "data.train_size=6", "run.steps=4", "run.save_every=2", "run.eval_every=0",
+        "run.max_restarts=1", "placement.colocate_groups=null", "placement.offload_model=false",
+        "placement.offload_optimizer=false", "placement.sleep_level=0"]
+
+
+def events(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+
+
+def test_grpo_survives_a_killed_rollout_without_losing_a_step(ray_cluster, tmp_path, monkeypatch):
+    _, typed, plan = prepared(grpo.GRPORunConfig, GRPO)
+    grpo.validate(typed, plan)
+    kill_after(monkeypatch, 1, "rollout")
+    common.run_with_restarts(grpo.run, typed, plan, tmp_path)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]  # nothing redone, nothing lost
+    assert records[2]["events/restarts"] == 1 and records[2]["staleness/max"] == 0
+    assert [(e["scope"], e["role"], e["rank"]) for e in events(tmp_path)] == [("rank", "rollout", 0)]
+
+
+def test_grpo_continues_from_its_checkpoint_after_a_killed_trainer(ray_cluster, tmp_path, monkeypatch):
+    _, typed, plan = prepared(grpo.GRPORunConfig, GRPO)
+    grpo.validate(typed, plan)
+    kill_after(monkeypatch, 3, "train")
+    record = common.run_with_restarts(grpo.run, typed, plan, tmp_path)
+    records = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]  # step 3 redone from step 2's checkpoint
+    assert [(e["scope"], e["role"]) for e in events(tmp_path)] == [("run", "train")]
+    assert record["checkpoint"].endswith("step_4")
+    # Without restarts the loss is the caller's, naming the rank.
+    _, typed, plan = prepared(grpo.GRPORunConfig, GRPO + ["run.max_restarts=0"])
+    kill_after(monkeypatch, 3, "train")
+    with pytest.raises(WorkerError, match="train rank 0 failed") as lost:
+        common.run_with_restarts(grpo.run, typed, plan, tmp_path / "again")
+    assert lost.value.lost
