@@ -36,7 +36,7 @@ def checkpoint_root(run_dir: str | os.PathLike) -> Path:
 
 
 def save_checkpoint(run_dir: str | os.PathLike, step: int, write: Callable[[Path], Any], driver_state: dict,
-                    keep_last: int = 0) -> Path:
+                    keep_last: int) -> Path:
     """`write(folder)` (the trainer's ranks save into it, all done when it returns), then the
     driver's state, then the rename and the `latest` marker; older checkpoints beyond
     `keep_last` (0: keep all) are removed. Returns the checkpoint folder."""

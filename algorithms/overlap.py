@@ -78,7 +78,7 @@ class Prefetch:
     run draws what the uninterrupted one drew."""
 
     def __init__(self, rollout: Any, log: Any, stream: Any, sampling: Any, max_staleness: int,
-                 last_step: int, generates: Callable[[int], bool] = lambda step: True, seed: int = 0,
+                 last_step: int, seed: int, generates: Callable[[int], bool] = lambda step: True,
                  first_step: int = 1):
         self.rollout, self.log, self.stream, self.sampling = rollout, log, stream, sampling
         self.max_staleness, self.last_step, self.generates = max_staleness, last_step, generates

@@ -112,7 +112,7 @@ class Turns:
             timed_call(self.log, "rollout", self.rollout, "sleep", self.sleep_level)
             self.behind = self.behind or self.sleep_level == 2
 
-    def sync(self, version: int, prefetch: Any = None, max_staleness: int = 0) -> dict[str, Any]:
+    def sync(self, version: int, prefetch: Any, max_staleness: int) -> dict[str, Any]:
         """The trainer's weights into the rollout after a training step; generations started
         ahead (max_staleness > 0) first finish on the old weights."""
         if max_staleness:

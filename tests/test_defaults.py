@@ -55,13 +55,10 @@ VLLM_TP = "placement.<role>.vllm_tensor_parallel_size"
 TO_REMOVE = {
     ("algorithms/advantages.py", "group_advantages", "scale_rewards"): "algorithm.scale_rewards",
     ("algorithms/advantages.py", "group_advantages", "leave_one_out"): "algorithm.leave_one_out",
-    ("algorithms/checkpoints.py", "save_checkpoint", "keep_last"): "run.keep_last",
     ("algorithms/common.py", "encode_examples", "pretrain"): "algorithm.pretrain",
     ("algorithms/tasks.py", "arithmetic_examples", "seed"): "data.seed",
     ("algorithms/tasks.py", "gsm_examples", "seed"): "data.seed",
     ("algorithms/tasks.py", "gsm_examples", "heldout_fraction"): "data.arithmetic.heldout_fraction",
-    ("algorithms/overlap.py", "Prefetch.__init__", "seed"): "run.seed",
-    ("algorithms/turns.py", "Turns.sync", "max_staleness"): "algorithm.max_staleness",
     ("orchestration/placement.py", "create_placement", "timeout_s"): "cluster.placement_timeout_s",
     ("orchestration/planner.py", "RolePlan", "offload_model"): "placement.offload_model",
     ("orchestration/planner.py", "RolePlan", "offload_optimizer"): "placement.offload_optimizer",

@@ -42,10 +42,6 @@ EXPERIMENTS = {
                                                    "placement.device_groups.sample_group.ranks=[0]",
                                                    "placement.device_groups.rm_group.ranks=1"]),
 }
-# Experiments whose shipped teacher model is "teacher", neither a preset nor a directory: their
-# driver refuses them as shipped (strict xfail: once the YAML names a model, drop it here).
-# Their one-step run, like every other, gives the teacher a small preset.
-PLACEHOLDER_TEACHER = {"gkd_colocated_teacher", "gkd_teacher_group"}
 
 # One step of a tiny model on a few examples, short generations, fp32 CPU engines.
 TINY = ["run.steps=1", "run.prompts_per_step=4", "run.eval_every=0", "run.eval_max_new_tokens=4",
@@ -94,9 +90,7 @@ def tiny_overrides(name, tmp_path):
     return overrides
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.xfail(
-    strict=True, reason="its teacher model 'teacher' is a placeholder, neither a preset nor a directory"))
-    if n in PLACEHOLDER_TEACHER else n for n in sorted(EXPERIMENTS)])
+@pytest.mark.parametrize("name", sorted(EXPERIMENTS))
 def test_experiment_validates_as_shipped(name):
     """What `python -m algorithms.<driver> +experiment=NAME` checks before starting, on this
     CPU machine (GPU layouts are simulated)."""

@@ -42,7 +42,7 @@ def test_checkpoints_are_renamed_when_complete_and_the_newest_k_kept(tmp_path):
 
 
 def test_half_written_and_incomplete_checkpoints_are_skipped_with_a_message(tmp_path):
-    save_checkpoint(tmp_path, 2, fake_save(), {})
+    save_checkpoint(tmp_path, 2, fake_save(), {}, keep_last=0)
     root = tmp_path / "checkpoints"
     fake_save()(root / "step_4.tmp")  # a crash before the rename
     fake_save(("config.json",))(root / "step_6")  # a folder missing the trainer state
@@ -63,14 +63,14 @@ def test_half_written_and_incomplete_checkpoints_are_skipped_with_a_message(tmp_
 
 
 def test_a_failed_write_leaves_the_previous_checkpoint_latest(tmp_path):
-    save_checkpoint(tmp_path, 2, fake_save(), {})
+    save_checkpoint(tmp_path, 2, fake_save(), {}, keep_last=0)
 
     def crash(folder):
         fake_save()(folder)
         raise RuntimeError("rank 1 died while saving")
 
     with pytest.raises(RuntimeError):
-        save_checkpoint(tmp_path, 4, crash, {})
+        save_checkpoint(tmp_path, 4, crash, {}, keep_last=0)
     assert find_resume(tmp_path, "auto", lambda _: None).name == "step_2"
     assert (tmp_path / "checkpoints" / "latest").read_text() == "step_2"
 
