@@ -21,7 +21,7 @@ setup(
     package_data={"conf": ["*.yaml", "*/*.yaml"]},
     install_requires=[
         "torch>=2.4",
-        "ray>=2.40",
+        "ray[default]>=2.40",  # the dashboard and job server: `ray job submit` to a running cluster
         "hydra-core>=1.3,<1.4",
         "omegaconf>=2.3,<2.4",
         "numpy",

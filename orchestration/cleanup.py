@@ -160,6 +160,14 @@ def _name(pid: int) -> str:
         return "?"
 
 
+def end_session(session_dir: str) -> list[int]:
+    """End every Ray process of one session (a cluster started by `ray start` included); returns
+    their PIDs. Unlike `ray stop`, other clusters on the machine keep running."""
+    pids = session_processes(session_dir)
+    _end(pids)
+    return pids
+
+
 def _end(pids: list[int], grace_s: float = 3.0) -> None:
     """SIGTERM, then SIGKILL for what still runs after `grace_s`."""
     for sig in (signal.SIGTERM, signal.SIGKILL):

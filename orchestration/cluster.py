@@ -81,7 +81,7 @@ def loopback_interface() -> str:
 
 
 def init_cluster(cfg: ClusterConfig, demand: dict[str, float] | None = None):
-    """Join `cfg.address` if set, else start a local cluster sized for `demand`.
+    """Join `cfg.address` (or RAY_ADDRESS) if set, else start a local cluster sized for `demand`.
 
     A local cluster gets at least as many logical CPUs as the plan has CPU processes (Ray
     CPUs are scheduling slots, not cores) and `simulate_gpus` fake GPUs if set: actors
@@ -95,8 +95,10 @@ def init_cluster(cfg: ClusterConfig, demand: dict[str, float] | None = None):
 
     if ray.is_initialized():
         return ray
-    if cfg.address:
-        ray.init(address=cfg.address, log_to_driver=cfg.log_to_driver)
+    # RAY_ADDRESS is how `ray job submit` (and a user's shell) names the running cluster.
+    address = cfg.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=cfg.log_to_driver)
         return ray
     demand = demand or {}
     num_gpus = cfg.simulate_gpus

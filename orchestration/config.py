@@ -67,7 +67,8 @@ class PlacementConfig:
 
 @dataclass
 class ClusterConfig:
-    # Ray cluster to join ("auto", "ray://host:10001", "host:6379"); None starts a local one.
+    # Ray cluster to join ("auto", "ray://host:10001", "host:6379"); None: the RAY_ADDRESS
+    # environment variable's (set by `ray job submit`), else a new local cluster.
     address: Optional[str] = None
     # Fake GPUs for a local cluster on a CPU machine: actors reserve GPU ids, compute on CPU.
     simulate_gpus: Optional[int] = None
