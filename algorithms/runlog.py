@@ -8,7 +8,9 @@ progress line with ETA, one timer per phase, and timeline.jsonl (when each role 
     log.step(step, {"train/loss": 0.3})          # writes one JSON line, prints progress
 
 Times in timeline.jsonl are seconds since the RunLog was created (this process's monotonic
-clock), one line per busy interval: {"step", "role", "phase", "start", "end"}.
+clock; a resumed run continues after the intervals it kept), one line per busy interval:
+{"step", "role", "phase", "start", "end"}. `close()` draws curves.png, timeline.png and
+trace.json (algorithms/plots.py).
 """
 from __future__ import annotations
 
@@ -143,12 +145,23 @@ class RunLog:
         self._file = open(self.path, "a", buffering=1)
         self._timeline = open(self.timeline_path, "a", buffering=1)
         self.current_step, self._steps_before = step + 1, step
+        # The timeline's clock continues after the kept intervals instead of starting at 0 again.
+        self._start = time.monotonic() - max((json.loads(line)["end"] for line in kept[self.timeline_path]),
+                                             default=0.0)
         last = [json.loads(line) for line in kept[self.path] if json.loads(line).get("step") == step]
         return last[-1] if last else {}
 
     def close(self) -> None:
+        """Close the files and draw the run's pictures (algorithms/plots.py: curves.png,
+        timeline.png, trace.json); a picture that fails is reported, never fatal."""
         self._file.close()
         self._timeline.close()
+        try:
+            from algorithms.plots import write_run_pictures
+
+            write_run_pictures(self.dir)
+        except Exception as e:  # a run's results matter more than its pictures
+            print(f"runlog: no pictures for {self.dir} ({type(e).__name__}: {e})", file=sys.stderr)
 
 
 def _plain(v: Any) -> Any:

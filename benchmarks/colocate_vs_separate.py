@@ -18,9 +18,8 @@ cached. Timed steps are 2..steps-1 (step 1 warms up and has nothing to overlap w
 step also evaluates). Prints one table per workload (step time, trained tokens/s, seconds per
 phase, idle fraction per role, weight-sync time and MB/s, peak host RSS per role, final
 eval accuracy); writes table.md, results.json, one timeline_<algo>_<mode>.png per run and
-timeline_<algo>.png with the modes one above the other (needs matplotlib, the `bench`
-extra) into the run directory, each run's own metrics.jsonl and timeline.jsonl under
-<algo>_<mode>/.
+timeline_<algo>.png with the modes one above the other (drawn by algorithms/plots.py) into
+the run directory, each run's own metrics.jsonl and timeline.jsonl under <algo>_<mode>/.
 """
 from __future__ import annotations
 
@@ -37,6 +36,7 @@ from omegaconf import OmegaConf
 
 from algorithms import gkd, grpo
 from algorithms.config import GKDRunConfig, SWIFT_GKD_KEYS, prepare
+from algorithms.plots import timeline
 from algorithms.runlog import read_metrics, run_dir
 from orchestration.cluster import init_cluster
 from orchestration.config import ClusterConfig, register_schema
@@ -77,7 +77,7 @@ class BenchConfig:
     # Extra overrides of the GKD workload; by default every step is on-policy (the student
     # generates), the steps where placement matters.
     gkd: List[str] = field(default_factory=lambda: ["algorithm.lmbda=1.0"])
-    # One PNG per run with its per-role timeline (needs matplotlib).
+    # One PNG per run with its per-role timeline.
     plot: bool = True
     # Local Ray cluster; its simulated GPUs default to what the largest layout needs.
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
@@ -183,45 +183,6 @@ def table(rows: list[dict], algo: str) -> str:
     return "\n".join(lines)
 
 
-# One colour per phase in every figure, so modes compare at a glance.
-COLOURS = {"generate": "tab:orange", "train": "tab:blue", "teacher": "tab:purple", "sync_weights": "tab:green",
-           "eval": "tab:gray", "onload": "tab:brown", "offload": "tab:pink", "wake_up": "tab:olive",
-           "sleep": "tab:cyan", "save": "black"}
-
-
-def plot(runs: list[tuple[str, Path]], png: Path, roles: tuple[str, ...]) -> bool:
-    """One panel per (title, run folder): per-role busy intervals coloured by phase, dotted
-    lines at step ends, a shared time axis. False when matplotlib is missing."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    fig, axes = plt.subplots(len(runs), 1, sharex=True, squeeze=False,
-                             figsize=(10, 0.9 + len(runs) * (0.45 + 0.3 * len(roles))))
-    for ax, (title, out) in zip(axes[:, 0], runs):
-        end = 0.0
-        for r in read_metrics(out / "metrics.jsonl"):
-            end += r["time/step_wall"]
-            ax.axvline(end, color="grey", linestyle=":", linewidth=0.8)
-        for e in read_metrics(out / "timeline.jsonl"):
-            if e["role"] in roles:
-                ax.broken_barh([(e["start"], e["end"] - e["start"])], (roles.index(e["role"]) - 0.35, 0.7),
-                               color=COLOURS.get(e["phase"], "tab:red"), label=e["phase"])
-        ax.set_yticks(range(len(roles)), roles)
-        ax.set_ylim(len(roles) - 0.5, -0.5)
-        ax.set_title(title, fontsize=9, loc="left")
-    handles = {label: h for ax in axes[:, 0] for h, label in zip(*ax.get_legend_handles_labels())}
-    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=min(len(handles), 10), fontsize=8,
-               frameon=False)
-    axes[-1, 0].set_xlabel("seconds (dotted: end of each step)")
-    fig.tight_layout(rect=(0, 0.1 if len(runs) > 1 else 0.18, 1, 1))
-    fig.savefig(png, dpi=72)
-    plt.close(fig)
-    return True
-
-
 # ----------------------------------------------------------------------------- main
 
 @hydra.main(config_path="pkg://conf", config_name="colocate_vs_separate", version_base=None)
@@ -248,12 +209,12 @@ def main(cfg) -> None:
             print(f"bench: {algo} {mode} (max_staleness={typed.algorithm.max_staleness}) -> {run_out}")
             (grpo if algo == "grpo" else gkd).run(typed, plan, run_out, resolved=resolved)
             results.append(summarize(algo, mode, run_out))
-            if bench.plot and not plot([(f"{algo} {mode}: busy intervals per role", run_out)],
-                                       out / f"timeline_{algo}_{mode}.png", ROLES[algo]):
-                print("bench: matplotlib is not installed; no PNG (pip install -c constraints.txt -e '.[bench]')")
+            if bench.plot:
+                timeline([(f"{algo} {mode}: busy intervals per role", run_out)], out / f"timeline_{algo}_{mode}.png",
+                         ROLES[algo])
         if bench.plot:  # the modes one above the other
-            plot([(f"{algo} {mode}", out / f"{algo}_{mode}") for mode in bench.modes], out / f"timeline_{algo}.png",
-                 ROLES[algo])
+            timeline([(f"{algo} {mode}", out / f"{algo}_{mode}") for mode in bench.modes],
+                     out / f"timeline_{algo}.png", ROLES[algo])
     tables = [f"### {algo}\n\n{table([r for r in results if r['algo'] == algo], algo)}\n"
               for algo in bench.algorithms]
     text = "\n".join(tables)
