@@ -36,6 +36,9 @@ from orchestration.planner import RolePlan
 class _RoleHost:
     """Actor body: holds one instance of a plain role class."""
 
+    def __init__(self, name: str):
+        self.name = name
+
     def node_info(self, local: bool) -> dict:
         """Where this rank runs and two ports it holds until setup (its group's, its tensor-parallel
         engine's), on 127.0.0.1 in a local run so nothing it opens is reachable from the network."""
@@ -62,6 +65,10 @@ class _RoleHost:
 
     def call(self, method: str, args: tuple, kwargs: dict) -> Any:
         return getattr(self.instance, method)(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        # Ray prefixes each line a worker prints with this: "(train rank 1 pid=...)".
+        return self.name
 
 
 def _store_on(sock: socket.socket) -> Any:
@@ -97,8 +104,8 @@ class WorkerGroup(BaseWorkerGroup):
         self.on_restart: Optional[Callable[["WorkerGroup", int], None]] = None
         self._calls: dict[Any, tuple[int, str, tuple, dict]] = {}  # pending ref -> (rank, method, args, kwargs)
         self.workers = [
-            _RemoteHost.options(name=None, max_concurrency=1, **placement.slot(plan_entry, i).actor_options()).remote()
-            for i in range(self.world_size)]
+            _RemoteHost.options(name=None, max_concurrency=1, **placement.slot(plan_entry, i).actor_options())
+            .remote(f"{self.role} rank {i}") for i in range(self.world_size)]
         local = cluster_is_local()
         self.infos = self._wait([w.node_info.remote(local) for w in self.workers], "node_info",
                                 list(range(self.world_size)), None)
@@ -125,7 +132,8 @@ class WorkerGroup(BaseWorkerGroup):
         except Exception:  # already gone
             pass
         options = self.placement.slot(self.plan_entry, index).actor_options()
-        self.workers[index] = _RemoteHost.options(name=None, max_concurrency=1, **options).remote()
+        self.workers[index] = _RemoteHost.options(name=None, max_concurrency=1, **options).remote(
+            f"{self.role} rank {index}")
         ray.get(self.workers[index].node_info.remote(cluster_is_local()), timeout=self.timeout_s)
         ray.get(self.workers[index].setup.remote(role_cls, envs[index], init_args, init_kwargs, serve[index]),
                 timeout=self.timeout_s)
