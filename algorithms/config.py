@@ -49,6 +49,16 @@ class LoopConfig:
     # role; a lost trainer rank restarts every role from the newest checkpoint, up to N times.
     # 0: the run stops with the error. Each restart is a line of events.jsonl.
     max_restarts: int = 0
+    # Where each step's metrics go, several at once: jsonl (metrics.jsonl, always listed: resume
+    # reads it), tensorboard (<run dir>/tensorboard), wandb (offline run in <run dir>/wandb).
+    loggers: list[str] = field(default_factory=lambda: ["jsonl"])
+    # Print every metric every N steps (and at the first and last step); between them the
+    # progress bar shows a few. 0: only the first and last step.
+    log_every: int = 10
+    # The run's name in TensorBoard and W&B; null: the run directory's name.
+    name: Optional[str] = None
+    # Tags of the run (W&B tags; a text entry in TensorBoard).
+    tags: list[str] = field(default_factory=list)
 
 
 @dataclass

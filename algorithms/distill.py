@@ -287,7 +287,7 @@ def sample_with_roles(cfg: DistillRunConfig, plan: Plan, policy: Any, train_set:
                                                           **engine_args(cfg, "rollout")}),
                                     "prm": (PRM, {"config": as_dict(cfg.prm)}),
                                     "orm": (ORM, {"config": as_dict(cfg.orm)})}, restarts=cfg.run.max_restarts)
-    log = RunLog(out_dir, cfg.run.steps, resolved_config=resolved)
+    log = RunLog(out_dir, cfg.run.steps, resolved_config=resolved, cfg=cfg)
     common.record_data_stats(log, {} if resumed else stats, None)  # a resumed sampling has its step 0
     print(f"distill: {cfg.run.steps} steps x {cfg.run.prompts_per_step} prompts x {algo.num_return_sequences} "
           f"candidates from {len(train_set)} train examples over "

@@ -1,16 +1,19 @@
-"""Run outputs shared by the drivers: metrics.jsonl, the resolved config, a per-step
-progress line with ETA, one timer per phase, and timeline.jsonl (when each role was busy).
+"""Run outputs shared by the drivers: metrics.jsonl and the trackers of run.loggers
+(algorithms/trackers.py), the resolved config, a progress bar with ETA, one timer per phase,
+and timeline.jsonl (when each role was busy).
 
-    log = RunLog(out_dir, total_steps=cfg.run.steps)
+    log = RunLog(out_dir, total_steps=cfg.run.steps, cfg=cfg)
     with log.phase("generate", "rollout"): ...   # time/generate; the rollout busy meanwhile
     log.moved("train", "offload", results)       # move/train_offload_{bytes,s}
     log.memory("train", results)                 # mem/train_{rss,rss_peak,device_peak}_bytes
-    log.step(step, {"train/loss": 0.3})          # writes one JSON line, prints progress
+    log.step(step, {"train/loss": 0.3})          # one record to every tracker, progress shown
+
+Progress: on a terminal, one tqdm bar per RunLog (a run or a phase of one) with ETA and a few
+metrics; every run.log_every steps, at the first and at the last step, a line with every
+metric. Elsewhere (CI, a log file) only those lines.
 
 Times in timeline.jsonl are seconds since the RunLog was created (this process's monotonic
-clock; a resumed run continues after the intervals it kept), one line per busy interval:
-{"step", "role", "phase", "start", "end"}. `close()` draws curves.png, timeline.png and
-trace.json (algorithms/plots.py).
+clock), one line per busy interval: {"step", "role", "phase", "start", "end"}.
 """
 from __future__ import annotations
 
@@ -21,6 +24,8 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from algorithms.trackers import JsonlFile, check_loggers, open_trackers
 
 
 def run_dir() -> Path:
@@ -42,13 +47,25 @@ HIDDEN_PREFIXES = ("time/", "mem/", "move/")
 
 
 class RunLog:
-    def __init__(self, out_dir: str | os.PathLike, total_steps: int, stream=None, resolved_config: Any = None):
+    """`cfg`: the run's typed config; its run section chooses the trackers (run.loggers), the
+    full-line cadence (run.log_every), the run's name and tags. Without it: metrics.jsonl only,
+    LoopConfig's defaults otherwise. `resolved_config`: the composed config, saved as
+    resolved_config.yaml and handed to the trackers (else `cfg` is)."""
+
+    def __init__(self, out_dir: str | os.PathLike, total_steps: int, stream=None, resolved_config: Any = None,
+                 cfg: Any = None):
+        from algorithms.config import LoopConfig, as_dict
+
+        run = cfg.run if cfg is not None else LoopConfig()
+        check_loggers(run.loggers)
+        self.loggers, self.log_every, self.tags = list(run.loggers), run.log_every, list(run.tags)
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
+        self.name = run.name or self.dir.resolve().name
         self.total = total_steps
         self.stream = stream or sys.stdout
         self.path = self.dir / "metrics.jsonl"
-        self._file = open(self.path, "a", buffering=1)
+        self._metrics = JsonlFile(self.path)
         self._phases: dict[str, float] = {}
         self._sums: dict[str, float] = {}
         self._start = time.monotonic()
@@ -56,11 +73,19 @@ class RunLog:
         self._step_started = self._start
         self.current_step = 0  # the step being run: timeline lines without an explicit step get it
         self.timeline_path = self.dir / "timeline.jsonl"
-        self._timeline = open(self.timeline_path, "a", buffering=1)
+        self._timeline = JsonlFile(self.timeline_path)
+        self._trackers: list[Any] | None = None  # opened at the first record (or rewind)
+        self._bar: Any = None
+        self._lines_shown = 0
+        self._config: dict = {}
         if resolved_config is not None:
             from omegaconf import OmegaConf
 
+            resolved_config = OmegaConf.create(resolved_config)
             OmegaConf.save(resolved_config, self.dir / "resolved_config.yaml", resolve=True)
+            self._config = OmegaConf.to_container(resolved_config, resolve=True)
+        elif cfg is not None:
+            self._config = as_dict(cfg)
 
     @contextmanager
     def phase(self, name: str, *roles: str):
@@ -79,7 +104,7 @@ class RunLog:
         """One busy interval of `role` (time.monotonic() values), for the step it serves."""
         line = {"step": self.current_step if step is None else step, "role": role, "phase": phase,
                 "start": round(start - self._start, 4), "end": round(end - self._start, 4)}
-        self._timeline.write(json.dumps(line) + "\n")
+        self._timeline.log(line["step"], line)
 
     def add(self, key: str, value: float) -> None:
         """Add `value` to metric `key` of the current step (summed until the step is written)."""
@@ -102,7 +127,8 @@ class RunLog:
             self._sums[f"mem/{role}_{key}"] = max(r.get(key, 0) for r in per_rank)
 
     def step(self, step: int, metrics: dict[str, Any], quiet: bool = False) -> dict[str, Any]:
-        """Write one JSON line for `step` with `metrics` and the phase timings; print progress."""
+        """Send one record for `step` (`metrics`, the added sums, the phase timings) to every
+        tracker; show progress (nothing printed with `quiet`). Returns the record."""
         now = time.monotonic()
         record = {"step": step, **{k: _plain(v) for k, v in {**self._sums, **metrics}.items()},
                   **{f"time/{k}": round(v, 4) for k, v in self._phases.items()}}
@@ -112,56 +138,86 @@ class RunLog:
         record["time/step_wall"] = round(now - self._step_started, 4)
         self._phases, self._sums, self._step_started = {}, {}, now
         self.current_step = step + 1
-        self._file.write(json.dumps(record) + "\n")
+        self._metrics.log(step, record)
+        for tracker in self._open_trackers(step):
+            tracker.log(step, record)
         if not quiet:
-            self.stream.write(self._progress_line(step, record, now) + "\n")
-            self.stream.flush()
+            self._show(step, record, now)
         return record
 
-    def _progress_line(self, step: int, record: dict, now: float) -> str:
+    def _open_trackers(self, first_step: int) -> list[Any]:
+        if self._trackers is None:
+            self._trackers = open_trackers(self.loggers, self.dir, self.name, self._config, self.tags, first_step)
+        return self._trackers
+
+    def _show(self, step: int, record: dict, now: float) -> None:
+        """The bar (on a terminal) and, when due, the line with every metric."""
+        keys = _shown_keys(record)
+        if self._bar is None and _is_tty(self.stream):
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=self.total, initial=step, file=self.stream, desc=self.name, unit="step",
+                             dynamic_ncols=True)
+        if self._bar is not None:
+            self._bar.update(step - self._bar.n)
+            self._bar.set_postfix({k.split("/")[-1]: _short(record[k]) for k in keys[:3]}, refresh=False)
+        if not self._lines_shown or step == self.total or (self.log_every > 0 and step % self.log_every == 0):
+            line = self._progress_line(step, record, now, keys)
+            self._lines_shown += 1
+            if self._bar is not None:
+                self._bar.write(line, file=self.stream)
+            else:
+                self.stream.write(line + "\n")
+                self.stream.flush()
+
+    def _progress_line(self, step: int, record: dict, now: float, keys: list[str]) -> str:
         elapsed = now - self._start
         eta = ""
         if step > self._steps_before and self.total:
             rate = elapsed / (step - self._steps_before)
             eta = f" eta {_fmt(rate * (self.total - step))}"
-        keys = [k for k in record if k != "step" and not k.startswith(HIDDEN_PREFIXES) and not k.endswith(HIDDEN)
-                and isinstance(record[k], (int, float))]
-        keys.sort(key=lambda k: (not k.startswith("eval/"), not k.endswith("loss")))
-        shown = [f"{k}={record[k]:.4g}" if isinstance(record[k], float) else f"{k}={record[k]}" for k in keys[:5]]
+        shown = [f"{k}={_short(record[k])}" for k in keys]
         width = len(str(self.total))
         return f"[{step:>{width}}/{self.total}] {_fmt(elapsed)}{eta} " + " ".join(shown)
 
     def rewind(self, step: int) -> dict:
         """Continue a resumed run after `step`: drop the lines of later steps (written after
-        its checkpoint, before the interruption) from metrics.jsonl and timeline.jsonl. Returns
-        the record of `step` ({} if none)."""
-        kept: dict[Path, list[str]] = {}
-        for f in (self._file, self._timeline):
-            f.close()
-        for path in (self.path, self.timeline_path):
-            lines = [line for line in path.read_text().splitlines() if line.strip()]
-            kept[path] = [line for line in lines if json.loads(line).get("step", 0) <= step]
-            path.write_text("".join(line + "\n" for line in kept[path]))
-        self._file = open(self.path, "a", buffering=1)
-        self._timeline = open(self.timeline_path, "a", buffering=1)
+        its checkpoint, before the interruption) from metrics.jsonl and timeline.jsonl, and
+        from the trackers' view. Returns the record of `step` ({} if none)."""
+        self._timeline.rewind(step)
+        kept = self._metrics.rewind(step)
         self.current_step, self._steps_before = step + 1, step
-        # The timeline's clock continues after the kept intervals instead of starting at 0 again.
-        self._start = time.monotonic() - max((json.loads(line)["end"] for line in kept[self.timeline_path]),
-                                             default=0.0)
-        last = [json.loads(line) for line in kept[self.path] if json.loads(line).get("step") == step]
+        self._open_trackers(step + 1)
+        last = [r for r in kept if r.get("step") == step]
         return last[-1] if last else {}
 
     def close(self) -> None:
-        """Close the files and draw the run's pictures (algorithms/plots.py: curves.png,
-        timeline.png, trace.json); a picture that fails is reported, never fatal."""
-        self._file.close()
+        if self._bar is not None:
+            self._bar.close()
+        for tracker in self._trackers or []:
+            tracker.close()
+        self._trackers = []
+        self._metrics.close()
         self._timeline.close()
-        try:
-            from algorithms.plots import write_run_pictures
 
-            write_run_pictures(self.dir)
-        except Exception as e:  # a run's results matter more than its pictures
-            print(f"runlog: no pictures for {self.dir} ({type(e).__name__}: {e})", file=sys.stderr)
+
+def _shown_keys(record: dict) -> list[str]:
+    """The numeric metrics worth showing, eval and losses first."""
+    keys = [k for k in record if k != "step" and not k.startswith(HIDDEN_PREFIXES) and not k.endswith(HIDDEN)
+            and isinstance(record[k], (int, float))]
+    keys.sort(key=lambda k: (not k.startswith("eval/"), not k.endswith("loss")))
+    return keys
+
+
+def _short(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
+
+
+def _is_tty(stream: Any) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
 
 
 def _plain(v: Any) -> Any:

@@ -61,7 +61,7 @@ def run(cfg: SFTRunConfig, plan: Any, out_dir: Path, resolved: Any = None) -> di
                                                      "loss_fn": loss, "loss_inputs": loss.loss_inputs,
                                                      **engine_args(cfg, "train")})})
     evaluator = driver_group(Rollout, {"model": as_dict(cfg.model), "config": as_dict(cfg.rollout)}, "evaluator")
-    log = RunLog(out_dir, cfg.run.steps, resolved_config=resolved)
+    log = RunLog(out_dir, cfg.run.steps, resolved_config=resolved, cfg=cfg)
     common.record_data_stats(log, stats, cfg.run.resume)
     print(f"sft: {len(train_set)} train / {len(eval_set)} held-out examples; {cfg.run.steps} steps x "
           f"{cfg.run.prompts_per_step} sequences over "
