@@ -13,7 +13,9 @@ metrics; every run.log_every steps, at the first and at the last step, a line wi
 metric. Elsewhere (CI, a log file) only those lines.
 
 Times in timeline.jsonl are seconds since the RunLog was created (this process's monotonic
-clock), one line per busy interval: {"step", "role", "phase", "start", "end"}.
+clock; a resumed run continues after the intervals it kept), one line per busy interval:
+{"step", "role", "phase", "start", "end"}. `close()` draws curves.png, timeline.png and
+trace.json (algorithms/plots.py).
 """
 from __future__ import annotations
 
@@ -69,6 +71,7 @@ class RunLog:
         self._phases: dict[str, float] = {}
         self._sums: dict[str, float] = {}
         self._start = time.monotonic()
+        self._progress_start = self._start  # this process's share of the run (for the ETA)
         self._steps_before = 0  # steps of an earlier, resumed-from run (for the ETA)
         self._step_started = self._start
         self.current_step = 0  # the step being run: timeline lines without an explicit step get it
@@ -171,7 +174,7 @@ class RunLog:
                 self.stream.flush()
 
     def _progress_line(self, step: int, record: dict, now: float, keys: list[str]) -> str:
-        elapsed = now - self._start
+        elapsed = now - self._progress_start
         eta = ""
         if step > self._steps_before and self.total:
             rate = elapsed / (step - self._steps_before)
@@ -184,14 +187,19 @@ class RunLog:
         """Continue a resumed run after `step`: drop the lines of later steps (written after
         its checkpoint, before the interruption) from metrics.jsonl and timeline.jsonl, and
         from the trackers' view. Returns the record of `step` ({} if none)."""
-        self._timeline.rewind(step)
+        intervals = self._timeline.rewind(step)
         kept = self._metrics.rewind(step)
         self.current_step, self._steps_before = step + 1, step
+        # The timeline's clock continues after the kept intervals instead of starting at 0 again.
+        self._start = time.monotonic() - max((line["end"] for line in intervals), default=0.0)
         self._open_trackers(step + 1)
         last = [r for r in kept if r.get("step") == step]
         return last[-1] if last else {}
 
     def close(self) -> None:
+        """Close the bar, the trackers and the files, and draw the run's pictures
+        (algorithms/plots.py: curves.png, timeline.png, trace.json); a picture that fails is
+        reported, never fatal."""
         if self._bar is not None:
             self._bar.close()
         for tracker in self._trackers or []:
@@ -199,6 +207,12 @@ class RunLog:
         self._trackers = []
         self._metrics.close()
         self._timeline.close()
+        try:
+            from algorithms.plots import write_run_pictures
+
+            write_run_pictures(self.dir)
+        except Exception as e:  # a run's results matter more than its pictures
+            print(f"runlog: no pictures for {self.dir} ({type(e).__name__}: {e})", file=sys.stderr)
 
 
 def _shown_keys(record: dict) -> list[str]:
