@@ -23,8 +23,8 @@ def _grouped(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:
     return rewards.view(-1, num_generations)
 
 
-def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: ScaleRewards = "group",
-                     leave_one_out: bool = False, eps: float = 1e-4) -> torch.Tensor:
+def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: ScaleRewards,
+                     leave_one_out: bool, eps: float = 1e-4) -> torch.Tensor:
     """[num_prompts * G] advantages, one per completion.
 
     A_i = (r_i - baseline_i) / (std + eps), where baseline_i is the group mean, or with

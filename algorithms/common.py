@@ -28,9 +28,10 @@ def chat_texts(tokenizer: Any, ex: Example) -> tuple[str, str]:
     return chat_prompt(tokenizer, ex), tokenizer.apply_chat_template(ex.messages(), tokenize=False)
 
 
-def encode_examples(tokenizer: Any, examples: list[Example], pretrain: bool = False) -> Completions:
+def encode_examples(tokenizer: Any, examples: list[Example], pretrain: bool) -> Completions:
     """Dataset responses as completions: chat-rendered prompt ids + response ids + eos. An
-    example with `max_tokens` (a reply too long for the run) is cut to that many tokens."""
+    example with `max_tokens` (a reply too long for the run) is cut to that many tokens.
+    With `pretrain` every token but the first is a completion token (SFT's algorithm.pretrain)."""
     prompt_ids, completion_ids = [], []
     for ex in examples:
         prompt, full = chat_texts(tokenizer, ex)

@@ -107,7 +107,7 @@ def _off_policy(examples: list, tokenizer: Any, teacher_writer: Any, sampling: S
     """Completions of an off-policy step: the dataset's responses, or with a teacher writer
     (sequence-level KD) the teacher's own samples."""
     if teacher_writer is None:
-        return common.encode_examples(tokenizer, examples)
+        return common.encode_examples(tokenizer, examples, pretrain=False)
     with log.phase("generate", "teacher_writer"):
         comps = teacher_writer.call("generate", [ex.prompt_messages() for ex in examples], sampling,
                                     dispatch="slice", collect="flatten")

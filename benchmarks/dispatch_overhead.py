@@ -46,9 +46,10 @@ def main() -> None:
     plan = make_plan({"device_groups": {
         "nproc_per_node": args.workers,
         "bench": {"device": "GPU" if gpu else "CPU", "ranks": args.workers, "workers": ["default"]}}})
-    ray = init_cluster(ClusterConfig(simulate_gpus=args.workers if gpu else None, num_cpus=args.workers + 1,
-                                     log_to_driver=False), plan.demand())
-    placement = create_placement(plan)
+    cluster = ClusterConfig(simulate_gpus=args.workers if gpu else None, num_cpus=args.workers + 1,
+                            log_to_driver=False)
+    ray = init_cluster(cluster, plan.demand())
+    placement = create_placement(plan, cluster.placement_timeout_s)
     group = WorkerGroup(Echo, plan["default"], placement=placement)
 
     cols = 1024

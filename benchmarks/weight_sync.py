@@ -151,9 +151,9 @@ def main(raw) -> None:
         plan = make_plan({"device_groups": {"nproc_per_node": 1,
                                             "t": {"device": "CPU", "ranks": 1, "workers": ["train"]},
                                             "r": {"device": "CPU", "ranks": 1, "workers": ["rollout"]}}})
-    ray = init_cluster(ClusterConfig(object_store_mb=cfg.object_store_mb, log_to_driver=False,
-                                     simulate_missing_gpus=False), plan.demand())
-    placement = create_placement(plan)
+    cluster = ClusterConfig(object_store_mb=cfg.object_store_mb, log_to_driver=False, simulate_missing_gpus=False)
+    ray = init_cluster(cluster, plan.demand())
+    placement = create_placement(plan, cluster.placement_timeout_s)
     kwargs = {"model": model, "config": {"device": cfg.device}}
     trainer = WorkerGroup(BenchTrainer, plan["train"], kwargs, placement=placement, timeout_s=600)
     rollout = WorkerGroup(BenchRollout, plan["rollout"], kwargs, placement=placement, timeout_s=600)

@@ -97,7 +97,7 @@ def configure(plan: Plan | Mapping, backend: str = "ray", placement: Any = None,
         from orchestration.cluster import init_cluster
         from orchestration.placement import create_placement
         init_cluster(cluster, plan.demand())
-        placement, owns = create_placement(plan), True
+        placement, owns = create_placement(plan, cluster.placement_timeout_s), True
     _config = _Config(plan, backend, placement, owns, call_timeout_s=cluster.call_timeout_s)
 
 

@@ -48,7 +48,8 @@ def driver_group(role_cls: type, init_kwargs: dict, role: str = "driver") -> Loc
     """One rank of a role inside the driver process (e.g. an evaluator beside remote trainers)."""
     from orchestration.planner import RolePlan
 
-    entry = RolePlan(role=role, device="CPU", ranks=(0,), nodes=(0,), local_devices=(0,), group="driver")
+    entry = RolePlan(role=role, device="CPU", ranks=(0,), nodes=(0,), local_devices=(0,), group="driver",
+                     offload_model=False, offload_optimizer=False, sleep_level=0, tensor_parallel_size=1)
     return LocalWorkerGroup(role_cls, entry, init_kwargs)
 
 

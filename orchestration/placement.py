@@ -82,7 +82,8 @@ def _choose_nodes(need: dict[int, dict[str, float]]) -> dict[int, str]:
     return chosen
 
 
-def create_placement(plan: Plan, timeout_s: float = 60.0) -> Placement:
+def create_placement(plan: Plan, timeout_s: float) -> Placement:
+    """Placement groups for `plan`, ready within `timeout_s` (cluster.placement_timeout_s)."""
     keys = _slot_keys(plan)
     need: dict[int, dict[str, float]] = {}
     for device, node, _ in keys:

@@ -46,11 +46,13 @@ class RolePlan:
     nodes: tuple[int, ...]  # node index of each rank
     local_devices: tuple[int, ...]  # device index inside its node, per rank
     group: str  # device group; colocated roles share it and its bundles
+    # What the planner decided from the placement config (offload_*, sleep_level,
+    # vllm_tensor_parallel_size), per role.
+    offload_model: bool
+    offload_optimizer: bool
+    sleep_level: int
+    tensor_parallel_size: int
     colocated_with: tuple[str, ...] = ()
-    offload_model: bool = False
-    offload_optimizer: bool = False
-    sleep_level: int = 0
-    tensor_parallel_size: int = 1
     model: str | None = None
 
     @property
@@ -139,16 +141,26 @@ def _positive_int(value: Any, key: str, minimum: int = 1) -> int:
     return value
 
 
+def _defaults() -> tuple[type, type]:
+    """The config dataclasses whose fields hold the defaults of keys a mapping leaves out
+    (PlacementConfig, RoleDevices); imported here because orchestration.config imports this
+    module."""
+    from orchestration.config import PlacementConfig, RoleDevices
+
+    return PlacementConfig, RoleDevices
+
+
 def _common(cfg: Mapping) -> dict[str, Any]:
-    sleep = cfg.get("sleep_level", 0)
+    placement, _ = _defaults()
+    sleep = cfg.get("sleep_level", placement.sleep_level)
     if sleep not in (0, 1, 2):
         raise PlanError("sleep_level", f"must be 0, 1 or 2, got {sleep!r}",
                         "use 1 (weights to host memory) or 2 (weights discarded), 0 to never sleep")
     topk = cfg.get("gkd_logits_topk")
     if topk is not None:
         _positive_int(topk, "gkd_logits_topk")
-    return {"offload_model": bool(cfg.get("offload_model", False)),
-            "offload_optimizer": bool(cfg.get("offload_optimizer", False)),
+    return {"offload_model": bool(cfg.get("offload_model", placement.offload_model)),
+            "offload_optimizer": bool(cfg.get("offload_optimizer", placement.offload_optimizer)),
             "sleep_level": sleep, "gkd_logits_topk": topk}
 
 
@@ -163,6 +175,7 @@ def _check_capacity(ranks_used: list[int], nnodes: int, per_node: int, key: str)
 
 def _plan_megatron(cfg: dict) -> Plan:
     common = _common(cfg)
+    default_tp = _defaults()[1].vllm_tensor_parallel_size
     entries: dict[str, dict] = {}
     for role in MEGATRON_ROLES:
         if role not in cfg:
@@ -176,7 +189,7 @@ def _plan_megatron(cfg: dict) -> Plan:
         if "gpus" not in entry:
             raise PlanError(f"{role}.gpus", "missing", f"set {role}.gpus to the number of devices for {role}")
         _positive_int(entry["gpus"], f"{role}.gpus")
-        tp = _positive_int(entry.get("vllm_tensor_parallel_size", 1), f"{role}.vllm_tensor_parallel_size")
+        tp = _positive_int(entry.get("vllm_tensor_parallel_size", default_tp), f"{role}.vllm_tensor_parallel_size")
         if tp > 1 and role == "train":
             raise PlanError("train.vllm_tensor_parallel_size", "the trainer has no vLLM engine",
                             "set it on rollout or teacher")
@@ -204,7 +217,8 @@ def _plan_megatron(cfg: dict) -> Plan:
     # Colocate groups: validated, then implicit colocation of the teacher with train.
     groups: list[list[str]] = []
     owner: dict[str, int] = {}
-    raw_groups = cfg.get("colocate_groups", [])
+    raw_groups = cfg.get("colocate_groups")
+    raw_groups = [] if raw_groups is None else raw_groups  # None: every role on its own devices
     if not isinstance(raw_groups, (list, tuple)) or any(not isinstance(g, (list, tuple)) for g in raw_groups):
         raise PlanError("colocate_groups", f"expected a list of lists of roles, got {raw_groups!r}",
                         "write colocate_groups: [[train, rollout]]")
@@ -243,7 +257,8 @@ def _plan_megatron(cfg: dict) -> Plan:
             n = entries[role]["gpus"]
             first[key] = list(range(next_rank, next_rank + n))
             next_rank += n
-    nnodes = _positive_int(cfg.get("nnodes", 1), "nnodes")
+    nnodes = cfg.get("nnodes")
+    nnodes = 1 if nnodes is None else _positive_int(nnodes, "nnodes")  # None: one node (Megatron form)
     per_node = cfg.get("nproc_per_node")
     per_node = -(-next_rank // nnodes) if per_node is None else _positive_int(per_node, "nproc_per_node")
     _check_capacity(list(range(next_rank)), nnodes, per_node,
@@ -264,7 +279,7 @@ def _plan_megatron(cfg: dict) -> Plan:
                                            else role == "train" and common["offload_model"]),
             offload_optimizer=bool(mates) and role == "train" and common["offload_optimizer"],
             sleep_level=common["sleep_level"] if (mates and role == "rollout") else 0,
-            tensor_parallel_size=entries[role].get("vllm_tensor_parallel_size", 1),
+            tensor_parallel_size=entries[role].get("vllm_tensor_parallel_size", default_tp),
             model=entries[role].get("model"))
     return Plan(roles=roles, nnodes=nnodes, devices_per_node=per_node, form="megatron",
                 gkd_logits_topk=common["gkd_logits_topk"])
@@ -309,6 +324,7 @@ _NAME = re.compile(r"^[A-Za-z_][\w-]*$")
 
 def _plan_device_groups(cfg: dict, any_role_names: bool = False) -> Plan:
     common = _common(cfg)
+    default_tp = _defaults()[1].vllm_tensor_parallel_size
     dg = cfg["device_groups"]
     if not isinstance(dg, Mapping):
         raise PlanError("device_groups", f"expected a mapping, got {dg!r}",
@@ -351,7 +367,7 @@ def _plan_device_groups(cfg: dict, any_role_names: bool = False) -> Plan:
                                 "list each role in exactly one group")
             owner[role] = name
         # Beyond ms-swift's form: ranks per vLLM engine of the group's rollout/sampler/teacher.
-        tp = _positive_int(group.get("vllm_tensor_parallel_size", 1), f"{key}.vllm_tensor_parallel_size")
+        tp = _positive_int(group.get("vllm_tensor_parallel_size", default_tp), f"{key}.vllm_tensor_parallel_size")
         count = len(ranks) if isinstance(ranks, list) else ranks
         if tp > 1 and (device == "CPU" or count % tp or not set(workers) & set(VLLM_ROLES)):
             problem = ("CPU groups run no vLLM engine" if device == "CPU" else

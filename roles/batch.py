@@ -19,14 +19,15 @@ import torch
 
 @dataclass
 class SamplingParams:
+    # Longest completion in tokens; required (the drivers pass algorithm.max_new_tokens, or
+    # run.eval_max_new_tokens for eval).
+    max_new_tokens: int
     # Softmax temperature; 0 means greedy.
     temperature: float = 1.0
     # Nucleus sampling mass; 1.0 disables it.
     top_p: float = 1.0
     # Keep only the k most likely tokens; 0 disables it.
     top_k: int = 0
-    # Longest completion in tokens.
-    max_new_tokens: int = 64
     # Completions per prompt.
     n: int = 1
     # Token ids that end a completion (the tokenizer's eos is always one, unless ignore_eos).

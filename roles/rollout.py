@@ -65,15 +65,15 @@ def resolve_rollout_config(config: Union[RolloutConfig, Mapping[str, Any], None]
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RolloutConfig), config))
 
 
-def as_sampling_params(sampling: Union[SamplingParams, Mapping[str, Any], None]) -> SamplingParams:
-    """SamplingParams from itself, a mapping of its fields, or None (defaults); checked."""
-    if sampling is None:
-        sampling = SamplingParams()
-    elif not isinstance(sampling, SamplingParams):
+def as_sampling_params(sampling: Union[SamplingParams, Mapping[str, Any]]) -> SamplingParams:
+    """SamplingParams from itself or a mapping of its fields (max_new_tokens required); checked."""
+    if not isinstance(sampling, SamplingParams):
         unknown = set(sampling) - {f.name for f in dataclasses.fields(SamplingParams)}
         if unknown:
             raise ValueError(f"unknown sampling fields {sorted(unknown)}; SamplingParams has "
                              f"{[f.name for f in dataclasses.fields(SamplingParams)]}")
+        if "max_new_tokens" not in sampling:
+            raise ValueError("sampling parameters need max_new_tokens (the run's algorithm.max_new_tokens)")
         sampling = SamplingParams(**sampling)
     problems = []
     if sampling.temperature < 0:
@@ -162,7 +162,7 @@ class Rollout(WeightReceiver):
 
     # ---- generation -------------------------------------------------------------------
 
-    def generate(self, prompts: Sequence[Prompt], sampling: Union[SamplingParams, Mapping[str, Any], None] = None,
+    def generate(self, prompts: Sequence[Prompt], sampling: Union[SamplingParams, Mapping[str, Any]],
                  chat: Optional[bool] = None) -> Completions:
         """n completions per prompt, consecutive; see the module docstring."""
         self._check_ready()

@@ -30,7 +30,7 @@ class Sampler(WeightReceiver):
                                                                       engine_options=engine_options)
 
     def sample(self, prompts: Sequence[Prompt], n: int,
-               sampling: Union[SamplingParams, Mapping[str, Any], None] = None,
+               sampling: Union[SamplingParams, Mapping[str, Any]],
                chat: Optional[bool] = None) -> Completions:
         """n candidates per prompt; `n` overrides sampling.n."""
         sampling = dataclasses.replace(as_sampling_params(sampling), n=n)

@@ -42,7 +42,7 @@ SHM_PREFIX = "rayroles-weights-"
 
 
 def _timeout(channel: dict) -> datetime.timedelta:
-    return datetime.timedelta(seconds=float(channel.get("timeout_s", 600)))
+    return datetime.timedelta(seconds=float(channel["timeout_s"]))
 
 
 def _process_group(channel: dict, store: Any, rank: int, device: torch.device) -> Any:
@@ -121,9 +121,10 @@ def _remove_stale_shm(folder: str) -> None:
 class WeightSender:
     """Mixed into a role with `state_dict_buckets(bucket_mb, dtype, to_cpu)` (the Trainer)."""
 
-    def open_weight_channel(self, name: str, path: str, host: str = "127.0.0.1", world_size: int = 2,
-                            file_dir: Optional[str] = None, timeout_s: float = 600.0) -> dict:
-        """Prepare a path once; returns the channel description receivers need."""
+    def open_weight_channel(self, name: str, path: str, host: str, world_size: int, file_dir: Optional[str],
+                            timeout_s: float) -> dict:
+        """Prepare a path once; returns the channel description receivers need. `timeout_s`
+        (weight_sync.timeout_s) bounds a broadcast and the forming of its process group."""
         if path not in PATHS:
             raise ValueError(f"unknown weight sync path {path!r}; choose one of {PATHS}")
         channel = {"name": name, "path": path, "timeout_s": timeout_s}
@@ -161,9 +162,10 @@ class WeightSender:
         return str(getattr(self, "device", "cpu"))
 
     def send_weights(self, channel: dict, seq: int, version: int, bucket_mb: float,
-                     checksum: Optional[str] = "sample", dtype: Optional[str] = None) -> dict:
+                     checksum: Optional[str], dtype: Optional[str] = None) -> dict:
         """Send every weight along `channel` with per-bucket checksums ("full", "sample" or None:
-        none); returns {"manifest", "bytes", "seconds"} and, for path object_store, "payload"."""
+        none: weight_sync.checksum, None without weight_sync.verify); returns {"manifest", "bytes",
+        "seconds"} and, for path object_store, "payload"."""
         t0 = time.perf_counter()
         buckets = self.state_dict_buckets(bucket_mb, dtype, False)
         path = channel["path"]

@@ -136,7 +136,7 @@ def test_length_rules(tmp_path, tokenizer, line, where, kind, outcome):
         assert len(tokenizer(common.chat_prompt(tokenizer, ex), add_special_tokens=False)["input_ids"]) + budget \
             <= CONTEXT
     if kind == "sft":
-        encoded = common.encode_examples(tokenizer, train)
+        encoded = common.encode_examples(tokenizer, train, False)
         lengths = [len(p) + len(c) for p, c in zip(encoded.prompt_ids, encoded.completion_ids)]
         assert max(lengths) <= CONTEXT and min(len(c) for c in encoded.completion_ids) >= 1
         assert (max(lengths) == CONTEXT) == (outcome == "truncated")
@@ -144,7 +144,7 @@ def test_length_rules(tmp_path, tokenizer, line, where, kind, outcome):
 
 def test_a_cut_reply_keeps_its_start(tokenizer):
     ex = Example(prompt="1+1", solution="1+1=2\n" + "9" * 200 + "\n#### 2", answer="2")
-    encoded = common.encode_examples(tokenizer, [ex, replace(ex, max_tokens=64)])
+    encoded = common.encode_examples(tokenizer, [ex, replace(ex, max_tokens=64)], False)
     assert encoded.prompt_ids[0] == encoded.prompt_ids[1]
     whole, cut = encoded.completion_ids
     assert len(encoded.prompt_ids[1]) + len(cut) == 64 and cut == whole[:len(cut)] and len(whole) > len(cut)

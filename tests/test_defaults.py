@@ -51,31 +51,7 @@ EXCEPTIONS = {
 
 # Repeated defaults not removed yet: an entry goes together with its default. Each names the
 # config field it repeats.
-VLLM_TP = "placement.<role>.vllm_tensor_parallel_size"
-TO_REMOVE = {
-    ("algorithms/advantages.py", "group_advantages", "scale_rewards"): "algorithm.scale_rewards",
-    ("algorithms/advantages.py", "group_advantages", "leave_one_out"): "algorithm.leave_one_out",
-    ("algorithms/common.py", "encode_examples", "pretrain"): "algorithm.pretrain",
-    ("algorithms/tasks.py", "arithmetic_examples", "seed"): "data.seed",
-    ("algorithms/tasks.py", "gsm_examples", "seed"): "data.seed",
-    ("algorithms/tasks.py", "gsm_examples", "heldout_fraction"): "data.arithmetic.heldout_fraction",
-    ("orchestration/placement.py", "create_placement", "timeout_s"): "cluster.placement_timeout_s",
-    ("orchestration/planner.py", "RolePlan", "offload_model"): "placement.offload_model",
-    ("orchestration/planner.py", "RolePlan", "offload_optimizer"): "placement.offload_optimizer",
-    ("orchestration/planner.py", "RolePlan", "sleep_level"): "placement.sleep_level",
-    ("orchestration/planner.py", "RolePlan", "tensor_parallel_size"): VLLM_TP,
-    ("orchestration/planner.py", "_common", "sleep_level"): "placement.sleep_level",
-    ("orchestration/planner.py", "_common", "offload_model"): "placement.offload_model",
-    ("orchestration/planner.py", "_common", "offload_optimizer"): "placement.offload_optimizer",
-    ("orchestration/planner.py", "_plan_megatron", "colocate_groups"): "placement.colocate_groups",
-    ("orchestration/planner.py", "_plan_megatron", "nnodes"): "placement.nnodes",
-    ("orchestration/planner.py", "_plan_megatron", "vllm_tensor_parallel_size"): VLLM_TP,
-    ("orchestration/planner.py", "_plan_device_groups", "vllm_tensor_parallel_size"): VLLM_TP,
-    ("roles/batch.py", "SamplingParams", "max_new_tokens"): "algorithm.max_new_tokens",
-    ("roles/weight_transfer.py", "WeightSender.open_weight_channel", "timeout_s"): "weight_sync.timeout_s",
-    ("roles/weight_transfer.py", "WeightSender.send_weights", "checksum"): "weight_sync.checksum",
-    ("roles/weight_transfer.py", "_timeout", "timeout_s"): "weight_sync.timeout_s",
-}
+TO_REMOVE: dict = {}
 
 
 @dataclass(frozen=True)

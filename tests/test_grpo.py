@@ -108,7 +108,7 @@ def test_one_step_call_order_groups_and_advantages(tmp_path):
     ks = [correct(m[-1]["content"], 0, 1) for m in prompts]
     expected = torch.tensor([float(j < k) for k in ks for j in range(G)])
     assert torch.equal(batch.rewards, expected)
-    assert torch.allclose(batch.advantages, group_advantages(expected, G, "group"))
+    assert torch.allclose(batch.advantages, group_advantages(expected, G, "group", False))
     assert torch.allclose(batch.advantages.view(-1, G).sum(1), torch.zeros(4), atol=1e-4)
     assert batch.old_logprobs[batch.loss_mask > 0].eq(-0.5).all()
     assert calls(log, "update_weights")[-1][1] == 1  # the weight version is the step

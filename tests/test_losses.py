@@ -32,17 +32,17 @@ DEVS = [-1.0, 0.0, 1.0, -2.0, -2.0, 4.0]
 def test_advantages_group_scale():
     s1, s2 = 1.0, math.sqrt(12.0)
     expected = [d / (s1 + EPS) for d in DEVS[:3]] + [d / (s2 + EPS) for d in DEVS[3:]]
-    close(group_advantages(REWARDS, 3, "group"), expected)
+    close(group_advantages(REWARDS, 3, "group", False), expected)
 
 
 def test_advantages_batch_scale():
     # std over all six rewards: mean 2, squared deviations sum to 26, unbiased var 26/5.
     std = math.sqrt(26.0 / 5.0)
-    close(group_advantages(REWARDS, 3, "batch"), [d / (std + EPS) for d in DEVS])
+    close(group_advantages(REWARDS, 3, "batch", False), [d / (std + EPS) for d in DEVS])
 
 
 def test_advantages_no_scale():
-    close(group_advantages(REWARDS, 3, "none"), DEVS)
+    close(group_advantages(REWARDS, 3, "none", False), DEVS)
 
 
 def test_advantages_leave_one_out():
@@ -55,13 +55,13 @@ def test_advantages_leave_one_out():
 
 
 def test_advantages_equal_rewards_and_errors():
-    close(group_advantages(torch.tensor([0.5, 0.5]), 2, "group"), [0.0, 0.0])
+    close(group_advantages(torch.tensor([0.5, 0.5]), 2, "group", False), [0.0, 0.0])
     with pytest.raises(ValueError, match="num_generations"):
-        group_advantages(REWARDS, 4)
+        group_advantages(REWARDS, 4, "group", False)
     with pytest.raises(ValueError, match="leave_one_out"):
-        group_advantages(REWARDS, 1, leave_one_out=True)
+        group_advantages(REWARDS, 1, "group", leave_one_out=True)
     with pytest.raises(ValueError, match="scale_rewards"):
-        group_advantages(REWARDS, 3, "std")
+        group_advantages(REWARDS, 3, "std", False)
 
 
 def test_zero_variance_groups():

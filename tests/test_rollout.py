@@ -155,7 +155,9 @@ def test_prompt_forms(rollout):
     with pytest.raises(TypeError, match="list of prompts"):
         rollout.generate(PROMPTS[0], GREEDY)
     with pytest.raises(ValueError, match="top_p"):
-        rollout.generate(PROMPTS, {"temperature": 1.0, "top_p": 0})
+        rollout.generate(PROMPTS, {"temperature": 1.0, "top_p": 0, "max_new_tokens": 4})
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        rollout.generate(PROMPTS, {"temperature": 1.0})
 
 
 def test_sleep_level_1_round_trip_is_bit_identical():

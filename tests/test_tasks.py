@@ -60,15 +60,15 @@ def test_arithmetic_is_deterministic_and_heldout_never_in_train():
 def test_arithmetic_refuses_impossible_requests():
     tiny = ArithmeticConfig(min_operands=2, max_operands=2, max_digits=1, ops="+")
     with pytest.raises(ValueError, match="distinct"):
-        arithmetic_examples(1000, config=tiny)
+        arithmetic_examples(1000, seed=0, config=tiny)
     with pytest.raises(ValueError, match="ops"):
-        arithmetic_examples(1, config=ArithmeticConfig(ops="/"))
+        arithmetic_examples(1, seed=0, config=ArithmeticConfig(ops="/"))
     with pytest.raises(ValueError, match="split"):
-        arithmetic_examples(1, split="validation")
+        arithmetic_examples(1, seed=0, split="validation")
 
 
 def test_example_messages_for_chat_templates():
-    ex = arithmetic_examples(1)[0]
+    ex = arithmetic_examples(1, seed=0)[0]
     assert ex.prompt_messages() == [{"role": "user", "content": ex.prompt}]
     assert ex.messages()[-1] == {"role": "assistant", "content": ex.solution}
 
@@ -93,6 +93,8 @@ def test_gsm_original_problems():
     assert len(train) + len(test) == 100 and len(test) > 0
     assert all(e.solution.splitlines()[-1] == f"#### {e.answer}" for e in train + test)
     assert not {e.prompt for e in train} & {e.prompt for e in test}
+    with pytest.raises(ValueError, match="seed"):
+        gsm_examples(10)  # fresh variants need data.seed
 
 
 def test_user_jsonl_skips_and_counts_bad_rows(tmp_path):
