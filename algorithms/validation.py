@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from algorithms.checkpoints import find_resume
+from algorithms.trackers import check_loggers
 from orchestration.config import ConfigError
 from orchestration.planner import Plan
 from orchestration.weight_sync import check_settings as check_weight_sync
@@ -59,7 +60,9 @@ def check_run(cfg: Any, plan: Plan, updates: Optional[int] = None) -> None:
     sync, rollout, cluster. `updates`: optimizer updates of the run (default run.steps)."""
     require_all(cfg.run, "run", {"steps": AT_LEAST_1, "prompts_per_step": AT_LEAST_1, "eval_every": NON_NEGATIVE,
                                  "save_every": NON_NEGATIVE, "eval_max_new_tokens": AT_LEAST_1,
-                                 "keep_last": NON_NEGATIVE, "max_restarts": NON_NEGATIVE})
+                                 "keep_last": NON_NEGATIVE, "max_restarts": NON_NEGATIVE,
+                                 "log_every": NON_NEGATIVE})
+    check_loggers(cfg.run.loggers)
     if cfg.run.resume not in (None, "", "auto"):
         find_resume(None, cfg.run.resume)  # a named checkpoint must be complete
     ranks = max((plan[r].world_size for r in ("train", "default") if r in plan.roles), default=1)

@@ -23,6 +23,15 @@ CASES = [
     ("gkd", "run.save_every=-2", "run.save_every"),
     ("sft", "run.eval_max_new_tokens=0", "run.eval_max_new_tokens"),
     ("sft", "placement.train.gpus=2 run.prompts_per_step=1", "run.prompts_per_step"),
+    # resume, restarts, trackers
+    ("sft", "run.resume=/nonexistent/checkpoints/step_3", "run.resume"),
+    ("distill", "run.resume=/nonexistent/checkpoints/step_3", "run.resume"),
+    ("grpo", "run.keep_last=-1", "run.keep_last"),
+    ("gkd", "run.max_restarts=-1", "run.max_restarts"),
+    ("sft", "run.log_every=-1", "run.log_every"),
+    ("sft", "run.loggers=[jsonl,comet]", "run.loggers"),
+    ("grpo", "run.loggers=[tensorboard]", "run.loggers"),
+    ("sft", "cluster.call_timeout_s=-5", "cluster.call_timeout_s"),
     # the trainer
     ("sft", "trainer.lr=-1e-3", "trainer.lr"),
     ("grpo", "trainer.lr=0", "trainer.lr"),
