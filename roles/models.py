@@ -25,8 +25,13 @@ import torch
 from omegaconf import OmegaConf
 from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig,
                           PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config)
+from transformers.utils import logging as hf_logging
 
 from roles.tokenizers import BUILDERS, build_tokenizer, save_tokenizer
+
+# transformers draws a bar for every shard it loads or writes ("Loading weights", "Writing
+# model shards"): dozens per run, interleaved with the run's own progress. The run reports.
+hf_logging.disable_progress_bar()
 
 # Smallest head size vLLM's CPU attention kernels accept.
 MIN_HEAD_DIM = 32
