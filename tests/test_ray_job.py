@@ -7,6 +7,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -39,10 +40,15 @@ def test_ray_job_submit_runs_grpo_on_the_running_cluster(tmp_path):
     try:
         assert start.returncode == 0, start.stderr[-3000:]
         run_dir = tmp_path / "run"
-        job = subprocess.run([RAY, "job", "submit", "--address", f"http://127.0.0.1:{dashboard}", "--", "bash", "-c",
-                              f"cd {REPO} && {sys.executable} -m algorithms.grpo {' '.join(TINY_GRPO)} "
-                              f"hydra.run.dir={run_dir}"],
-                             env=env, capture_output=True, text=True, timeout=600)
+        submit = [RAY, "job", "submit", "--address", f"http://127.0.0.1:{dashboard}", "--", "bash", "-c",
+                  f"cd {REPO} && {sys.executable} -m algorithms.grpo {' '.join(TINY_GRPO)} hydra.run.dir={run_dir}"]
+        # The job server answers before its agent is up on a busy machine; nothing was submitted then.
+        deadline = time.monotonic() + 180
+        while True:
+            job = subprocess.run(submit, env=env, capture_output=True, text=True, timeout=600)
+            if "No available agent" not in job.stderr + job.stdout or time.monotonic() > deadline:
+                break
+            time.sleep(2)
         assert job.returncode == 0, (job.stdout[-3000:], job.stderr[-3000:])
         assert "succeeded" in job.stdout
         # It joined this cluster: no cluster of its own (that would have simulated the GPU it lacks).
