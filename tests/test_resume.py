@@ -141,6 +141,25 @@ CASES = {
 }
 
 
+def stop_and_resume(driver, schema, base, resume_overrides, tmp_path, monkeypatch):
+    """(straight records, resumed records, straight record, resumed record): `base` run straight,
+    and killed after step 3 then resumed with `resume_overrides` added."""
+    _, typed, plan = prepared(schema, base)
+    driver.validate(typed, plan)
+    straight = driver.run(typed, plan, tmp_path / "straight")
+    with monkeypatch.context() as m:
+        interrupt_after(m, 3)
+        with pytest.raises(Interrupted):
+            driver.run(typed, plan, tmp_path / "resumed")
+    assert [r["step"] for r in read_metrics(tmp_path / "resumed" / "metrics.jsonl")] == [0, 1, 2, 3]
+    _, typed, plan = prepared(schema, base + ["run.resume=auto", *resume_overrides])
+    driver.validate(typed, plan)
+    resumed = driver.run(typed, plan, tmp_path / "resumed")
+    want, got = (read_metrics(tmp_path / d / "metrics.jsonl") for d in ("straight", "resumed"))
+    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(6))
+    return want, got, straight, resumed
+
+
 @pytest.mark.parametrize("name", sorted(CASES))
 def test_stop_and_resume_equals_a_straight_run(name, tmp_path, monkeypatch):
     """5 steps with a checkpoint every 2: straight, and killed after step 3 then resumed from
@@ -148,21 +167,7 @@ def test_stop_and_resume_equals_a_straight_run(name, tmp_path, monkeypatch):
     driver, schema, overrides = CASES[name]
     base = overrides + ["backend=local", "run.steps=5", "run.save_every=2", "run.eval_every=2",
                         f"teacher.cache_dir={tmp_path / 'teachers'}" if name == "gkd" else "run.keep_last=0"]
-    _, typed, plan = prepared(schema, base)
-    driver.validate(typed, plan)
-    straight = driver.run(typed, plan, tmp_path / "straight")
-
-    with monkeypatch.context() as m:
-        interrupt_after(m, 3)
-        with pytest.raises(Interrupted):
-            driver.run(typed, plan, tmp_path / "resumed")
-    assert [r["step"] for r in read_metrics(tmp_path / "resumed" / "metrics.jsonl")] == [0, 1, 2, 3]
-    _, typed, plan = prepared(schema, base + ["run.resume=auto"])
-    driver.validate(typed, plan)
-    resumed = driver.run(typed, plan, tmp_path / "resumed")
-
-    want, got = (read_metrics(tmp_path / d / "metrics.jsonl") for d in ("straight", "resumed"))
-    assert [r["step"] for r in got] == list(range(6))
+    want, got, straight, resumed = stop_and_resume(driver, schema, base, [], tmp_path, monkeypatch)
     assert comparable(got) == comparable(want)
     a, b = weights(straight["checkpoint"]), weights(resumed["checkpoint"])
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
@@ -170,6 +175,7 @@ def test_stop_and_resume_equals_a_straight_run(name, tmp_path, monkeypatch):
     state = torch.load(Path(resumed["checkpoint"]) / "trainer_state.pt", weights_only=True)
     assert state["step"] == 5
     # Resuming a finished run trains nothing and reports the last checkpoint.
+    _, typed, plan = prepared(schema, base + ["run.resume=auto"])
     again = driver.run(typed, plan, tmp_path / "resumed")
     assert again["checkpoint"] == resumed["checkpoint"]
     assert len(read_metrics(tmp_path / "resumed" / "metrics.jsonl")) == 6
@@ -245,24 +251,6 @@ def test_a_killed_cli_run_resumes_in_its_hydra_directory(tmp_path):
     assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl")] == list(range(steps + 1))
     kept = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*"))
     assert kept == [f"step_{steps - 4}", f"step_{steps}"]  # keep_last=2
-
-
-def stop_and_resume(driver, schema, base, resume_overrides, tmp_path, monkeypatch):
-    """(straight records, resumed records, straight record, resumed record): `base` run straight,
-    and killed after step 3 then resumed with `resume_overrides` added."""
-    _, typed, plan = prepared(schema, base)
-    driver.validate(typed, plan)
-    straight = driver.run(typed, plan, tmp_path / "straight")
-    with monkeypatch.context() as m:
-        interrupt_after(m, 3)
-        with pytest.raises(Interrupted):
-            driver.run(typed, plan, tmp_path / "resumed")
-    _, typed, plan = prepared(schema, base + ["run.resume=auto", *resume_overrides])
-    driver.validate(typed, plan)
-    resumed = driver.run(typed, plan, tmp_path / "resumed")
-    want, got = (read_metrics(tmp_path / d / "metrics.jsonl") for d in ("straight", "resumed"))
-    assert [r["step"] for r in got] == [r["step"] for r in want] == list(range(6))
-    return want, got, straight, resumed
 
 
 @pytest.mark.parametrize("engine", ["deepspeed", "megatron"])
