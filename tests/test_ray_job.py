@@ -30,12 +30,18 @@ def free_port() -> int:
 
 def test_ray_job_submit_runs_grpo_on_the_running_cluster(tmp_path):
     gcs, dashboard = free_port(), free_port()
+    # Ports of its own for every server the head starts: the session's test cluster already
+    # holds Ray's defaults (a second dashboard agent on 52365 never comes up).
+    ports = [f"--{name}={free_port()}" for name in ("dashboard-agent-listen-port", "dashboard-agent-grpc-port",
+                                                     "metrics-export-port", "runtime-env-agent-port",
+                                                     "ray-client-server-port", "node-manager-port",
+                                                     "object-manager-port")]
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "OMP_NUM_THREADS": "1"}
     env.pop("RAY_ADDRESS", None)
     temp = Path("/tmp") / f"rayjob-{os.getpid()}"  # Ray's socket paths must stay short
     start = subprocess.run([RAY, "start", "--head", "--node-ip-address=127.0.0.1", f"--port={gcs}", "--num-cpus=4",
                             "--num-gpus=1", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-                            f"--dashboard-port={dashboard}", "--disable-usage-stats", f"--temp-dir={temp}"],
+                            f"--dashboard-port={dashboard}", "--disable-usage-stats", f"--temp-dir={temp}", *ports],
                            env=env, capture_output=True, text=True, timeout=180)
     try:
         assert start.returncode == 0, start.stderr[-3000:]
