@@ -1,6 +1,7 @@
 """Pieces every driver uses: encoding examples into batches, the prompt stream, eval
 accuracy, the warm-up rule of inner SFT phases, restarts after a lost worker (events.jsonl),
-and the Hydra entry-point wrapper that turns config errors into one line. Turn-taking, weight sync and the end of a step: algorithms/turns.py."""
+and the Hydra entry-point wrapper that turns config errors into one line. Turn-taking, weight
+sync and the end of a step: algorithms/turns.py."""
 from __future__ import annotations
 
 import functools

@@ -73,7 +73,7 @@ class Turns:
             with self.turn("train"):
                 self.trainer.call("load", str(self.resumed_from))
             print(f"resumed from {self.resumed_from}: continuing at step {self.first_step}")
-        self.version = self.first_step - 1 if self.first_step > 0 else 0  # of the weights the rollout should hold
+        self.version = max(self.first_step - 1, 0)  # of the weights the rollout should hold
         for name, group in self.roles.items():  # a replaced rank of a restartable role (Ray groups)
             if hasattr(group, "on_restart"):
                 group.on_restart = self._restored
