@@ -59,6 +59,8 @@ class LoopConfig:
     name: Optional[str] = None
     # Tags of the run (W&B tags; a text entry in TensorBoard).
     tags: list[str] = field(default_factory=list)
+    # Level of the run's Python logging (driver and workers): DEBUG, INFO, WARNING or ERROR.
+    log_level: str = "INFO"
 
 
 @dataclass

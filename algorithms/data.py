@@ -48,6 +48,15 @@ class DataConfig:
     # Longest training conversation (prompt + reply) in tokens for SFT and GKD's dataset
     # replies; longer replies are cut at their end. 0 or null: the model's context.
     max_length: Optional[int] = None
+    # How a reply is judged correct, for every logged accuracy (eval/accuracy, rollout/accuracy,
+    # teacher/eval_accuracy) and GRPO's `accuracy` reward: "numeric" (the reply's last
+    # '#### N' equals the answer as a number). Other kinds: see roles/orm.py.
+    check: str = "numeric"
+    # Regular expression of check=regex: its first group (else the whole match) is the answer.
+    check_pattern: Optional[str] = None
+    # Render prompts and conversations with the tokenizer's chat template; null: when the
+    # tokenizer has one (a tokenizer without a template gets plain text). false: plain text.
+    chat: Optional[bool] = None
 
 
 @dataclass
