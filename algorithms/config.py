@@ -194,6 +194,8 @@ def prepare(cfg: DictConfig | dict, schema: type, swift_keys: dict[str, str],
     run = OmegaConf.to_object(typed)
     # Derived once here: the learning-rate schedule spans the run.
     run.trainer.total_steps = run.run.steps
+    if run.trainer.warmup_ratio is not None:
+        run.trainer.warmup_steps = round(run.trainer.warmup_ratio * run.run.steps)
     return run, plan
 
 

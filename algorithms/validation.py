@@ -97,13 +97,17 @@ def check_trainer(t: Any, prefix: str, updates: int, updates_key: str) -> None:
     require_all(t, prefix, {"lr": POSITIVE, "weight_decay": NON_NEGATIVE, "warmup_steps": NON_NEGATIVE,
                             "grad_clip": NON_NEGATIVE, "micro_batch_per_device": NON_NEGATIVE})
     require(math.isfinite(t.lr), f"{prefix}.lr", t.lr, "must be finite", f"set {prefix}.lr to e.g. 1e-5")
+    require(0.0 <= t.min_lr <= t.lr, f"{prefix}.min_lr", t.min_lr, f"must be in [0, {prefix}.lr={t.lr}]",
+            f"set it below {prefix}.lr, or 0")
+    require(t.warmup_ratio is None or 0.0 <= t.warmup_ratio < 1.0, f"{prefix}.warmup_ratio", t.warmup_ratio,
+            "must be in [0, 1)", f"set a fraction of the run's updates, e.g. 0.05, or null for {prefix}.warmup_steps")
     require(t.schedule in SCHEDULES, f"{prefix}.schedule", t.schedule, "is not a schedule", f"use one of {SCHEDULES}")
     require(t.dtype in COMPUTE_DTYPES, f"{prefix}.dtype", t.dtype, "is not a compute dtype",
             f"use one of {COMPUTE_DTYPES}")
     require(len(t.betas) == 2 and all(0.0 <= b < 1.0 for b in t.betas), f"{prefix}.betas", list(t.betas),
             "must be two values in [0, 1)", f"set {prefix}.betas=[0.9,0.999]")
-    require(t.schedule != "cosine" or t.warmup_steps < updates, f"{prefix}.warmup_steps", t.warmup_steps,
-            f"reaches the run's {updates} updates ({updates_key}), so the cosine schedule would never decay",
+    require(t.schedule == "constant" or t.warmup_steps < updates, f"{prefix}.warmup_steps", t.warmup_steps,
+            f"reaches the run's {updates} updates ({updates_key}), so the {t.schedule} schedule would never decay",
             f"set it below {updates}, or {prefix}.schedule=constant")
 
 

@@ -42,7 +42,7 @@ from roles.models import ModelConfig, ModelSpec, build_model, load_tokenizer, re
 from roles.weight_transfer import WeightSender
 
 LossFn = Callable[[torch.Tensor, Batch, dict], Tuple[torch.Tensor, dict]]
-SCHEDULES = ("cosine", "constant")
+SCHEDULES = ("cosine", "linear", "constant")
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOSS_INPUTS = ("logits", "entropy")
 STATE_FILE = "trainer_state.pt"
@@ -58,10 +58,14 @@ class TrainerConfig:
     betas: Tuple[float, float] = (0.9, 0.999)
     # Optimizer updates of linear warmup from lr / warmup_steps up to lr; 0 starts at lr.
     warmup_steps: int = 0
-    # Update at which the cosine schedule reaches 0 (the lr stays 0 after it); unused by 'constant'.
+    # Update at which the cosine or linear decay reaches min_lr (it stays there after it).
     total_steps: int = 1000
-    # Learning rate after warmup: 'cosine' (decays to 0 at total_steps) or 'constant'.
+    # Learning rate after warmup: 'cosine' or 'linear' (decay to min_lr at total_steps) or 'constant'.
     schedule: str = "cosine"
+    # Learning rate at the end of a cosine or linear decay.
+    min_lr: float = 0.0
+    # Warmup as a fraction of the run's updates (sets warmup_steps when given); null: warmup_steps.
+    warmup_ratio: Optional[float] = None
     # Clip the global gradient norm to this value; 0 disables clipping (the norm is still reported).
     grad_clip: float = 1.0
     # Sequences per forward/backward on one device; a rank's share of a step is split into
@@ -91,9 +95,11 @@ def resolve_trainer_config(config: Union[TrainerConfig, Mapping[str, Any], None]
         problems.append(f"dtype='{cfg.dtype}' (choose one of {COMPUTE_DTYPES})")
     if cfg.micro_batch_per_device < 0 or cfg.warmup_steps < 0 or cfg.grad_clip < 0:
         problems.append("micro_batch_per_device, warmup_steps and grad_clip must be >= 0")
-    if cfg.schedule == "cosine" and cfg.total_steps <= cfg.warmup_steps:
+    if cfg.schedule != "constant" and cfg.total_steps <= cfg.warmup_steps:
         problems.append(f"total_steps={cfg.total_steps} must exceed warmup_steps={cfg.warmup_steps} "
-                        "for the cosine schedule")
+                        f"for the {cfg.schedule} schedule")
+    if not 0.0 <= cfg.min_lr <= cfg.lr:
+        problems.append(f"min_lr={cfg.min_lr} must be in [0, lr={cfg.lr}]")
     if len(cfg.betas) != 2:
         problems.append(f"betas={cfg.betas} must hold two values")
     if problems:
@@ -150,7 +156,8 @@ class Trainer(WeightSender):
             dtype = "bfloat16" if device.type == "cuda" else "float32"
         c = self.config
         optim = dict(device=device, dtype=dtype, lr=c.lr, weight_decay=c.weight_decay, betas=c.betas,
-                     warmup_steps=c.warmup_steps, total_steps=c.total_steps, schedule=c.schedule, seed=c.seed)
+                     warmup_steps=c.warmup_steps, total_steps=c.total_steps, schedule=c.schedule, min_lr=c.min_lr,
+                     seed=c.seed)
         if engine == "megatron":
             from roles.engines.megatron_trainer import MegatronTrainEngine
             self.engine = MegatronTrainEngine(build_model(self.model_config), options=engine_options or {}, **optim)

@@ -56,8 +56,10 @@ def batch():
 
 
 def test_config_is_validated():
-    with pytest.raises(ValueError, match="schedule='linear'"):
-        resolve_trainer_config({"schedule": "linear"})
+    with pytest.raises(ValueError, match="schedule='step'"):
+        resolve_trainer_config({"schedule": "step"})
+    with pytest.raises(ValueError, match="min_lr"):
+        resolve_trainer_config({"lr": 1e-4, "min_lr": 1e-3})
     with pytest.raises(Exception, match="momentum"):
         resolve_trainer_config({"momentum": 0.9})
     cfg = resolve_trainer_config({"lr": 3e-4, "betas": [0.9, 0.95]})
@@ -69,6 +71,15 @@ def test_lr_schedule_warmup_then_cosine():
     assert lr_multiplier(6, 2, 10, "cosine") == pytest.approx(0.5)
     assert lr_multiplier(10, 2, 10, "cosine") == pytest.approx(0.0) == lr_multiplier(50, 2, 10, "cosine")
     assert lr_multiplier(50, 2, 10, "constant") == 1.0
+
+
+def test_lr_schedule_linear_and_min_lr_floor():
+    assert lr_multiplier(6, 2, 10, "linear") == pytest.approx(0.5)
+    assert lr_multiplier(10, 2, 10, "linear") == pytest.approx(0.0)
+    # min_lr / lr = 0.1: both decays end there and stay, the warmup is unchanged.
+    assert lr_multiplier(10, 2, 10, "cosine", 0.1) == pytest.approx(0.1) == lr_multiplier(40, 2, 10, "linear", 0.1)
+    assert lr_multiplier(6, 2, 10, "cosine", 0.1) == pytest.approx(0.55)
+    assert lr_multiplier(0, 2, 10, "cosine", 0.1) == 0.5
 
 
 def test_training_lowers_loss_on_a_fixed_batch(batch):

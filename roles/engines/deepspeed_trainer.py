@@ -95,7 +95,7 @@ def _without_shm_op():
 class DeepSpeedTrainEngine(DataParallelCollectives):
     def __init__(self, model: torch.nn.Module, *, options: Mapping[str, Any], device: torch.device, dtype: str,
                  lr: float, weight_decay: float, betas: tuple[float, float], warmup_steps: int, total_steps: int,
-                 schedule: str, seed: int):
+                 schedule: str, min_lr: float, seed: int):
         self.options = resolve_options(options)
         self.stage = self.options.zero_stage
         self.rank, self.world_size = init_data_parallel(device)
@@ -123,7 +123,7 @@ class DeepSpeedTrainEngine(DataParallelCollectives):
         self.model = self.ds.module
         self.zero = self.ds.optimizer          # ZeRO optimizer (partitions, gradient reduction)
         self.optimizer = self.zero.optimizer   # torch AdamW over this rank's flat partitions
-        self.scheduler = lr_schedule(self.optimizer, warmup_steps, total_steps, schedule)
+        self.scheduler = lr_schedule(self.optimizer, warmup_steps, total_steps, schedule, min_lr / lr)
         self.step = 0
         self._offloaded: set[str] = set()
         self._host_optimizer: Optional[list] = None  # ZeRO-3's offloaded masters and moments

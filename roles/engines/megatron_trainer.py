@@ -218,7 +218,7 @@ class MegatronTrainEngine(TorchTrainEngine):
 
     def __init__(self, hf_model: torch.nn.Module, *, options: Mapping[str, Any], device: torch.device, dtype: str,
                  lr: float, weight_decay: float, betas: tuple[float, float], warmup_steps: int, total_steps: int,
-                 schedule: str, seed: int):
+                 schedule: str, min_lr: float, seed: int):
         from megatron.core import parallel_state as ps
 
         self.tp = int(options.get("tensor_parallel_size", MegatronOptions.tensor_parallel_size))
@@ -234,7 +234,7 @@ class MegatronTrainEngine(TorchTrainEngine):
         self.autocast_dtype = AUTOCAST_DTYPES[dtype]
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = adamw(self.params, lr, betas, weight_decay)
-        self.scheduler = lr_schedule(self.optimizer, warmup_steps, total_steps, schedule)
+        self.scheduler = lr_schedule(self.optimizer, warmup_steps, total_steps, schedule, min_lr / lr)
         self.step = 0
         self._host_model: Optional[list] = None
         self._host_optimizer: Optional[list] = None

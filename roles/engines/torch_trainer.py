@@ -41,15 +41,17 @@ def rank_device(preference: str) -> torch.device:
     return device
 
 
-def lr_multiplier(step: int, warmup_steps: int, total_steps: int, schedule: str) -> float:
+def lr_multiplier(step: int, warmup_steps: int, total_steps: int, schedule: str, floor: float = 0.0) -> float:
     """Factor on the peak lr for update number `step` (0-based): linear warmup reaching 1.0
-    at step warmup_steps - 1, then constant or a cosine decay reaching 0 at total_steps."""
+    at step warmup_steps - 1, then constant, or a cosine or linear decay reaching `floor`
+    (min_lr / lr) at total_steps."""
     if step < warmup_steps:
         return (step + 1) / warmup_steps
     if schedule == "constant":
         return 1.0
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return 0.5 * (1.0 + math.cos(math.pi * progress))
+    decay = 1.0 - progress if schedule == "linear" else 0.5 * (1.0 + math.cos(math.pi * progress))
+    return floor + (1.0 - floor) * decay
 
 
 def adamw(params: list[torch.nn.Parameter], lr: float, betas, weight_decay: float) -> torch.optim.AdamW:
@@ -60,9 +62,10 @@ def adamw(params: list[torch.nn.Parameter], lr: float, betas, weight_decay: floa
 
 
 def lr_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
-                schedule: str) -> torch.optim.lr_scheduler.LambdaLR:
+                schedule: str, floor: float = 0.0) -> torch.optim.lr_scheduler.LambdaLR:
     """The learning-rate schedule of every engine: `lr_multiplier` of the optimizer step."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: lr_multiplier(s, warmup_steps, total_steps, schedule))
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_multiplier(s, warmup_steps, total_steps, schedule, floor))
 
 
 def module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
@@ -153,7 +156,7 @@ class DataParallelCollectives:
 class TorchTrainEngine(DataParallelCollectives):
     def __init__(self, model: torch.nn.Module, *, device: torch.device, dtype: str, lr: float,
                  weight_decay: float, betas: tuple[float, float], warmup_steps: int, total_steps: int,
-                 schedule: str, seed: int):
+                 schedule: str, min_lr: float, seed: int):
         self.rank, self.world_size = init_data_parallel(device)
         self.device = device
         torch.manual_seed(seed + self.rank)
@@ -165,7 +168,7 @@ class TorchTrainEngine(DataParallelCollectives):
                 dist.broadcast(t.data, src=0)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = adamw(self.params, lr, betas, weight_decay)
-        self.scheduler = lr_schedule(self.optimizer, warmup_steps, total_steps, schedule)
+        self.scheduler = lr_schedule(self.optimizer, warmup_steps, total_steps, schedule, min_lr / lr)
         self.step = 0
         self._host_model: Optional[list] = None
         self._host_optimizer: Optional[list] = None
