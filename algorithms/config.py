@@ -6,6 +6,7 @@ driver's `validate` (algorithms/validation.py) then checks the values, before an
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
@@ -16,7 +17,7 @@ from orchestration.config import (BackendConfig, ClusterConfig, PlacementConfig,
                                   apply_swift_yaml, placement_dict, read_swift_yaml, validate)
 from orchestration.planner import Plan, make_plan
 from roles.engines.options import DeepSpeedOptions, MegatronOptions, VLLMOptions
-from roles.models import ModelConfig
+from roles.models import ModelConfig, hub_cache_dir
 from roles.rollout import RolloutConfig
 from roles.teacher import TeacherConfig
 from roles.trainer import TrainerConfig
@@ -192,11 +193,21 @@ def prepare(cfg: DictConfig | dict, schema: type, swift_keys: dict[str, str],
         typed = validate(typed, schema)
     plan = make_plan(placement_dict(typed))
     run = OmegaConf.to_object(typed)
+    run.model.path = local_model_path(run.model.path)
     # Derived once here: the learning-rate schedule spans the run.
     run.trainer.total_steps = run.run.steps
     if run.trainer.warmup_ratio is not None:
         run.trainer.warmup_steps = round(run.trainer.warmup_ratio * run.run.steps)
     return run, plan
+
+
+def local_model_path(path: Optional[str]) -> Optional[str]:
+    """A model folder as every process reads it: absolute (workers may not share the driver's
+    working directory), or a hub repo id's snapshot in the local Hugging Face cache. Anything
+    else is returned as given, for validation to refuse with its key."""
+    if path is None or os.path.isdir(path):
+        return None if path is None else os.path.abspath(path)
+    return hub_cache_dir(path) or path
 
 
 def cli_overrides() -> list[str]:

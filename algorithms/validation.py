@@ -21,7 +21,7 @@ from orchestration.config import ConfigError
 from orchestration.planner import Plan
 from orchestration.weight_sync import check_settings as check_weight_sync
 from roles.engines.options import ROLLOUT_ENGINES, TEACHER_ENGINES, TRAIN_ENGINES
-from roles.models import check_config, load_tokenizer, resolve_config
+from roles.models import TOKENIZER_FILES, check_config, has_tokenizer_files, load_tokenizer, resolve_config
 from roles.trainer import COMPUTE_DTYPES, SCHEDULES
 
 DATA_TASKS = ("arithmetic", "gsm", "files")
@@ -124,6 +124,9 @@ def check_model(key: str, spec: Any) -> None:
                 "give a local folder written by save_pretrained (config.json, weights, tokenizer)")
         require(os.path.isfile(os.path.join(cfg.path, "config.json")), shown, cfg.path, "holds no config.json",
                 "give a folder written by save_pretrained")
+        require(cfg.tokenizer is not None or has_tokenizer_files(cfg.path), shown, cfg.path,
+                f"holds no tokenizer files ({', '.join(TOKENIZER_FILES)})",
+                "save the tokenizer there (tokenizer.save_pretrained), or set model.tokenizer to a folder holding one")
         return
     try:
         check_config(cfg)

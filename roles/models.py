@@ -102,14 +102,46 @@ def resolve_config(spec: ModelSpec) -> ModelConfig:
     if isinstance(spec, (str, os.PathLike)):
         text = os.fspath(spec)
         if os.path.isdir(text):
-            return ModelConfig(name=os.path.basename(os.path.normpath(text)), path=text)
+            # Absolute: a worker process may not share the driver's working directory.
+            return ModelConfig(name=os.path.basename(os.path.normpath(text)), path=os.path.abspath(text))
         preset = preset_dir() / f"{text}.yaml"
+        cached = None if preset.is_file() else hub_cache_dir(text)
+        if cached is not None:
+            return ModelConfig(name=text, path=cached)
         if not preset.is_file():
-            raise ValueError(f"model '{text}' is neither a directory nor a preset; presets: "
-                             f"{preset_names()} (files in {preset_dir()})")
+            raise ValueError(f"model '{text}' is neither a local directory, a preset ({preset_names()}, files in "
+                             f"{preset_dir()}), nor a model in the local Hugging Face cache "
+                             f"({hub_cache_root()}); nothing is downloaded here. Fix: give a folder written by "
+                             "save_pretrained, or put the model in that cache first (`huggingface-cli download "
+                             f"{text}` where a network is)")
         return OmegaConf.to_object(OmegaConf.merge(schema, OmegaConf.load(preset)))
     # A mapping or DictConfig; unknown keys and wrong types fail here with the key's name.
     return OmegaConf.to_object(OmegaConf.merge(schema, spec))
+
+
+def hub_cache_root() -> str:
+    """The local Hugging Face hub cache (HF_HUB_CACHE / HF_HOME aware)."""
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_CACHE
+
+
+def hub_cache_dir(repo_id: str) -> Optional[str]:
+    """The cached snapshot folder of a hub repo id ("Qwen/Qwen2.5-0.5B"), read offline; None
+    when the cache does not hold it (or `repo_id` is no repo id)."""
+    if repo_id.count("/") != 1 or repo_id.startswith((".", "/", "~")):
+        return None
+    from huggingface_hub import snapshot_download
+
+    try:
+        return snapshot_download(repo_id, local_files_only=True)
+    except Exception:  # not cached, or not a valid repo id: the caller names the fix
+        return None
+
+
+def has_tokenizer_files(directory: str) -> bool:
+    """Whether a folder holds a saved tokenizer (one of TOKENIZER_FILES)."""
+    return any(os.path.isfile(os.path.join(directory, f)) for f in TOKENIZER_FILES)
 
 
 def check_config(cfg: ModelConfig) -> None:
@@ -130,10 +162,6 @@ def check_config(cfg: ModelConfig) -> None:
         raise ValueError(f"model.dtype='{cfg.dtype}'; choose one of {sorted(DTYPES)} or 'auto'")
 
 
-def _has_tokenizer_files(directory: str) -> bool:
-    return any(os.path.isfile(os.path.join(directory, f)) for f in TOKENIZER_FILES)
-
-
 def _plain_fast_tokenizer(directory: str) -> bool:
     """A tokenizer.json saved from a generic fast tokenizer (as this project's tokenizers are)."""
     config = os.path.join(directory, "tokenizer_config.json")
@@ -148,7 +176,7 @@ def load_tokenizer(spec: ModelSpec):
     """The tokenizer of a model spec: a checkpoint's own (it matches the embeddings, so it
     wins even over a preset's `tokenizer` field), else `ModelConfig.tokenizer`."""
     cfg = resolve_config(spec)
-    if cfg.path is not None and _has_tokenizer_files(cfg.path):
+    if cfg.path is not None and has_tokenizer_files(cfg.path):
         kind = cfg.path
     elif cfg.path is not None and cfg.tokenizer is None:
         raise ValueError(f"no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {cfg.path}; save "
@@ -160,7 +188,7 @@ def load_tokenizer(spec: ModelSpec):
     if not os.path.isdir(kind):
         raise ValueError(f"model.tokenizer='{kind}' is neither {sorted(BUILDERS)} nor a directory")
     # Without tokenizer files transformers builds an empty tokenizer instead of failing.
-    if not _has_tokenizer_files(kind):
+    if not has_tokenizer_files(kind):
         raise ValueError(f"no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {kind}; save one "
                          f"there or set model.tokenizer to one of {sorted(BUILDERS)}")
     try:

@@ -137,12 +137,31 @@ def test_bad_presets_are_refused_with_the_key(fields, message):
 
 
 def test_unknown_spec_and_unknown_key_are_refused(tmp_path):
-    with pytest.raises(ValueError, match="neither a directory nor a preset"):
+    with pytest.raises(ValueError, match="neither a local directory, a preset .* nor a model in the local "
+                                         "Hugging Face cache"):
         build_model("no_such_preset")
+    with pytest.raises(ValueError, match="huggingface-cli download org/not-cached"):
+        resolve_config("org/not-cached")
     with pytest.raises(Exception, match="hidden_sise"):
         resolve_config({"hidden_sise": 3})
     with pytest.raises(ValueError, match="no config.json"):
         build_model(ModelConfig(path=str(tmp_path)))
+
+
+def test_a_hub_repo_id_in_the_local_cache_resolves_offline(tmp_path, monkeypatch):
+    """A repo id ("org/name") is read from the Hugging Face cache's snapshot, never downloaded."""
+    from huggingface_hub import constants
+
+    snapshot = tmp_path / "hub" / "models--org--tiny" / "snapshots" / ("a" * 40)
+    save_checkpoint(build_model("tiny_qwen2"), load_tokenizer("tiny_qwen2"), snapshot)
+    (tmp_path / "hub" / "models--org--tiny" / "refs").mkdir()
+    (tmp_path / "hub" / "models--org--tiny" / "refs" / "main").write_text("a" * 40)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    cfg = resolve_config("org/tiny")
+    assert cfg.path == str(snapshot) and cfg.name == "org/tiny"
+    assert build_model("org/tiny").config.vocab_size == build_model("tiny_qwen2").config.vocab_size
+    with pytest.raises(ValueError, match=f"local Hugging Face cache \\({tmp_path / 'hub'}\\)"):
+        resolve_config("org/other")
 
 
 @pytest.mark.parametrize("preset", ["tiny_qwen2", "tiny_llama"])
