@@ -1,5 +1,11 @@
 """Task selection for the drivers: `data:` config -> training and held-out examples.
 
+A generated task (arithmetic, gsm) draws data.train_size training and data.eval_size held-out
+examples. A user's data (task=files, read by algorithms/tasks.py) is used whole unless
+data.max_rows caps it; its held-out rows are data.val_paths' rows, a seeded data.val_split
+share of its rows, or else its last data.eval_size rows; never a training row. data.eval_size
+caps the held-out prompts evaluated. `check_data_files` checks the paths before anything starts.
+
 Bad rows never stop a run. Rows a user file cannot give (algorithms/tasks.py SKIP_REASONS) are
 skipped, and, given the run's `RowLimits`, so are rows longer than the run's models take:
 
@@ -17,31 +23,44 @@ them as the stats the drivers write into their step-0 metrics record.
 from __future__ import annotations
 
 import json
+import random
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from algorithms.common import chat_prompt, chat_texts
-from algorithms.tasks import (SKIP_REASONS, ArithmeticConfig, Example, arithmetic_examples, gsm_examples,
-                             load_user_data)
+from algorithms.tasks import (KNOWN_COLUMNS, SKIP_REASONS, ArithmeticConfig, Example, UnreadableData,
+                             arithmetic_examples, file_format, gsm_examples, load_user_data)
 from orchestration.config import ConfigError
 
 
 @dataclass
 class DataConfig:
     # Task: "arithmetic" (generated chains), "gsm" (GSM8K-style word problems) or
-    # "files" (user JSONL/Parquet with messages or prompt/solution columns).
+    # "files" (the user's own data in data.paths, read with ms-swift's column names).
     task: str = "arithmetic"
     # Difficulty of the arithmetic task.
     arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
-    # Files for task=files; held-out examples are the last `eval_size` rows.
+    # task=files: .jsonl, .json (array or lines), .csv, .parquet files or save_to_disk folders
+    # (a DatasetDict's "train" split), read whole unless max_rows caps them.
     paths: List[str] = field(default_factory=list)
-    # Training examples to draw (generated tasks) or read at most (files).
+    # task=files: files of held-out rows (ms-swift's val_dataset); none of them is trained on.
+    val_paths: List[str] = field(default_factory=list)
+    # task=files: share of data.paths' rows held out, drawn by a shuffle seeded with data.seed
+    # (ms-swift's split_dataset_ratio). Null, and no val_paths: the last eval_size rows.
+    val_split: Optional[float] = None
+    # task=files: read at most this many usable rows of data.paths, first rows first; null: all.
+    max_rows: Optional[int] = None
+    # Renames of a user's columns, applied to every row first, e.g. {question: query,
+    # answer_text: response} (ms-swift's --columns).
+    columns: Dict[str, str] = field(default_factory=dict)
+    # Training examples drawn by a generated task (arithmetic, gsm); task=files ignores it.
     train_size: int = 2000
-    # Held-out prompts for eval/accuracy.
+    # Most held-out prompts evaluated (eval/accuracy); also how many of a file's last rows are
+    # held out when neither val_paths nor val_split is set.
     eval_size: int = 64
-    # Seed of the task generators.
+    # Seed of the task generators and of val_split's shuffle.
     seed: int = 0
     # Cache folder of the `datasets` loader for task=files; None: its default.
     cache_dir: Optional[str] = None
@@ -71,8 +90,11 @@ class RowLimits:
     new_tokens: Optional[int] = None
     # Tokens generated after a held-out prompt (run.eval_max_new_tokens).
     eval_new_tokens: int = 0
-    # Longest training conversation trained on, replies cut to it; None: replies are not trained on.
+    # Longest training conversation trained on, replies cut to it; None: replies are not cut.
     max_length: Optional[int] = None
+    # The run trains on the dataset's replies (SFT, GKD's dataset replies): prompt-only
+    # training rows are skipped as no_reply. Held-out rows never need one.
+    replies: bool = False
 
 
 def model_context(spec: Any) -> Optional[int]:
@@ -117,7 +139,8 @@ def row_limits(cfg: Any, new_tokens: Optional[int] = None, replies: bool = False
         # Never past the context: positions beyond it do not exist.
         bounds = [x for x in (cfg.data.max_length, context) if x]
         max_length = min(bounds) if bounds else None
-    return RowLimits(load_tokenizer(cfg.model), context, new_tokens, cfg.run.eval_max_new_tokens, max_length)
+    return RowLimits(load_tokenizer(cfg.model), context, new_tokens, cfg.run.eval_max_new_tokens, max_length,
+                     replies)
 
 
 class _Tally:
@@ -155,25 +178,21 @@ def _lengths(tokenizer: Any, examples: list[Example], whole: bool) -> tuple[list
 
 def _fit(examples: list[Example], limits: Optional[RowLimits], held_out: bool, tally: _Tally,
          want: Optional[int] = None) -> list[tuple[int, Example]]:
-    """(index, example) of the examples that meet the limits, in order (replies of training rows
-    cut to max_length); the others are counted as too_long. `want`: at most this many, taken from
-    the end (a file's held-out rows are its last ones); no row before them is looked at."""
+    """(index, example) of the examples that meet the limits, in their order (replies of
+    training rows cut to max_length); the others are counted as too_long. `want`: the first
+    this many that meet them; no row after those is looked at."""
     prompt_limit = _prompt_limit(limits, held_out)
     max_length = None if held_out or limits is None else limits.max_length
-    order = list(range(len(examples)))
-    if want is not None:
-        order.reverse()
     if prompt_limit is None and max_length is None:
-        return sorted((i, examples[i]) for i in order[:want]) if want is not None else list(enumerate(examples))
+        return list(enumerate(examples))[:want]
     kept: list[tuple[int, Example]] = []
     # Lengths a chunk at a time: the held-out search usually ends within its first chunk.
     chunk = max(want or 0, 256)
-    for start in range(0, len(order), chunk):
-        idx = order[start:start + chunk]
-        prompts, fulls = _lengths(limits.tokenizer, [examples[i] for i in idx], max_length is not None)
-        for i, p, f in zip(idx, prompts, fulls):
+    for start in range(0, len(examples), chunk):
+        prompts, fulls = _lengths(limits.tokenizer, examples[start:start + chunk], max_length is not None)
+        for i, p, f in zip(range(start, start + chunk), prompts, fulls):
             if want is not None and len(kept) == want:
-                return sorted(kept, key=lambda pair: pair[0])
+                return kept
             ex = examples[i]
             if prompt_limit is not None and p > prompt_limit:
                 budget = (f"run.eval_max_new_tokens {limits.eval_new_tokens}" if held_out
@@ -188,29 +207,70 @@ def _fit(examples: list[Example], limits: Optional[RowLimits], held_out: bool, t
                     ex = replace(ex, max_tokens=max_length)
                     tally.truncated += 1
                 kept.append((i, ex))
-    return sorted(kept, key=lambda pair: pair[0])
+    return kept
+
+
+def check_data_files(cfg: DataConfig) -> None:
+    """The checks of the user-data keys that need no reading: task=files has paths, every path
+    of data.paths and data.val_paths exists with a known format, val_split, max_rows and columns
+    are sound, and no user-data key is set for a generated task. Raises ConfigError."""
+    files = cfg.task == "files"
+    for key, value in (("paths", list(cfg.paths)), ("val_paths", list(cfg.val_paths)), ("val_split", cfg.val_split),
+                       ("max_rows", cfg.max_rows)):
+        if not files and value not in (None, []):
+            raise ConfigError(f"config key 'data.{key}'={value} is set but data.task={cfg.task} generates its "
+                              "examples and reads no file. Fix: set data.task=files to train on your data, or drop "
+                              f"data.{key}")
+    if not files:
+        return
+    if not cfg.paths:
+        raise ConfigError("config key 'data.paths'=[] is empty with data.task=files. Fix: data.paths=[/path/train.jsonl]")
+    for key in ("paths", "val_paths"):
+        for path in getattr(cfg, key):
+            try:
+                file_format(str(path))
+            except UnreadableData as err:
+                raise _unreadable(key, err) from None
+    if cfg.val_split is not None and not 0.0 < cfg.val_split < 1.0:
+        raise ConfigError(f"config key 'data.val_split'={cfg.val_split} is not a fraction in (0, 1). "
+                          "Fix: e.g. data.val_split=0.05, or null to hold out the last data.eval_size rows")
+    if cfg.val_split is not None and cfg.val_paths:
+        raise ConfigError(f"config key 'data.val_split'={cfg.val_split} is set together with data.val_paths; only "
+                          "one can choose the held-out rows. Fix: drop one of them")
+    if cfg.max_rows is not None and cfg.max_rows < 1:
+        raise ConfigError(f"config key 'data.max_rows'={cfg.max_rows} is below 1. Fix: a row count, or null for "
+                          "every row")
+    for old, new in dict(cfg.columns).items():
+        if new not in KNOWN_COLUMNS:
+            raise ConfigError(f"config key 'data.columns.{old}'={new!r} is no column this reader knows. Fix: rename "
+                              f"to one of {list(KNOWN_COLUMNS)}")
+
+
+def _unreadable(key: str, err: UnreadableData) -> ConfigError:
+    return ConfigError(f"config key 'data.{key}'={err.path!r} {err.problem}. Fix: {err.fix}")
 
 
 def load_task(cfg: DataConfig, limits: Optional[RowLimits] = None) -> tuple[list[Example], list[Example], dict]:
     """(train, held-out, stats). Bad rows are skipped (and, with `limits`, rows over them
     skipped or cut, see the module docstring); stats count them ("data/skipped_rows",
-    "data/skipped/<reason>", "data/truncated"), also printed as one line. A task that cannot
-    give the asked examples raises ConfigError naming the data. key."""
+    "data/skipped/<reason>", "data/truncated"), also printed as one line with where the rows
+    came from and how the held-out ones were chosen. A task that cannot give the asked
+    examples, or a path that cannot be read, raises ConfigError naming the data. key."""
     try:
-        train, held, tally = _load_task(cfg, limits)
+        train, held, tally, origin = _load_task(cfg, limits)
     except ConfigError:
         raise
     except ValueError as e:
         raise ConfigError(f"config key 'data.{cfg.task}': {e}. Fix: change the data. keys named") from None
     stats = tally.stats()
-    print(_report(len(train), len(held), stats, tally.first, limits))
+    print(_report(origin, len(train), len(held), stats, tally.first, limits))
     return train, held, stats
 
 
-def _report(n_train: int, n_held: int, stats: dict, first: dict, limits: Optional[RowLimits]) -> str:
-    """The one line about the loaded data: kept rows, skipped rows per reason (with the first
-    of each), cut replies."""
-    line = f"data: {n_train} train / {n_held} held-out examples"
+def _report(origin: str, n_train: int, n_held: int, stats: dict, first: dict, limits: Optional[RowLimits]) -> str:
+    """The one line about the loaded data: where it comes from, kept rows, skipped rows per
+    reason (with the first of each), cut replies."""
+    line = f"data: {origin}: {n_train} train / {n_held} held-out examples"
     skipped = {k.rsplit("/", 1)[1]: n for k, n in stats.items() if k.startswith("data/skipped/")}
     if skipped:
         line += f"; skipped {stats['data/skipped_rows']} rows: " + ", ".join(
@@ -223,51 +283,91 @@ def _report(n_train: int, n_held: int, stats: dict, first: dict, limits: Optiona
     return line
 
 
-def _load_task(cfg: DataConfig, limits: Optional[RowLimits]) -> tuple[list[Example], list[Example], _Tally]:
-    if cfg.task == "arithmetic":
-        train = arithmetic_examples(cfg.train_size, seed=cfg.seed, split="train", config=cfg.arithmetic)
-        held = arithmetic_examples(cfg.eval_size, seed=cfg.seed + 1, split="test", config=cfg.arithmetic)
-        return _fit_split(train, held, limits, _Tally(), cfg)
-    if cfg.task == "gsm":
-        train = gsm_examples(cfg.train_size, seed=cfg.seed, split="train")
-        held = gsm_examples(cfg.eval_size, seed=cfg.seed + 1, split="test")
-        return _fit_split(train, held, limits, _Tally(), cfg)
+def _load_task(cfg: DataConfig, limits: Optional[RowLimits]) -> tuple[list[Example], list[Example], _Tally, str]:
+    if cfg.task in ("arithmetic", "gsm"):
+        check_data_files(cfg)
+        if cfg.task == "arithmetic":
+            train = arithmetic_examples(cfg.train_size, seed=cfg.seed, split="train", config=cfg.arithmetic)
+            held = arithmetic_examples(cfg.eval_size, seed=cfg.seed + 1, split="test", config=cfg.arithmetic)
+        else:
+            train = gsm_examples(cfg.train_size, seed=cfg.seed, split="train")
+            held = gsm_examples(cfg.eval_size, seed=cfg.seed + 1, split="test")
+        tally = _Tally()
+        train = [ex for _, ex in _fit(train, limits, False, tally)]
+        held = [ex for _, ex in _fit(held, limits, True, tally)]
+        if not train or not held:
+            _refuse(tally, limits, f"config key 'data.task'={cfg.task}: {len(train)} training and {len(held)} "
+                    "held-out examples fit; need at least one of each", "change the data. keys")
+        return train, held, tally, f"built-in task {cfg.task} (no data.paths given)"
     if cfg.task == "files":
-        if not cfg.paths:
-            raise ConfigError("config key 'data.paths'=[] is empty with data.task=files. "
-                              "Fix: data.paths=[/path/train.jsonl]")
-        data = load_user_data(list(cfg.paths), max_examples=cfg.train_size + cfg.eval_size, cache_dir=cfg.cache_dir)
-        tally = _Tally(data.skip_reasons, data.first_bad)
-        examples = data.examples
-        # Held-out rows are the last eval_size rows that fit the eval budget; the ones passed
-        # over are skipped, those before them are the training rows.
-        held = _fit(examples, limits, True, tally, want=cfg.eval_size)
-        before = held[0][0] if held else len(examples)
-        train = [ex for _, ex in _fit(examples[:before], limits, False, tally)]
-        held = [ex for _, ex in held]
-        if not train or len(held) < cfg.eval_size:
-            _refuse(cfg, tally, limits, f"config key 'data.paths': only {len(train)} training and {len(held)} "
-                    f"held-out rows usable ({tally.stats()['data/skipped_rows']} skipped)",
-                    "add rows or lower data.eval_size")
-        return train, held, tally
+        return _load_files(cfg, limits)
     raise ConfigError(f"config key 'data.task'={cfg.task!r} is not a task. Fix: use arithmetic, gsm or files")
 
 
-def _fit_split(train: list[Example], held: list[Example], limits: Optional[RowLimits], tally: _Tally,
-               cfg: DataConfig) -> tuple[list[Example], list[Example], _Tally]:
+def _read(cfg: DataConfig, key: str, tally: _Tally, max_rows: Optional[int] = None) -> list[Example]:
+    """The examples of data.<key>'s paths, their bad rows counted into `tally`."""
+    try:
+        data = load_user_data(list(getattr(cfg, key)), max_examples=max_rows, cache_dir=cfg.cache_dir,
+                              columns=dict(cfg.columns))
+    except UnreadableData as err:
+        raise _unreadable(key, err) from None
+    for reason, n in data.skip_reasons.items():
+        tally.reasons[reason] += n
+        tally.first.setdefault(reason, data.first_bad[reason])
+    return data.examples
+
+
+def _load_files(cfg: DataConfig, limits: Optional[RowLimits]) -> tuple[list[Example], list[Example], _Tally, str]:
+    """A user's rows: held-out ones from val_paths, a seeded val_split draw, or else the last
+    eval_size usable rows; training rows never include a held-out row (nor rows passed over)."""
+    check_data_files(cfg)
+    tally = _Tally()
+    rows = _read(cfg, "paths", tally, cfg.max_rows)
+    origin = f"{len(rows)} usable rows of data.paths" + (f" (data.max_rows={cfg.max_rows})" if cfg.max_rows else "")
+    if cfg.val_paths:
+        pool = _read(cfg, "val_paths", tally)
+        held = [ex for _, ex in _fit(pool, limits, True, tally, want=cfg.eval_size)]
+        train = rows
+        origin += f", held out: {len(pool)} rows of data.val_paths"
+    elif cfg.val_split is not None:
+        order = list(range(len(rows)))
+        random.Random(f"val_split/{cfg.seed}").shuffle(order)
+        held_out = set(order[:max(1, round(cfg.val_split * len(rows)))])
+        pool = [ex for i, ex in enumerate(rows) if i in held_out]
+        held = [ex for _, ex in _fit(pool, limits, True, tally, want=cfg.eval_size)]
+        train = [ex for i, ex in enumerate(rows) if i not in held_out]
+        origin += f", held out: {len(pool)} drawn by data.val_split={cfg.val_split} (seed data.seed={cfg.seed})"
+    else:
+        # The last eval_size rows that fit the eval budget; the ones passed over are skipped,
+        # those before them are the training rows.
+        picked = _fit(rows[::-1], limits, True, tally, want=cfg.eval_size)
+        held = [ex for _, ex in reversed(picked)]
+        train = rows[:len(rows) - 1 - picked[-1][0]] if picked else []
+        origin += (f", held out: the last {len(held)} that fit (neither data.val_paths nor data.val_split set; "
+                   "data.eval_size rows)")
+    if limits is not None and limits.replies:
+        for ex in train:
+            if not ex.solution:
+                tally.skip("no_reply", f"{ex.source}: the prompt-only row {ex.prompt[:60]!r}, and this run trains "
+                                       "on replies")
+        train = [ex for ex in train if ex.solution]
     train = [ex for _, ex in _fit(train, limits, False, tally)]
-    held = [ex for _, ex in _fit(held, limits, True, tally)]
-    if not train or not held:
-        _refuse(cfg, tally, limits, f"config key 'data.task'={cfg.task}: {len(train)} training and {len(held)} "
-                "held-out examples fit", "change the data. keys")
-    return train, held, tally
+    chosen = bool(cfg.val_paths) or cfg.val_split is not None
+    if not train or not held or (not chosen and len(held) < cfg.eval_size):
+        _refuse(tally, limits, f"config key 'data.paths': only {len(train)} training and {len(held)} held-out rows "
+                f"usable ({tally.stats()['data/skipped_rows']} skipped); need at least one training row and "
+                + ("one held-out row" if chosen else f"data.eval_size={cfg.eval_size} held-out rows"),
+                "add rows" + ("" if chosen else " or lower data.eval_size"))
+    return train, held, tally, origin
 
 
-def _refuse(cfg: DataConfig, tally: _Tally, limits: Optional[RowLimits], what: str, fix: str) -> None:
+def _refuse(tally: _Tally, limits: Optional[RowLimits], what: str, fix: str) -> None:
     """Too few rows left: one ConfigError with the counts per reason and the first of each."""
     if tally.reasons.get("too_long"):
         fix += (f", or give the rows room: the context is {limits.context} tokens; lower run.eval_max_new_tokens "
                 "or algorithm.max_new_tokens, or use a model with a longer context")
+    if tally.reasons.get("no_reply"):
+        fix += (", or give the rows a reply (a last assistant turn, response, output or completion): this run "
+                "trains on replies")
     reasons = ", ".join(f"{r} {n}" for r, n in sorted(tally.reasons.items())) or "none"
-    raise ConfigError(f"{what}; skipped: {reasons} (first: {tally.first}); need at least one training row and "
-                      f"data.eval_size={cfg.eval_size} held-out rows. Fix: {fix}")
+    raise ConfigError(f"{what}; skipped: {reasons} (first: {tally.first}). Fix: {fix}")
