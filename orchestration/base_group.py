@@ -6,6 +6,7 @@ collect lives here once, so both backends give identical results.
 """
 from __future__ import annotations
 
+import copy
 from typing import Any, Callable
 
 from orchestration import dispatch as dsp
@@ -14,14 +15,71 @@ from orchestration import dispatch as dsp
 class WorkerError(RuntimeError):
     """A worker failed or died. Names the role, rank and method; carries the remote traceback.
     `lost`: the rank's process died or stopped answering (a restart may help), rather than its
-    code raising (a restart would raise again)."""
+    code raising (a restart would raise again).
 
-    def __init__(self, role: str, rank: int, method: str, problem: str, traceback: str = "", lost: bool = False):
+    An error the worker's code raised comes as `WorkerError.raised(...)`, an instance of a class
+    deriving from both WorkerError and the original exception's class (as Ray's RayTaskError
+    does), so `except ValueError` catches a ValueError raised in a worker; `cause` is that
+    exception and its attributes read through."""
+
+    _cause_cls: type | None = None  # on the classes made by `raised`: the original exception's class
+
+    def __init__(self, role: str, rank: int, method: str, problem: str, traceback: str = "", lost: bool = False,
+                 cause: BaseException | None = None):
         self.role, self.rank, self.method, self.lost = role, rank, method, lost
+        self.problem, self.remote_traceback, self.cause = problem, traceback, cause
         msg = f"{role} rank {rank} failed in {method}(): {problem}"
         if traceback:
             msg += f"\n--- remote traceback ({role} rank {rank}) ---\n{traceback.rstrip()}"
-        super().__init__(msg)
+        RuntimeError.__init__(self, msg)  # not the original class's __init__: its arguments are unknown
+
+    @classmethod
+    def raised(cls, role: str, rank: int, method: str, cause: BaseException, traceback: str = "") -> "WorkerError":
+        """The error for `cause`, raised by `method` on `rank`: catchable as WorkerError and as
+        `type(cause)` (a plain WorkerError where that class cannot be a second base)."""
+        problem = f"{type(cause).__name__}: {cause}"
+        return _catchable_as(_original_class(cause))(role, rank, method, problem, traceback, cause=cause)
+
+    def __str__(self) -> str:
+        return self.args[0] if self.args else ""  # never the original class's __str__
+
+    def __getattr__(self, name: str):
+        # Only reached for attributes WorkerError lacks: those of the original exception.
+        cause = self.__dict__.get("cause")
+        if cause is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(cause, name)
+
+    def __reduce__(self):
+        return _rebuild, (self.role, self.rank, self.method, self.problem, self.remote_traceback, self.lost,
+                          self.cause)
+
+
+def _original_class(cause: BaseException) -> type:
+    cls = type(cause)
+    return (cls._cause_cls or WorkerError) if issubclass(cls, WorkerError) else cls
+
+
+_catchable: dict[type, type] = {}
+
+
+def _catchable_as(cls: type) -> type:
+    """WorkerError's subclass that also derives from `cls` (made once per class)."""
+    if cls is WorkerError or not issubclass(cls, Exception):
+        return WorkerError
+    if cls not in _catchable:
+        try:
+            made = type(f"WorkerError({cls.__name__})", (WorkerError, cls), {"_cause_cls": cls})
+            made.__module__, made.__qualname__ = __name__, made.__name__
+        except TypeError:  # e.g. a final class or an incompatible layout
+            made = WorkerError
+        _catchable[cls] = made
+    return _catchable[cls]
+
+
+def _rebuild(role, rank, method, problem, traceback, lost, cause) -> WorkerError:
+    cls = WorkerError if cause is None else _catchable_as(_original_class(cause))
+    return cls(role, rank, method, problem, traceback, lost, cause)
 
 
 class GroupFuture:
@@ -81,6 +139,14 @@ class BaseWorkerGroup:
     def call_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run `method` on rank `rank` alone and wait (e.g. weights for a rank just restarted)."""
         return self._wait([self._submit(rank, method, args, kwargs)], method, [rank], None)[0]
+
+    def alias(self, role: str) -> "BaseWorkerGroup":
+        """These workers under another role name: calls reach the same instances, errors name
+        `role`. For roles that share one process per rank (RayHelper's workers listed in one device
+        group); shutting down either one ends the workers of both."""
+        twin = copy.copy(self)
+        twin.role = role
+        return twin
 
     def _submit(self, index: int, method: str, args: tuple, kwargs: dict) -> Any:
         raise NotImplementedError

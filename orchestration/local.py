@@ -2,12 +2,15 @@
 
 Used by `backend=local` for debugging with breakpoints and for fast tests. Each rank is
 an instance of the role class; while a rank is constructed or called, its RANK,
-WORLD_SIZE and LOCAL_RANK are in os.environ, as they would be in its own process.
+WORLD_SIZE and LOCAL_RANK are in os.environ, as they would be in its own process. Every
+device is visible here, so a GPU rank's LOCAL_RANK is its planned device's index on the
+node. An ObjectRef passed as a top-level argument arrives resolved, as on Ray.
 """
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import traceback
 from typing import Any
 
@@ -29,32 +32,46 @@ def _environ(env: dict[str, str]):
                 os.environ[k] = v
 
 
+def _resolved(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Top-level ObjectRefs replaced by their values, as Ray does for an actor call."""
+    if "ray" not in sys.modules:  # no ObjectRef can exist without Ray imported
+        return args, kwargs
+    import ray
+
+    def get(x: Any) -> Any:
+        return ray.get(x) if isinstance(x, ray.ObjectRef) else x
+    return tuple(get(a) for a in args), {k: get(v) for k, v in kwargs.items()}
+
+
 class LocalWorkerGroup(BaseWorkerGroup):
     def __init__(self, role_cls: type, plan_entry: RolePlan, init_kwargs: dict | None = None,
-                 init_args: tuple = (), env: dict[str, str] | None = None):
+                 init_args: tuple = (), env: dict[str, str] | list[dict] | None = None):
         self.role, self.plan_entry = plan_entry.role, plan_entry
         self.world_size = plan_entry.world_size
         if plan_entry.tensor_parallel_size > 1:
             raise ValueError(f"{self.role}: vllm_tensor_parallel_size={plan_entry.tensor_parallel_size} needs one "
                              "process per rank; use backend.workers=ray, or set the size to 1")
         self.lockstep = frozenset(getattr(role_cls, "LOCKSTEP_METHODS", ()))
-        self._envs = [{**(env or {}), "RANK": str(i), "WORLD_SIZE": str(self.world_size),
-                       "LOCAL_RANK": str(i)} for i in range(self.world_size)]
+        extra = env if isinstance(env, list) else [env or {}] * self.world_size  # per rank, or for all
+        gpu = plan_entry.device == "GPU"
+        self._envs = [{**extra[i], "RANK": str(i), "WORLD_SIZE": str(self.world_size),
+                       "LOCAL_RANK": str(plan_entry.local_devices[i] if gpu else i)}
+                      for i in range(self.world_size)]
         self.workers = []
         for i in range(self.world_size):
             try:
                 with _environ(self._envs[i]):
                     self.workers.append(role_cls(*init_args, **(init_kwargs or {})))
             except Exception as e:
-                raise WorkerError(self.role, i, "__init__", f"{type(e).__name__}: {e}",
-                                  traceback.format_exc()) from e
+                raise WorkerError.raised(self.role, i, "__init__", e, traceback.format_exc()) from e
 
     def _submit(self, index: int, method: str, args: tuple, kwargs: dict) -> Any:
         try:
+            args, kwargs = _resolved(args, kwargs)
             with _environ(self._envs[index]):
                 return ("ok", getattr(self.workers[index], method)(*args, **kwargs))
         except Exception as e:
-            return ("error", WorkerError(self.role, index, method, f"{type(e).__name__}: {e}", traceback.format_exc()))
+            return ("error", WorkerError.raised(self.role, index, method, e, traceback.format_exc()))
 
     def _wait(self, handles: list, method: str, indices: list[int], timeout: float | None) -> list:
         for status, value in handles:

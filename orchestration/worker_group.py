@@ -2,7 +2,10 @@
 
 `ray.remote` is applied here, to a small host actor that builds the plain role class in
 its own process after RANK/WORLD_SIZE/LOCAL_RANK/MASTER_ADDR/MASTER_PORT are set, so a
-role may start torch.distributed in its constructor. Calls go through
+role may start torch.distributed in its constructor. LOCAL_RANK is the rank's GPU among the
+devices it sees (0: Ray shows each actor its own GPU), so torch.cuda.set_device(LOCAL_RANK)
+works on every rank. Arguments reach the role's method as top-level arguments of the actor
+call, so an ObjectRef passed as one arrives resolved, as in any Ray call. Calls go through
 `BaseWorkerGroup.call` (dispatch/execute/collect). The ranks of a tensor-parallel engine
 (vllm_tensor_parallel_size > 1) also get ENGINE_TP_SIZE/RANK/MASTER_ADDR/MASTER_PORT:
 where they meet, on the first rank of their engine. In a local run (every Ray node on this
@@ -48,7 +51,8 @@ class _RoleHost:
             s.bind(("127.0.0.1" if local else "", 0))
         return {"ip": ip, "port": self.sockets[0].getsockname()[1], "tp_port": self.sockets[1].getsockname()[1],
                 "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
-                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+                "visible_index": _visible_index()}
 
     def setup(self, role_cls: type, env: dict[str, str], args: tuple, kwargs: dict,
               serve: tuple[bool, bool] = (False, False)) -> None:
@@ -63,12 +67,23 @@ class _RoleHost:
                 sock.close()
         self.instance = role_cls(*args, **kwargs)
 
-    def call(self, method: str, args: tuple, kwargs: dict) -> Any:
+    def call(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
+        # Arguments arrive top-level, so Ray resolves an ObjectRef passed as one (nested ones stay refs).
         return getattr(self.instance, method)(*args, **kwargs)
 
     def __repr__(self) -> str:
         # Ray prefixes each line a worker prints with this: "(train rank 1 pid=...)".
         return self.name
+
+
+def _visible_index() -> int | None:
+    """Where this actor's GPU is among the devices it sees (CUDA_VISIBLE_DEVICES): 0 when Ray shows
+    it only its own; None without a GPU."""
+    ids = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    if not ids:
+        return None
+    return visible.index(ids[0]) if ids[0] in visible else 0
 
 
 def _store_on(sock: socket.socket) -> Any:
@@ -93,7 +108,7 @@ _RemoteHost = ray.remote(_RoleHost)
 
 class WorkerGroup(BaseWorkerGroup):
     def __init__(self, role_cls: type, plan_entry: RolePlan, init_kwargs: dict | None = None, *,
-                 placement: Placement, init_args: tuple = (), env: dict[str, str] | None = None,
+                 placement: Placement, init_args: tuple = (), env: dict[str, str] | list[dict] | None = None,
                  timeout_s: float | None = None, restarts: int = 0):
         self.role, self.plan_entry, self.placement = plan_entry.role, plan_entry, placement
         self.world_size = plan_entry.world_size
@@ -110,8 +125,9 @@ class WorkerGroup(BaseWorkerGroup):
         self.infos = self._wait([w.node_info.remote(local) for w in self.workers], "node_info",
                                 list(range(self.world_size)), None)
         master = self.infos[0]
-        envs = [{**(loopback_env() if local else {}), **(env or {}), "RANK": str(i),
-                 "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(plan_entry.local_devices[i]),
+        extra = env if isinstance(env, list) else [env or {}] * self.world_size  # per rank, or for all
+        envs = [{**(loopback_env() if local else {}), **extra[i], "RANK": str(i),
+                 "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(self._local_rank(i)),
                  "MASTER_ADDR": master["ip"], "MASTER_PORT": str(master["port"]), "ROLE_NAME": self.role,
                  **self._engine_env(i)}
                 for i in range(self.world_size)]
@@ -138,6 +154,16 @@ class WorkerGroup(BaseWorkerGroup):
         ray.get(self.workers[index].setup.remote(role_cls, envs[index], init_args, init_kwargs, serve[index]),
                 timeout=self.timeout_s)
 
+    def _local_rank(self, rank: int) -> int:
+        """LOCAL_RANK agrees with what the rank sees: its GPU's index among its visible devices (0, as
+        Ray shows each actor its own GPU only), so torch.cuda.set_device(LOCAL_RANK) picks that GPU.
+        A CPU rank counts among its role's ranks on the same node, as torchrun would."""
+        index = self.infos[rank]["visible_index"]
+        if index is not None:
+            return index
+        node = self.plan_entry.nodes[rank]
+        return sum(1 for n in self.plan_entry.nodes[:rank] if n == node)
+
     def _engine_env(self, rank: int) -> dict[str, str]:
         """Where rank `rank` meets the other ranks of its tensor-parallel engine (none at size 1)."""
         tp = self.tensor_parallel
@@ -148,7 +174,7 @@ class WorkerGroup(BaseWorkerGroup):
                 "ENGINE_TP_MASTER_ADDR": leader["ip"], "ENGINE_TP_MASTER_PORT": str(leader["tp_port"])}
 
     def _submit(self, index: int, method: str, args: tuple, kwargs: dict) -> Any:
-        ref = self.workers[index].call.remote(method, args, kwargs)
+        ref = self.workers[index].call.remote(method, *args, **kwargs)
         if self.restarts_left > 0:
             self._calls[ref] = (index, method, args, kwargs)
         return ref
@@ -201,9 +227,10 @@ class WorkerGroup(BaseWorkerGroup):
             try:
                 ray.get(ref)
             except ray.exceptions.RayTaskError as e:
-                cause = e.cause if getattr(e, "cause", None) is not None else e
-                raise WorkerError(self.role, index, method, f"{type(cause).__name__}: {cause}",
-                                  str(e)) from None
+                cause = getattr(e, "cause", None)
+                if not isinstance(cause, Exception) or isinstance(cause, ray.exceptions.RayError):
+                    cause = e  # its class could not be rebuilt here: caught as WorkerError only
+                raise WorkerError.raised(self.role, index, method, cause, str(e)) from None
             except ray.exceptions.RayActorError as e:
                 raise WorkerError(self.role, index, method, f"the actor process died ({e.__class__.__name__}); "
                                   "check its log for an out-of-memory kill or a crash", str(e), lost=True) from None

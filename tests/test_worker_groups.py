@@ -138,6 +138,54 @@ def test_remote_exception_names_role_rank_method(group):
     assert "remote traceback" in text and "roles_for_tests.py" in text
 
 
+def test_remote_exception_is_caught_by_its_own_type(group):
+    """As with Ray's own errors, `except ValueError` catches a ValueError raised in a worker."""
+    try:
+        group.call("fail", "typed")
+    except ValueError as err:  # noqa: PERF203
+        assert isinstance(err, WorkerError) and (err.role, err.rank, err.method) == ("train", 1, "fail")
+        assert isinstance(err.cause, ValueError) and err.cause.args == ("typed",)
+    else:
+        pytest.fail("no error raised")
+    with pytest.raises(TypeError) as info:  # dict + int on every rank; rank 0 is named
+        group.call("add", {}, 1)
+    assert not isinstance(info.value, ValueError) and info.value.rank == 0
+
+
+def test_top_level_object_refs_arrive_resolved(group):
+    """Like any Ray call: a top-level ObjectRef (positional or keyword) arrives as its value, sent
+    whole even with dispatch='slice'; a ref nested in a list stays a ref."""
+    import ray
+
+    if not ray.is_initialized():
+        pytest.skip("needs the session's Ray cluster")
+    ref = ray.put([1, 2, 3])
+    assert group.call("echo", ref) == [[1, 2, 3]] * 4
+    assert group.call("echo", x=ref) == [[1, 2, 3]] * 4
+    assert group.call("add", ref, [4], dispatch="slice") == [[1, 2, 3, 4]]  # [4] is sliced; the ref goes whole
+    nested = group.call("echo", [ref], execute="first")
+    assert isinstance(nested[0], ray.ObjectRef) and ray.get(nested[0]) == [1, 2, 3]
+
+
+def test_local_rank_matches_the_visible_device(ray_groups):
+    """Ray shows each GPU actor its own device only, so LOCAL_RANK is 0 on every rank (the index
+    of that device among the visible ones): torch.cuda.set_device(LOCAL_RANK) works everywhere."""
+    for role in ("train", "rollout"):
+        infos = ray_groups[role].call("whoami")
+        for info in infos:
+            visible = info["cuda"].split(",")
+            assert len(visible) == 1 and info["env"]["LOCAL_RANK"] == "0", (role, info)
+        assert len({i["cuda"] for i in infos}) == 4  # four different GPUs of the node
+
+
+def test_local_backend_local_rank_is_the_planned_device():
+    """In-process every device is visible: LOCAL_RANK is the planned device's index on the node."""
+    plan = make_plan({"device_groups": {"nproc_per_node": 4, "a": {"device": "GPU", "ranks": [0, 1], "workers": ["train"]},
+                                        "b": {"device": "GPU", "ranks": [2, 3], "workers": ["rollout"]}}})
+    group = LocalWorkerGroup(Probe, plan["rollout"])
+    assert [i["env"]["LOCAL_RANK"] for i in group.call("whoami")] == ["2", "3"]
+
+
 def test_mismatched_slice_lengths_are_refused(group):
     with pytest.raises(ValueError, match="one length"):
         group.call("add", [1, 2, 3], [1, 2], dispatch="slice")
@@ -243,6 +291,7 @@ def test_cpu_group_places_processes(ray_cluster):
         orm = WorkerGroup(Probe, plan["orm"], placement=placement)
         assert prm.call("echo", [1, 2, 3], dispatch="slice", collect="flatten") == [1, 2, 3]
         assert [i["cuda"] for i in orm.call("whoami")] == ["", ""]
+        assert [i["env"]["LOCAL_RANK"] for i in orm.call("whoami")] == ["0", "1"]  # no device: order on the node
         prm.shutdown(), orm.shutdown()
     finally:
         placement.remove()
