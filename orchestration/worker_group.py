@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional
 import ray
 
 from orchestration.base_group import BaseWorkerGroup, WorkerError
-from orchestration.cluster import cluster_is_local, loopback_env
+from orchestration.cluster import LOG_LEVEL_ENV, cluster_is_local, log_level_env, loopback_env, set_log_level
 from orchestration.placement import Placement
 from orchestration.planner import RolePlan
 
@@ -57,6 +57,8 @@ class _RoleHost:
     def setup(self, role_cls: type, env: dict[str, str], args: tuple, kwargs: dict,
               serve: tuple[bool, bool] = (False, False)) -> None:
         os.environ.update(env)
+        if LOG_LEVEL_ENV in env:  # run.log_level, as the driver set it
+            set_log_level(env[LOG_LEVEL_ENV])
         # The store torch.distributed would open on *:port for the group (engine) whose first rank
         # this is runs here on the held socket instead; torch joins a store already serving its port.
         self.stores = []
@@ -129,7 +131,7 @@ class WorkerGroup(BaseWorkerGroup):
         envs = [{**(loopback_env() if local else {}), **extra[i], "RANK": str(i),
                  "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(self._local_rank(i)),
                  "MASTER_ADDR": master["ip"], "MASTER_PORT": str(master["port"]), "ROLE_NAME": self.role,
-                 **self._engine_env(i)}
+                 **self._engine_env(i), **log_level_env()}
                 for i in range(self.world_size)]
         tp = self.tensor_parallel
         # Only in a local run: elsewhere torch's own store (every address, any family) stays as it was.

@@ -46,7 +46,7 @@ def tokenizer():
 def limits(tokenizer, kind: str, max_length: int = CONTEXT) -> RowLimits:
     """SFT: replies trained on, no training generation; generate: GRPO/distill-like prompts."""
     if kind == "sft":
-        return RowLimits(tokenizer, CONTEXT, None, EVAL_NEW, max_length)
+        return RowLimits(tokenizer, CONTEXT, None, EVAL_NEW, max_length, replies=True)
     return RowLimits(tokenizer, CONTEXT, GEN_NEW, EVAL_NEW, None)
 
 
