@@ -10,7 +10,8 @@ and timeline.jsonl (when each role was busy).
 
 Progress: on a terminal, one tqdm bar per RunLog (a run or a phase of one) with ETA and a few
 metrics; every run.log_every steps, at the first and at the last step, a line with every
-metric. Elsewhere (CI, a log file) only those lines.
+metric. Elsewhere (CI, a log file) only those lines. The lines also go to the log files of the
+Python logging (a Hydra app's <run dir>/<job name>.log), as INFO records of algorithms.runlog.
 
 Times in timeline.jsonl are seconds since the RunLog was created (this process's monotonic
 clock; a resumed run continues after the intervals it kept), one line per busy interval:
@@ -20,6 +21,7 @@ trace.json (algorithms/plots.py).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -28,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from algorithms.trackers import JsonlFile, check_loggers, open_trackers
+
+logger = logging.getLogger(__name__)
 
 
 def run_dir() -> Path:
@@ -172,6 +176,7 @@ class RunLog:
             else:
                 self.stream.write(line + "\n")
                 self.stream.flush()
+            _to_log_files(line)
 
     def _progress_line(self, step: int, record: dict, now: float, keys: list[str]) -> str:
         elapsed = now - self._progress_start
@@ -212,7 +217,34 @@ class RunLog:
 
             write_run_pictures(self.dir)
         except Exception as e:  # a run's results matter more than its pictures
-            print(f"runlog: no pictures for {self.dir} ({type(e).__name__}: {e})", file=sys.stderr)
+            logger.warning("runlog: no pictures for %s (%s: %s)", self.dir, type(e).__name__, e)
+
+
+def _to_log_files(line: str) -> None:
+    """A progress line, already on the console, as an INFO record for the log files only
+    (logging.FileHandler, e.g. Hydra's job log) on the way up from this module's logger."""
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    record = logger.makeRecord(logger.name, logging.INFO, __file__, 0, line, (), None)
+    current: logging.Logger | None = logger
+    while current is not None:
+        for handler in current.handlers:
+            if isinstance(handler, logging.FileHandler) and record.levelno >= handler.level:
+                handler.handle(record)
+        current = current.parent if current.propagate else None
+
+
+def phase_run(run: Any, out_dir: str | os.PathLike, phase: str, **loop: Any) -> Any:
+    """The run section of a phase inside a run (GRPO's SFT warm start, GKD's teacher warm-up,
+    distill's SFT runs) writing to <out_dir>/<phase>: its loop settings `loop`, the run's
+    trackers, cadence, log level and tags (plus the phase's name), under the tracker name
+    <run name>/<phase>, a run of its own beside the main one (in TensorBoard: <run
+    dir>/<phase>/tensorboard/<run name>/<phase>)."""
+    from algorithms.config import LoopConfig
+
+    name = run.name or Path(out_dir).resolve().name
+    return LoopConfig(loggers=list(run.loggers), log_every=run.log_every, log_level=run.log_level,
+                      tags=[*run.tags, phase], name=f"{name}/{phase}", **loop)
 
 
 def _shown_keys(record: dict) -> list[str]:

@@ -11,6 +11,7 @@ directory. The placement needs a `train` role (Megatron form) or `default` (devi
 """
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +25,14 @@ from algorithms.losses import make_loss
 from algorithms.runlog import RunLog, run_dir
 from algorithms.turns import Turns
 from algorithms.validation import check_run, require_roles
+from orchestration.cluster import set_log_level
 from orchestration.config import register_schema
 from orchestration.launch import driver_group, start_roles
 from roles.models import load_tokenizer
 from roles.rollout import Rollout
 from roles.trainer import Trainer
+
+logger = logging.getLogger(__name__)
 
 
 def train(cfg: SFTRunConfig, plan: Any, trainer: Any, evaluator: Any, train_set: list, eval_set: list,
@@ -54,6 +58,7 @@ def train(cfg: SFTRunConfig, plan: Any, trainer: Any, evaluator: Any, train_set:
 
 def run(cfg: SFTRunConfig, plan: Any, out_dir: Path, resolved: Any = None) -> dict:
     """Start the roles of `plan`, train, shut down. Returns the last metrics record."""
+    set_log_level(cfg.run.log_level)
     train_set, eval_set, stats = load_task(cfg.data, row_limits(cfg, replies=True))
     role = "train" if "train" in plan.roles else "default"
     loss = make_loss("sft")
@@ -63,9 +68,8 @@ def run(cfg: SFTRunConfig, plan: Any, out_dir: Path, resolved: Any = None) -> di
     evaluator = driver_group(Rollout, {"model": as_dict(cfg.model), "config": as_dict(cfg.rollout)}, "evaluator")
     log = RunLog(out_dir, cfg.run.steps, resolved_config=resolved, cfg=cfg)
     common.record_data_stats(log, stats, cfg.run.resume)
-    print(f"sft: {len(train_set)} train / {len(eval_set)} held-out examples; {cfg.run.steps} steps x "
-          f"{cfg.run.prompts_per_step} sequences over "
-          f"{plan[role].world_size} {role} rank(s); output {log.dir}")
+    logger.info(f"sft: {len(train_set)} train / {len(eval_set)} held-out examples; {cfg.run.steps} steps x "
+                f"{cfg.run.prompts_per_step} sequences over {plan[role].world_size} {role} rank(s); output {log.dir}")
     try:
         return train(cfg, plan, roles[role], evaluator, train_set, eval_set, load_tokenizer(as_dict(cfg.model)), log)
     finally:

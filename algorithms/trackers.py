@@ -5,21 +5,29 @@ end (torchtune's metric loggers); RunLog (algorithms/runlog.py) opens and feeds 
     jsonl        metrics.jsonl in the run directory (always listed: resume reads it back)
     tensorboard  event files in <run dir>/tensorboard/<name> (tensorboard --logdir <run dir>)
     wandb        an offline W&B run in <run dir>/wandb/offline-run-*; `wandb sync` uploads it
+    mlflow       an MLflow run in the SQLite store <run dir>/mlflow.db (MLFLOW_TRACKING_URI wins)
 
-Only numbers go to TensorBoard and W&B (a checkpoint path stays in metrics.jsonl).
+Only numbers go to TensorBoard, W&B and MLflow (a checkpoint path stays in metrics.jsonl).
 """
 from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import math
 import os
+import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-# Logger name -> the pip package it needs (None: nothing beyond the core install).
-LOGGERS = {"jsonl": None, "tensorboard": "tensorboard", "wandb": "wandb"}
+logger = logging.getLogger(__name__)
+
+# Logger name -> the pip packages it needs beyond the core install.
+LOGGERS = {"jsonl": (), "tensorboard": ("tensorboard",), "wandb": ("wandb",),
+           "mlflow": ("mlflow-skinny", "sqlalchemy", "alembic")}
+# Pip packages whose module has another name.
+MODULES = {"mlflow-skinny": "mlflow"}
 
 
 def check_loggers(loggers: Any, key: str = "run.loggers") -> None:
@@ -35,10 +43,11 @@ def check_loggers(loggers: Any, key: str = "run.loggers") -> None:
     require("jsonl" in names, key, names, "leaves out jsonl (metrics.jsonl, which resume reads back)",
             f"keep it in the list, e.g. {key}=[jsonl,{','.join(n for n in names if n != 'jsonl') or 'tensorboard'}]")
     for name in names:
-        package = LOGGERS[name]
-        require(package is None or importlib.util.find_spec(package) is not None, key, names,
-                f"needs the Python package '{package}', which is not installed",
-                f"pip install -c constraints.txt {package} (or the '.[trackers]' extra), or drop {name} from {key}")
+        for package in LOGGERS[name]:
+            require(importlib.util.find_spec(MODULES.get(package, package)) is not None, key, names,
+                    f"needs the Python package '{package}', which is not installed",
+                    f"pip install -c constraints.txt {' '.join(LOGGERS[name])} (or the '.[trackers]' extra), "
+                    f"or drop {name} from {key}")
 
 
 def numeric(record: dict) -> dict[str, float]:
@@ -127,10 +136,76 @@ class WandbTracker:
 
     def close(self) -> None:
         self.run.finish()
-        print(f"wandb: offline run in {self.dir}; upload it with: wandb sync {self.dir}")
+        logger.info("wandb: offline run in %s; upload it with: wandb sync %s", self.dir, self.dir)
 
 
-TRACKERS = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker}
+class MlflowTracker:
+    """An MLflow run in experiment "rayroles": the run's name, its flattened config as params,
+    run.tags as tags, numeric metrics per step. The store is MLFLOW_TRACKING_URI if set, else the
+    SQLite file mlflow.db of the run directory (MLflow 3 refuses its ./mlruns file store); a phase
+    inside a Hydra run (<run dir>/sft_warmup) shares its run's file. A resumed run continues the
+    MLflow run (id in <its dir>/mlflow_run_id); steps logged after the checkpoint keep their first
+    values in the history beside the new ones (MLflow deletes no single point)."""
+
+    def __init__(self, run_dir: Path, name: str, config: dict, tags: list[str], first_step: int):
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # before mlflow is imported: nothing sent
+        from mlflow.entities import Param, RunTag
+        from mlflow.tracking import MlflowClient
+
+        for noisy in ("mlflow", "alembic"):  # "Creating initial MLflow database tables..." on each new store
+            logging.getLogger(noisy).setLevel(logging.WARNING)
+        self.uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{_outermost_run_dir(run_dir) / 'mlflow.db'}"
+        self.client = MlflowClient(tracking_uri=self.uri)
+        id_file = run_dir / "mlflow_run_id"
+        if first_step and id_file.exists():
+            self.run_id = id_file.read_text().strip()
+            self.client.update_run(self.run_id, status="RUNNING")
+        else:
+            experiment = self.client.get_experiment_by_name("rayroles")
+            experiment_id = experiment.experiment_id if experiment else self.client.create_experiment("rayroles")
+            self.run_id = self.client.create_run(experiment_id, run_name=name).info.run_id
+            id_file.write_text(self.run_id)
+        # Params never change in MLflow: a resumed run adds only the keys it did not log yet.
+        logged = self.client.get_run(self.run_id).data.params
+        params = [Param(k, v) for k, v in flatten(config).items() if k not in logged]
+        for i in range(0, len(params), 100):  # MLflow's limit per batch
+            self.client.log_batch(self.run_id, params=params[i:i + 100])
+        self.client.log_batch(self.run_id, tags=[RunTag(tag, "") for tag in tags])
+
+    def log(self, step: int, record: dict) -> None:
+        from mlflow.entities import Metric
+
+        now = int(time.time() * 1000)
+        self.client.log_batch(self.run_id, metrics=[Metric(k, v, now, step) for k, v in numeric(record).items()])
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+        logger.info("mlflow: run %s in %s", self.run_id, self.uri)
+
+
+def flatten(config: dict, prefix: str = "") -> dict[str, str]:
+    """A nested config as {"trainer.lr": "0.001", ...}; a value longer than MLflow keeps is cut."""
+    out: dict[str, str] = {}
+    for key, value in config.items():
+        if isinstance(value, dict) and value:
+            out.update(flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = str(value)[:6000]
+    return out
+
+
+def _outermost_run_dir(run_dir: Path) -> Path:
+    """The Hydra run directory when `run_dir` lies in it (a phase's folder), else `run_dir`."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        top = Path(HydraConfig.get().runtime.output_dir).resolve()
+    except (ImportError, ValueError):
+        return run_dir.resolve()
+    return top if run_dir.resolve().is_relative_to(top) else run_dir.resolve()
+
+
+TRACKERS = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker, "mlflow": MlflowTracker}
 
 
 def open_trackers(loggers: list[str], run_dir: Path, name: str, config: dict, tags: list[str],

@@ -1,9 +1,11 @@
 """Start a local Ray cluster or join one, with quiet defaults; tell a local run (every node on
 this host) from a multi-node one. Starting a local cluster first removes what killed earlier
-runs left (orchestration.cleanup) and records this process as the new cluster's owner."""
+runs left (orchestration.cleanup) and records this process as the new cluster's owner. The
+level of the project's logging (run.log_level) is set here for the driver and its workers."""
 from __future__ import annotations
 
 import ipaddress
+import logging
 import os
 import socket
 import sys
@@ -19,6 +21,55 @@ QUIET_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
 def quiet_ray_env() -> None:
     for k, v in QUIET_ENV.items():
         os.environ.setdefault(k, v)
+
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+# The packages whose module loggers run.log_level sets; every other logger stays at WARNING.
+PROJECT_LOGGERS = ("algorithms", "roles", "orchestration")
+# How the level reaches a worker: WorkerGroup passes it with the rank's environment.
+LOG_LEVEL_ENV = "RAYROLES_LOG_LEVEL"
+
+
+class _Print(logging.Handler):
+    """Records as plain lines on sys.stdout as it is at that moment (where print wrote)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            sys.stdout.write(self.format(record) + "\n")
+            sys.stdout.flush()
+        except Exception:
+            self.handleError(record)
+
+
+def set_log_level(level: str) -> None:
+    """Set the project's loggers of this process to run.log_level, and the level its worker
+    groups pass to their ranks. Under a Hydra app the root logger's handlers (console and
+    <run dir>/<job name>.log) show the records; in a process without a console handler on the
+    root logger (a Ray worker, a script, a test) they are printed as plain lines."""
+    if str(level).upper() not in LOG_LEVELS:
+        raise ConfigError(f"config key 'run.log_level'={level!r} is not a log level. "
+                          f"Fix: set run.log_level to one of {', '.join(LOG_LEVELS)}")
+    level = str(level).upper()
+    os.environ[LOG_LEVEL_ENV] = level
+    root = logging.getLogger()
+    if root.getEffectiveLevel() < logging.WARNING:  # Hydra sets INFO: third-party INFO stays hidden
+        root.setLevel(logging.WARNING)
+    console = any(type(h) is logging.StreamHandler and h.stream in (sys.stdout, sys.stderr, sys.__stdout__,
+                                                                    sys.__stderr__) for h in root.handlers)
+    for name in PROJECT_LOGGERS:
+        project = logging.getLogger(name)
+        project.setLevel(level)
+        own = [h for h in project.handlers if isinstance(h, _Print)]
+        if console:
+            for h in own:
+                project.removeHandler(h)
+        elif not own:
+            project.addHandler(_Print())
+
+
+def log_level_env() -> dict[str, str]:
+    """The environment that gives a worker this process's run.log_level (none before one is set)."""
+    return {LOG_LEVEL_ENV: os.environ[LOG_LEVEL_ENV]} if LOG_LEVEL_ENV in os.environ else {}
 
 
 def _torch_sees_gpu() -> bool:
