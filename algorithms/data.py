@@ -52,8 +52,8 @@ class DataConfig:
     val_split: Optional[float] = None
     # task=files: read at most this many usable rows of data.paths, first rows first; null: all.
     max_rows: Optional[int] = None
-    # Renames of a user's columns, applied to every row first, e.g. {question: query,
-    # answer_text: response} (ms-swift's --columns).
+    # Renames of a user's columns, applied to every row first (ms-swift's --columns); on the
+    # command line Hydra adds keys with '+': +data.columns={question:query,answer_text:response}.
     columns: Dict[str, str] = field(default_factory=dict)
     # Training examples drawn by a generated task (arithmetic, gsm); task=files ignores it.
     train_size: int = 2000

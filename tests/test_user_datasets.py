@@ -367,3 +367,25 @@ def test_settings_checked_before_reading(tmp_path, fields, key):
     with pytest.raises(ConfigError, match=f"^config key '{key}'="):
         load_task(data)
     check_data_files(files(tmp_path, [good], val_split=0.2, max_rows=5, columns={"question": "query"}))
+
+
+# ------------------------------------------------------------------ from the command line
+
+def test_the_keys_compose_from_the_command_line(tmp_path, capsys):
+    """The new data. keys as a user types them, through the typed config and the run's limits."""
+    from algorithms.config import SFTRunConfig
+    from algorithms.data import row_limits
+    from tests.driver_helpers import TINY, prepared
+
+    rows = [{"question": f"{i}+1", "answer_text": f"#### {i + 1}"} for i in range(12)]
+    rows += [{"question": "5*5", "ref": "25"}]  # prompt-only: not for SFT
+    path = write_jsonl(tmp_path / "mine.jsonl", rows)
+    _, typed, _ = prepared(SFTRunConfig, ["+experiment=sft_quickstart", *TINY, "data.task=files",
+                                          f"data.paths=[{path}]", f"data.cache_dir={tmp_path / 'cache'}",
+                                          "+data.columns={question:query,answer_text:response,ref:solution}",
+                                          "data.val_split=0.25", "data.max_rows=13"])
+    assert typed.data.columns == {"question": "query", "answer_text": "response", "ref": "solution"}
+    check_data_files(typed.data)
+    train, held, stats = load_task(typed.data, row_limits(typed, replies=True))
+    assert len(held) == 3 and len(train) + len(held) + stats["data/skipped/no_reply"] == 13
+    assert not set(prompts(held)) & set(prompts(train)) and all(e.answer for e in train + held)
