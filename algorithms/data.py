@@ -67,14 +67,22 @@ class DataConfig:
     # Longest training conversation (prompt + reply) in tokens for SFT and GKD's dataset
     # replies; longer replies are cut at their end. 0 or null: the model's context.
     max_length: Optional[int] = None
-    # How a reply is judged correct, for every logged accuracy (eval/accuracy, rollout/accuracy,
-    # teacher/eval_accuracy) and GRPO's `accuracy` reward: "numeric" (the reply's last
-    # '#### N' equals the answer as a number). Other kinds: see roles/orm.py.
+    # How a reply is judged right, for every logged accuracy (eval/accuracy, rollout/accuracy,
+    # teacher/eval_accuracy, distill's) and GRPO's `accuracy` reward; the answer is the row's
+    # `answer` (or the text after '####'), else its whole reply. "numeric": the reply's last
+    # '#### N' equals it as a number; "exact": the reply equals it (whitespace runs collapsed,
+    # case ignored); "last_number": the reply's last number equals it (bare-number answers);
+    # "regex": check_pattern's first group (else whole match) of its last match in the reply
+    # equals it; "boxed": the last \boxed{...} of the reply equals it (regex and boxed compare
+    # as numbers when both are); or a dotted path 'pkg.mod.fn' to fn(prompts, completions,
+    # references) -> list[float] (accuracy: the mean score). Scored by roles/orm.py's kinds.
     check: str = "numeric"
-    # Regular expression of check=regex: its first group (else the whole match) is the answer.
+    # Regular expression of check=regex (and GRPO's `regex` reward): its first group (else the
+    # whole match) is the reply's answer, e.g. 'answer: (\S+)'.
     check_pattern: Optional[str] = None
-    # Render prompts and conversations with the tokenizer's chat template; null: when the
-    # tokenizer has one (a tokenizer without a template gets plain text). false: plain text.
+    # Prompts as every role renders them: true: the tokenizer's chat template; false: plain
+    # text (the user text, a conversation's contents joined by newlines; training text is
+    # prompt + reply + eos); null: the template when the run's tokenizer has one, else plain.
     chat: Optional[bool] = None
 
 

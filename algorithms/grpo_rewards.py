@@ -1,25 +1,28 @@
-"""GRPO's reward functions: each of `reward_funcs` (accuracy, format, the arithmetic PRM or
-a dotted path to a custom function) becomes an ORM/PRM role config, run in the driver or on
-the planned `orm`/`prm` roles, and combined as Σ weight * score."""
+"""GRPO's reward functions: each of `reward_funcs` (accuracy: data.check; an answer check by
+its kind: numeric, exact, last_number, regex, boxed; format; the arithmetic PRM; or a dotted
+path to a custom function) becomes an ORM/PRM role config, run in the driver or on the planned
+`orm`/`prm` roles, and combined as Σ weight * score."""
 from __future__ import annotations
 
 from typing import Any
 
 import torch
 
+from algorithms.common import check_orm_config
 from orchestration.launch import driver_group
 from orchestration.planner import Plan
-from roles.orm import ORM
+from roles.orm import ANSWER_KINDS, ORM
 from roles.prm import PRM
 
 
-def reward_specs(algo: Any) -> list[tuple[str, float, type, dict]]:
-    """(label, weight, role class, role config) per reward function of a GRPOAlgorithm."""
+def reward_specs(algo: Any, data: Any = None) -> list[tuple[str, float, type, dict]]:
+    """(label, weight, role class, role config) per reward function of a GRPOAlgorithm;
+    `data`: the run's DataConfig (data.check, data.check_pattern; None: its defaults)."""
     weights = list(algo.reward_weights) or [1.0] * len(algo.reward_funcs)
     specs = []
     for name, weight in zip(algo.reward_funcs, weights):
-        if name == "accuracy":
-            specs.append((name, weight, ORM, {"kind": "numeric"}))
+        if name == "accuracy" or name in ANSWER_KINDS:
+            specs.append((name, weight, ORM, check_orm_config(data, None if name == "accuracy" else name)))
         elif name == "format":
             pattern = {"format_pattern": algo.format_pattern} if algo.format_pattern else {}
             specs.append((name, weight, ORM, {"kind": "format", **pattern}))

@@ -48,7 +48,7 @@ def train(cfg: SFTRunConfig, plan: Any, trainer: Any, evaluator: Any, train_set:
             if step > 0:
                 # Train: one optimizer update on this step's examples, split over the ranks.
                 with turns.turn("train", "train"):
-                    examples = common.encode_examples(tokenizer, next(stream), cfg.algorithm.pretrain)
+                    examples = common.encode_examples(tokenizer, next(stream), cfg.algorithm.pretrain, cfg.data.chat)
                     batch = common.batch_of(tokenizer, examples)
                     metrics.update({f"train/{k}": v for k, v in
                                     trainer.call("train_step", batch, dispatch="slice", collect=common.first).items()})
@@ -65,7 +65,7 @@ def run(cfg: SFTRunConfig, plan: Any, out_dir: Path, resolved: Any = None) -> di
     roles = start_roles(cfg, plan, {role: (Trainer, {"model": as_dict(cfg.model), "config": as_dict(cfg.trainer),
                                                      "loss_fn": loss, "loss_inputs": loss.loss_inputs,
                                                      **engine_args(cfg, "train")})})
-    evaluator = driver_group(Rollout, {"model": as_dict(cfg.model), "config": as_dict(cfg.rollout)}, "evaluator")
+    evaluator = driver_group(Rollout, {"model": as_dict(cfg.model), "config": common.rollout_config(cfg)}, "evaluator")
     log = RunLog(out_dir, cfg.run.steps, resolved_config=resolved, cfg=cfg)
     common.record_data_stats(log, stats, cfg.run.resume)
     logger.info(f"sft: {len(train_set)} train / {len(eval_set)} held-out examples; {cfg.run.steps} steps x "

@@ -146,6 +146,8 @@ def vocab_size(spec: Any) -> int:
 def check_data(d: Any) -> None:
     require(d.task in DATA_TASKS, "data.task", d.task, "is not a task", f"use one of {list(DATA_TASKS)}")
     require_all(d, "data", {"train_size": AT_LEAST_1, "eval_size": AT_LEAST_1})
+    from algorithms.common import validate_check  # data.check and check_pattern
+    validate_check(d)
     if d.task == "files":
         require(bool(d.paths), "data.paths", list(d.paths), "is empty with data.task=files",
                 "data.paths=[/path/train.jsonl]")

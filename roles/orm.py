@@ -9,6 +9,12 @@ Kinds, chosen by `ORMConfig.kind`:
   plain number). Commas, '$' and a trailing period are ignored ('#### $1,234.' is 1234).
   A completion without '####' scores 0, or, with `numeric_fallback_last_number`, its last
   number is used instead.
+* 'last_number': the completion's last number equals the reference (its '#### N', or the
+  reference as a plain number): bare-number answers.
+* 'regex': the last match of `answer_pattern` in the completion (its first group, else the
+  whole match) equals the reference.
+* 'boxed': the content of the completion's last \\boxed{...} equals the reference.
+  'regex' and 'boxed' compare numerically when both sides are numbers, else as 'exact' does.
 * 'format': 1.0 when `format_pattern` matches the completion (`re.search`), else 0.0.
 * 'custom': `reward_fn`, a dotted path 'pkg.mod.fn' to a function
   fn(prompts, completions, references) -> list[float].
@@ -38,7 +44,9 @@ from omegaconf import OmegaConf
 from roles.batch import pad_sequences
 from roles.engines.torch_engine import pick_device
 
-RULE_KINDS = ("exact", "numeric", "format")
+# Kinds that judge a completion right or wrong against its reference (data.check offers them).
+ANSWER_KINDS = ("numeric", "exact", "last_number", "regex", "boxed")
+RULE_KINDS = ANSWER_KINDS + ("format",)
 COMPONENT_KINDS = RULE_KINDS + ("custom", "model")
 KINDS = COMPONENT_KINDS + ("combined",)
 # A number as written in answers: optional sign and '$', thousands commas, decimals.
@@ -70,7 +78,8 @@ class ScorerModelConfig:
 
 @dataclass
 class ORMConfig(ScorerModelConfig):
-    # What scores a completion: exact | numeric | format | custom | model | combined.
+    # What scores a completion: exact | numeric | last_number | regex | boxed | format | custom |
+    # model | combined.
     kind: str = "numeric"
     # Weight of each kind when kind=combined, e.g. {numeric: 1.0, format: 0.1}; the score
     # is the weighted sum (not normalised).
@@ -81,6 +90,9 @@ class ORMConfig(ScorerModelConfig):
     numeric_fallback_last_number: bool = False
     # numeric: largest absolute difference still counted as equal.
     numeric_tolerance: float = 1e-6
+    # regex: regular expression whose last match in the completion gives its answer (the first
+    # group, else the whole match).
+    answer_pattern: Optional[str] = None
     # format: regular expression searched in the completion (use ^, $, (?m), (?s) as needed);
     # the default asks for a last line '#### <number>'.
     format_pattern: str = r"(?m)^#### [-+]?\$?[\d,]*\.?\d+\.?\s*\Z"
@@ -117,11 +129,27 @@ def load_reward_fn(path: Optional[str], key: str) -> Callable:
     return fn
 
 
+def compile_pattern(pattern: Optional[str], key: str) -> "re.Pattern":
+    """A regular expression of the config; a missing or broken one fails naming `key`."""
+    if not pattern:
+        raise ValueError(f"{key} is unset; the kind using it needs a regular expression")
+    try:
+        return re.compile(pattern)
+    except re.error as err:
+        raise ValueError(f"{key}={pattern!r} is not a valid regex: {err}") from err
+
+
 def _to_number(text: str) -> Optional[float]:
     try:
         return float(text.replace(",", "").replace("$", ""))
     except ValueError:
         return None
+
+
+def last_number(text: str) -> Optional[float]:
+    """The last number of the text; None when it has none."""
+    found = NUMBER_RE.findall(text)
+    return _to_number(found[-1]) if found else None
 
 
 def extract_answer(text: str, fallback_last_number: bool = False) -> Optional[float]:
@@ -131,9 +159,20 @@ def extract_answer(text: str, fallback_last_number: bool = False) -> Optional[fl
     if sep:
         m = NUMBER_RE.search(tail)
         return _to_number(m.group()) if m else None
-    if fallback_last_number:
-        found = NUMBER_RE.findall(text)
-        return _to_number(found[-1]) if found else None
+    return last_number(text) if fallback_last_number else None
+
+
+def last_boxed(text: str) -> Optional[str]:
+    """The content of the last \\boxed{...} (nested braces kept); None when there is none
+    or it is not closed."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, begin = 0, start + len("\\boxed{")
+    for i in range(begin, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth < 0:
+            return text[begin:i]
     return None
 
 
@@ -147,6 +186,11 @@ def reference_number(reference: str) -> Optional[float]:
 def normalize_text(text: str, ignore_case: bool = True) -> str:
     text = " ".join(text.split())
     return text.casefold() if ignore_case else text
+
+
+def reference_text(reference: str) -> str:
+    """The answer a reference holds: the text after its last '####', else all of it."""
+    return reference.rpartition("####")[2].strip()
 
 
 class ScalarHeadModel:
@@ -259,10 +303,9 @@ class ORM:
             self.weights = {cfg.kind: 1.0}
         self.reward_fn = load_reward_fn(cfg.reward_fn, "orm.reward_fn") if "custom" in self.weights else None
         if "format" in self.weights:
-            try:
-                self.format_re = re.compile(cfg.format_pattern)
-            except re.error as err:
-                raise ValueError(f"orm.format_pattern={cfg.format_pattern!r} is not a valid regex: {err}") from err
+            self.format_re = compile_pattern(cfg.format_pattern, "orm.format_pattern")
+        if "regex" in self.weights:
+            self.answer_re = compile_pattern(cfg.answer_pattern, "orm.answer_pattern")
         self.model = None
         if "model" in self.weights:
             self.model = ScalarHeadModel(cfg.model, cfg.device, cfg.seed, cfg.use_chat_template, cfg.lr,
@@ -285,13 +328,21 @@ class ORM:
         return total
 
     def _score_kind(self, kind: str, prompts: List[str], completions: List[str], references: list) -> List[float]:
-        if kind in ("exact", "numeric") and any(r is None for r in references):
+        if kind in ANSWER_KINDS and any(r is None for r in references):
             raise ValueError(f"orm kind '{kind}' needs a reference for every completion")
         if kind == "exact":
             ic = self.config.exact_ignore_case
             return [float(normalize_text(c, ic) == normalize_text(r, ic)) for c, r in zip(completions, references)]
         if kind == "numeric":
-            return [self._numeric(c, r) for c, r in zip(completions, references)]
+            fallback = self.config.numeric_fallback_last_number
+            return [self._same_number(extract_answer(c, fallback), reference_number(r))
+                    for c, r in zip(completions, references)]
+        if kind == "last_number":
+            return [self._same_number(last_number(c), reference_number(r)) for c, r in zip(completions, references)]
+        if kind == "regex":
+            return [self._same_answer(self._regex_answer(c), r) for c, r in zip(completions, references)]
+        if kind == "boxed":
+            return [self._same_answer(last_boxed(c), r) for c, r in zip(completions, references)]
         if kind == "format":
             return [float(self.format_re.search(c) is not None) for c in completions]
         if kind == "custom":
@@ -302,12 +353,29 @@ class ORM:
             return out
         return self._model_scores(prompts, completions)
 
-    def _numeric(self, completion: str, reference: str) -> float:
-        got = extract_answer(completion, self.config.numeric_fallback_last_number)
-        want = reference_number(reference)
+    def _same_number(self, got: Optional[float], want: Optional[float]) -> float:
         if got is None or want is None:
             return 0.0
         return float(abs(got - want) <= self.config.numeric_tolerance)
+
+    def _same_answer(self, got: Optional[str], reference: str) -> float:
+        """1.0 when an extracted answer equals the reference's: as numbers when both are
+        numbers, else as text normalised like 'exact'."""
+        if got is None:
+            return 0.0
+        want = reference_text(reference)
+        numbers = _to_number(got.strip().rstrip(".")), _to_number(want.rstrip("."))
+        if None not in numbers:
+            return self._same_number(*numbers)
+        ic = self.config.exact_ignore_case
+        return float(normalize_text(got, ic) == normalize_text(want, ic))
+
+    def _regex_answer(self, completion: str) -> Optional[str]:
+        matches = list(self.answer_re.finditer(completion))
+        if not matches:
+            return None
+        last = matches[-1]
+        return last.group(1) if self.answer_re.groups else last.group(0)
 
     # -------------------------------------------------------------------------- model
 

@@ -51,9 +51,11 @@ class RolloutConfig:
     max_batch_size: int = 64
     # Seed of the rollout's own generator, which seeds requests whose SamplingParams.seed is None.
     seed: int = 0
-    # Render string prompts with the tokenizer's chat template (one user turn and the
-    # generation prompt); False tokenizes them as raw text.
-    chat: bool = True
+    # Render prompts (a text is one user turn) with the tokenizer's chat template and its
+    # generation prompt: true; false: plain text (a text as is, a conversation's contents
+    # joined by newlines); null: the template when the tokenizer has one. The drivers set it
+    # from data.chat.
+    chat: Optional[bool] = None
 
 
 def resolve_rollout_config(config: Union[RolloutConfig, Mapping[str, Any], None]) -> RolloutConfig:
@@ -63,6 +65,31 @@ def resolve_rollout_config(config: Union[RolloutConfig, Mapping[str, Any], None]
     if isinstance(config, RolloutConfig):
         return config
     return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(RolloutConfig), config))
+
+
+def uses_template(tokenizer: Any, chat: Optional[bool], key: str = "rollout.chat") -> bool:
+    """Whether prompts go through the tokenizer's chat template: `chat`, or with None whether
+    the tokenizer has one. True without a template fails naming config key `key`."""
+    has = bool(getattr(tokenizer, "chat_template", None))
+    if chat and not has:
+        raise ValueError(f"config key '{key}'=True but the tokenizer has no chat template. Fix: set {key}=false "
+                         "or null for plain-text prompts, or use a tokenizer with a chat template")
+    return has if chat is None else bool(chat)
+
+
+def prompt_text(tokenizer: Any, prompt: Union[str, Sequence[Mapping[str, str]]], template: bool) -> str:
+    """A text or conversation as the text a reply follows: chat-rendered with the generation
+    prompt, or plain (a text as is, a conversation's contents joined by newlines)."""
+    if template:
+        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+
+
+def prompt_token_ids(tokenizer: Any, text: str, template: bool) -> list[int]:
+    """Token ids of a prompt_text: a rendered template holds its own special tokens; plain
+    text gets the tokenizer's (a BOS where it adds one), as in pretraining."""
+    return tokenizer(text, add_special_tokens=not template)["input_ids"]
 
 
 def as_sampling_params(sampling: Union[SamplingParams, Mapping[str, Any]]) -> SamplingParams:
@@ -126,6 +153,7 @@ class Rollout(WeightReceiver):
         # A tokenizer object is used as given; a spec (or None: the model's) is loaded.
         self.tokenizer = tokenizer if hasattr(tokenizer, "decode") else load_tokenizer(
             model if tokenizer is None else tokenizer)
+        uses_template(self.tokenizer, self.config.chat)  # chat=true needs a template: refused here
         self._vllm = None
         if engine == "vllm":  # vLLM holds the model; generation, weights and sleep go to it
             from roles.engines.vllm_engine import VLLMEngine
@@ -164,7 +192,8 @@ class Rollout(WeightReceiver):
 
     def generate(self, prompts: Sequence[Prompt], sampling: Union[SamplingParams, Mapping[str, Any]],
                  chat: Optional[bool] = None) -> Completions:
-        """n completions per prompt, consecutive; see the module docstring."""
+        """n completions per prompt, consecutive; see the module docstring. `chat`: how text
+        and conversation prompts are rendered in this call (None: rollout.chat)."""
         self._check_ready()
         sampling = as_sampling_params(sampling)
         if isinstance(prompts, (str, bytes)):
@@ -206,17 +235,10 @@ class Rollout(WeightReceiver):
         out.weight_version = [self.weight_version] * len(rows)
         return out
 
-    def _encode(self, prompt: Prompt, chat: bool) -> list[int]:
-        tok = self.tokenizer
-        if isinstance(prompt, str) and not chat:
-            ids = tok(prompt)["input_ids"]
-        elif isinstance(prompt, str) or (len(prompt) and isinstance(prompt[0], Mapping)):
-            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-            if not tok.chat_template:
-                raise ValueError("the tokenizer has no chat template; pass chat=False (rollout.chat=false) "
-                                 "to use prompts as raw text, or give token ids")
-            text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            ids = tok(text, add_special_tokens=False)["input_ids"]
+    def _encode(self, prompt: Prompt, chat: Optional[bool]) -> list[int]:
+        if isinstance(prompt, str) or (len(prompt) and isinstance(prompt[0], Mapping)):
+            template = uses_template(self.tokenizer, chat)
+            ids = prompt_token_ids(self.tokenizer, prompt_text(self.tokenizer, prompt, template), template)
         else:
             ids = [int(t) for t in prompt]
         if not ids:
