@@ -14,6 +14,7 @@ keeps the k newest.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -22,6 +23,8 @@ from typing import Any, Callable, Optional
 
 from orchestration.config import ConfigError
 from roles.trainer import STATE_FILE
+
+logger = logging.getLogger(__name__)
 
 DRIVER_STATE = "driver_state.json"
 LATEST = "latest"
@@ -78,7 +81,7 @@ def complete_checkpoints(root: str | os.PathLike, report: Callable[[str], None] 
 
 
 def find_resume(run_dir: str | os.PathLike, resume: Optional[str],
-                report: Callable[[str], None] = print) -> Optional[Path]:
+                report: Callable[[str], None] = logger.info) -> Optional[Path]:
     """The checkpoint to continue from: None for a fresh run (`resume` unset, or "auto" with no
     complete checkpoint in the run directory), the newest complete one for "auto", else the
     folder `resume` names (ConfigError if it is not a complete checkpoint)."""

@@ -12,7 +12,7 @@ outcome. Per prompt the candidates rank by score = PRM + orm_weight * ORM; the b
 `n_best_to_keep` with a PRM score >= `prm_threshold` become rows of `output_file`
 (sampled.jsonl) in the Hydra run directory: `messages` [user, assistant],
 `rejected_response` (the worst candidate), the scores, prompt and answer. metrics.jsonl gets, per step, candidates, kept
-rows, mean scores and the accuracy (data.check) of all candidates and of the
+rows, mean scores and the accuracy (numeric '#### N' check) of all candidates and of the
 kept ones, with run totals on the last line; step 0 holds the policy's greedy held-out
 eval/accuracy. Optional SFT phases run algorithms.sft on the sampler's device kind:
 `warmup_sft_steps` (at `warmup_lr`) first trains the policy on the task's reference
@@ -23,6 +23,7 @@ eval set (accuracy before and after in the `sft/` subfolder's metrics.jsonl).
 from __future__ import annotations
 
 import json
+import logging
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -32,15 +33,15 @@ import hydra
 from omegaconf import DictConfig
 
 from algorithms import common, sft
-from algorithms.config import LoopConfig, RunConfig, as_dict, engine_args, prepare, sft_phase
+from algorithms.config import RunConfig, as_dict, engine_args, prepare, sft_phase
 from algorithms.data import DataConfig, load_task, row_limits
 from algorithms.checkpoints import write_json_atomic
 from algorithms.overlap import step_seed
-from algorithms.runlog import RunLog, read_metrics, run_dir
+from algorithms.runlog import RunLog, phase_run, read_metrics, run_dir
 from algorithms.tasks import Example
 from algorithms.validation import (AT_LEAST_1, NON_NEGATIVE, POSITIVE, check_run, check_scorer, require,
                                    require_all, require_roles)
-from orchestration.cluster import init_cluster
+from orchestration.cluster import init_cluster, set_log_level
 from orchestration.config import ConfigError, register_schema
 from orchestration.launch import start_roles
 from orchestration.planner import Plan, make_plan
@@ -49,6 +50,8 @@ from roles.models import resolve_config
 from roles.orm import KINDS as ORM_KINDS, ORM, ORMConfig
 from roles.prm import AGGREGATES, KINDS as PRM_KINDS, PRM, PRMConfig
 from roles.sampler import Sampler
+
+logger = logging.getLogger("algorithms.distill")  # not __name__: python -m runs this module as __main__
 
 
 # What a resumed distill run continues its sampling from (in the run directory).
@@ -121,7 +124,6 @@ def sample(cfg: DistillRunConfig, sampler: Any, prm: Any, orm: Any, train_set: l
     first = resumed["step"] + 1 if resumed else 0
     stream = common.PromptStream(train_set, cfg.run.prompts_per_step, cfg.run.seed, resumed["stream"] if resumed else 0)
     totals: Counter = Counter(resumed["totals"] if resumed else {})
-    check = common.checker(cfg.data)
     record: dict = log.rewind(resumed["step"]) if resumed else {}
     if resumed:
         _keep_lines(out_path, resumed["rows"])
@@ -131,7 +133,7 @@ def sample(cfg: DistillRunConfig, sampler: Any, prm: Any, orm: Any, train_set: l
             if step == 0:
                 # Eval: greedy held-out accuracy of the policy that samples.
                 with log.phase("eval"):
-                    metrics["eval/accuracy"] = greedy_accuracy(sampler, eval_set, cfg.run.eval_max_new_tokens, check)
+                    metrics["eval/accuracy"] = greedy_accuracy(sampler, eval_set, cfg.run.eval_max_new_tokens)
             else:
                 examples = next(stream)
                 # Generate: n candidates per prompt, prompts split over the sampler ranks; seeded by
@@ -146,13 +148,13 @@ def sample(cfg: DistillRunConfig, sampler: Any, prm: Any, orm: Any, train_set: l
                 # Score: PRM (step scores aggregated) and ORM, candidates split over each group's ranks.
                 # References: the final answer when known (numeric ORM), else the reference solution.
                 prompts = [ex.prompt for ex in examples for _ in range(n)]
-                refs = [common.reference(ex) for ex in examples for _ in range(n)]
+                refs = [ex.answer or ex.solution for ex in examples for _ in range(n)]
                 with log.phase("score"):
                     prm_scores = prm.call("score", prompts, texts, refs, dispatch="slice", collect="flatten")
                     orm_scores = orm.call("score", prompts, texts, refs, dispatch="slice", collect="flatten")
                 # Select: best n_best_to_keep per prompt with PRM >= prm_threshold, the worst as rejected.
                 with log.phase("select"):
-                    correct = common.correct(check, examples, texts)
+                    correct = common.NUMERIC.score(prompts, texts, [ex.answer for ex in examples for _ in range(n)])
                     rows, counts = select(examples, texts, prm_scores, orm_scores, correct, algo)
                     out.writelines(json.dumps(row) + "\n" for row in rows)
                     out.flush()
@@ -178,7 +180,7 @@ def _keep_lines(path: Path, n: int) -> None:
 def select(examples: list[Example], texts: list[str], prm_scores: list[float], orm_scores: list[float],
            correct: list[float], algo: DistillAlgorithm) -> tuple[list[dict], Counter]:
     """Dataset rows of one batch (candidates of prompt i at i*n .. i*n+n-1) and the sums
-    behind its metrics. `correct` is the data.check score of each candidate (metrics only)."""
+    behind its metrics. `correct` is the numeric check of each candidate (metrics only)."""
     n, rows, c = algo.num_return_sequences, [], Counter()
     for i, ex in enumerate(examples):
         idx = range(i * n, (i + 1) * n)
@@ -218,12 +220,12 @@ def summarize(c: Counter, prefix: str) -> dict:
     return out
 
 
-def greedy_accuracy(sampler: Any, examples: list[Example], max_new_tokens: int, check: ORM) -> float:
-    """Held-out accuracy of one greedy sample per prompt (`check`: data.check's scorer)."""
+def greedy_accuracy(sampler: Any, examples: list[Example], max_new_tokens: int) -> float:
+    """Held-out accuracy of one greedy sample per prompt (numeric '#### N' check)."""
     comps = sampler.call("sample", [ex.prompt_messages() for ex in examples], 1,
                          SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens),
                          dispatch="slice", collect="flatten")
-    scores = common.correct(check, examples, comps.texts)
+    scores = common.NUMERIC.score([ex.prompt for ex in examples], comps.texts, [ex.answer for ex in examples])
     return sum(scores) / max(len(scores), 1)
 
 
@@ -236,8 +238,9 @@ def run_sft(cfg: DistillRunConfig, plan: Plan, model: Any, data: DataConfig, ste
                          {"device_groups": {"nproc_per_node": 1, "sft": {"device": "CPU", "ranks": ranks,
                                                                           "workers": ["train"]}}})
     trainer = replace(cfg.trainer, lr=lr, total_steps=steps, warmup_steps=common.warmup_steps(steps))
-    run = LoopConfig(steps=steps, prompts_per_step=cfg.algorithm.sft_batch, seed=cfg.run.seed,
-                     eval_max_new_tokens=cfg.run.eval_max_new_tokens, resume="auto" if cfg.run.resume else None)
+    run = phase_run(cfg.run, Path(out_dir).parent, Path(out_dir).name, steps=steps,
+                    prompts_per_step=cfg.algorithm.sft_batch, seed=cfg.run.seed,
+                    eval_max_new_tokens=cfg.run.eval_max_new_tokens, resume="auto" if cfg.run.resume else None)
     sft_cfg = sft_phase(cfg, model=resolve_config(model), trainer=trainer, data=data, run=run)
     return sft.run(sft_cfg, sft_plan, out_dir)
 
@@ -252,29 +255,29 @@ def write_heldout(examples: list[Example], path: Path) -> Path:
 def run(cfg: DistillRunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> dict:
     """Optional warm-up SFT, sampling with the planned roles, optional SFT on the kept rows.
     Returns the sampling's last metrics record, plus the SFT results under sft/."""
+    set_log_level(cfg.run.log_level)
     train_set, eval_set, stats = load_task(cfg.data, row_limits(cfg, cfg.algorithm.max_new_tokens))
     if cfg.backend.workers == "ray":  # sized for this plan before any SFT phase uses it
         init_cluster(cfg.cluster, plan.demand())
     algo, policy = cfg.algorithm, cfg.model
     if algo.warmup_sft_steps:
-        print(f"distill: warm-up SFT of the policy for {algo.warmup_sft_steps} steps")
+        logger.info(f"distill: warm-up SFT of the policy for {algo.warmup_sft_steps} steps")
         policy = run_sft(cfg, plan, policy, cfg.data, algo.warmup_sft_steps, algo.warmup_lr,
                          out_dir / "warmup_sft")["checkpoint"]
     path, state = Path(out_dir) / algo.output_file, Path(out_dir) / SAMPLING_STATE
     resumed = json.loads(state.read_text()) if cfg.run.resume and state.is_file() else None
     if resumed and resumed["step"] == cfg.run.steps:  # sampling had finished: on to the SFT phase
-        print(f"distill: sampling finished before ({state}); resuming after it")
+        logger.info(f"distill: sampling finished before ({state}); resuming after it")
         record = read_metrics(Path(out_dir) / "metrics.jsonl")[-1]
     else:
         record = sample_with_roles(cfg, plan, policy, train_set, eval_set, stats, path, resumed, out_dir, resolved)
     record["dataset"] = str(path)
     if algo.sft_steps and not record.get("total/kept"):
-        print("distill: no rows kept, so no SFT on them")
+        logger.info("distill: no rows kept, so no SFT on them")
     elif algo.sft_steps:
         # SFT on the kept rows; held-out task examples go last so that SFT evaluates on them.
         data = DataConfig(task="files", paths=[str(path), str(write_heldout(eval_set, Path(out_dir) / "heldout.jsonl"))],
-                          train_size=record["total/kept"], eval_size=len(eval_set), cache_dir=cfg.data.cache_dir,
-                          check=cfg.data.check, check_pattern=cfg.data.check_pattern, chat=cfg.data.chat)
+                          train_size=record["total/kept"], eval_size=len(eval_set), cache_dir=cfg.data.cache_dir)
         tuned = run_sft(cfg, plan, policy, data, algo.sft_steps, cfg.trainer.lr, out_dir / "sft")
         record.update({"sft/eval_accuracy": tuned["eval/accuracy"], "sft/checkpoint": tuned.get("checkpoint")})
     return record
@@ -285,17 +288,17 @@ def sample_with_roles(cfg: DistillRunConfig, plan: Plan, policy: Any, train_set:
     """Start the sampler, PRM and ORM groups, sample (continuing from `resumed`), shut down."""
     algo = cfg.algorithm
     roles = start_roles(cfg, plan, {"sampler": (Sampler, {"model": as_dict(resolve_config(policy)),
-                                                          "config": common.rollout_config(cfg),
+                                                          "config": as_dict(cfg.rollout),
                                                           **engine_args(cfg, "rollout")}),
                                     "prm": (PRM, {"config": as_dict(cfg.prm)}),
                                     "orm": (ORM, {"config": as_dict(cfg.orm)})}, restarts=cfg.run.max_restarts)
     log = RunLog(out_dir, cfg.run.steps, resolved_config=resolved, cfg=cfg)
     common.record_data_stats(log, {} if resumed else stats, None)  # a resumed sampling has its step 0
-    print(f"distill: {cfg.run.steps} steps x {cfg.run.prompts_per_step} prompts x {algo.num_return_sequences} "
-          f"candidates from {len(train_set)} train examples over "
-          f"{plan['sampler'].world_size} sampler / {plan['prm'].world_size} prm / {plan['orm'].world_size} orm "
-          f"rank(s); keep {algo.n_best_to_keep} per prompt with PRM >= {algo.prm_threshold}; output {path}"
-          + (f"; resuming after sampling step {resumed['step']}" if resumed else ""))
+    logger.info(f"distill: {cfg.run.steps} steps x {cfg.run.prompts_per_step} prompts x {algo.num_return_sequences} "
+                f"candidates from {len(train_set)} train examples over "
+                f"{plan['sampler'].world_size} sampler / {plan['prm'].world_size} prm / {plan['orm'].world_size} orm "
+                f"rank(s); keep {algo.n_best_to_keep} per prompt with PRM >= {algo.prm_threshold}; output {path}"
+                + (f"; resuming after sampling step {resumed['step']}" if resumed else ""))
     try:
         return sample(cfg, roles["sampler"], roles["prm"], roles["orm"], train_set, eval_set, path, log, resumed)
     finally:

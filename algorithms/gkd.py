@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import random
 import shutil
 from dataclasses import replace
@@ -34,14 +35,14 @@ import torch
 from omegaconf import DictConfig
 
 from algorithms import common, overlap, sft
-from algorithms.config import GKDRunConfig, LoopConfig, SWIFT_GKD_KEYS, as_dict, engine_args, prepare, sft_phase
+from algorithms.config import GKDRunConfig, SWIFT_GKD_KEYS, as_dict, engine_args, prepare, sft_phase
 from algorithms.data import load_task, row_limits
 from algorithms.losses import TOPK_MODES, make_loss
-from algorithms.runlog import RunLog, run_dir
+from algorithms.runlog import RunLog, phase_run, run_dir
 from algorithms.turns import Turns
 from algorithms.validation import (AT_LEAST_1, FRACTION, NON_NEGATIVE, POSITIVE, check_model, check_run,
                                    check_trainer, require, require_all, require_roles, vocab_size)
-from orchestration.cluster import init_cluster
+from orchestration.cluster import init_cluster, set_log_level
 from orchestration.config import ConfigError, register_schema
 from orchestration.launch import driver_group, start_roles
 from orchestration.planner import Plan, make_plan
@@ -50,6 +51,8 @@ from roles.models import load_tokenizer, resolve_config
 from roles.rollout import Rollout
 from roles.teacher import Teacher
 from roles.trainer import Trainer, TrainerConfig
+
+logger = logging.getLogger("algorithms.gkd")  # not __name__: python -m runs this module as __main__
 
 
 def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: Any, train_set: list,
@@ -80,8 +83,7 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
                 if on_policy[step]:
                     metrics.update(overlap.staleness(comps, step, algo.max_staleness))
                 else:
-                    comps = _off_policy(examples, tokenizer, teacher_writer if algo.seq_kd else None, sampling, log,
-                                        cfg.data.chat)
+                    comps = _off_policy(examples, tokenizer, teacher_writer if algo.seq_kd else None, sampling, log)
                 batch = common.batch_of(tokenizer, comps)
                 # sft_alpha's NLL term counts dataset responses only, never the student's own text.
                 batch.sft_weight = torch.full((len(batch),), 0.0 if on_policy[step] else 1.0)
@@ -104,12 +106,11 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
         return turns.finish({"stream": prefetch.position()})
 
 
-def _off_policy(examples: list, tokenizer: Any, teacher_writer: Any, sampling: SamplingParams, log: RunLog,
-                chat: Any) -> Any:
-    """Completions of an off-policy step: the dataset's responses (prompts rendered as data.chat
-    says: `chat`), or with a teacher writer (sequence-level KD) the teacher's own samples."""
+def _off_policy(examples: list, tokenizer: Any, teacher_writer: Any, sampling: SamplingParams, log: RunLog) -> Any:
+    """Completions of an off-policy step: the dataset's responses, or with a teacher writer
+    (sequence-level KD) the teacher's own samples."""
     if teacher_writer is None:
-        return common.encode_examples(tokenizer, examples, pretrain=False, chat=chat)
+        return common.encode_examples(tokenizer, examples, pretrain=False)
     with log.phase("generate", "teacher_writer"):
         comps = teacher_writer.call("generate", [ex.prompt_messages() for ex in examples], sampling,
                                     dispatch="slice", collect="flatten")
@@ -125,16 +126,17 @@ def warm_teacher(cfg: GKDRunConfig, out_dir: Path) -> str:
     name = Path(str(t.model)).name
     path = Path(t.cache_dir).expanduser() / f"{name}-{hashlib.sha256(key.encode()).hexdigest()[:12]}"
     if (path / "config.json").is_file():
-        print(f"gkd: teacher from cache {path}")
+        logger.info(f"gkd: teacher from cache {path}")
         return str(path)
-    print(f"gkd: training the teacher ({t.model}) by SFT for {t.warmup_steps} steps; cached at {path}")
+    logger.info(f"gkd: training the teacher ({t.model}) by SFT for {t.warmup_steps} steps; cached at {path}")
     # The run's sections (engines and their options, weight sync) with the teacher's model and
     # its own optimizer settings (the cache key holds those).
     warm = sft_phase(cfg, model=resolve_config(t.model),
                      trainer=TrainerConfig(lr=t.warmup_lr, warmup_steps=common.warmup_steps(t.warmup_steps),
                                            total_steps=t.warmup_steps, micro_batch_per_device=t.warmup_batch),
-                     run=LoopConfig(steps=t.warmup_steps, prompts_per_step=t.warmup_batch,
-                                    eval_max_new_tokens=cfg.run.eval_max_new_tokens, save_final=True))
+                     run=phase_run(cfg.run, out_dir, "teacher_warmup", steps=t.warmup_steps,
+                                   prompts_per_step=t.warmup_batch, eval_max_new_tokens=cfg.run.eval_max_new_tokens,
+                                   save_final=True))
     plan = make_plan({"train": {"gpus": 1}})
     record = sft.run(warm, plan, out_dir / "teacher_warmup")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -146,6 +148,7 @@ def warm_teacher(cfg: GKDRunConfig, out_dir: Path) -> str:
 
 
 def run(cfg: GKDRunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> dict:
+    set_log_level(cfg.run.log_level)
     train_set, eval_set, stats = load_task(cfg.data, row_limits(cfg, cfg.algorithm.max_new_tokens, replies=True,
                                                                 teacher=plan["teacher"].model or cfg.teacher.model))
     if cfg.backend.workers == "ray":  # sized for this plan before the teacher warm-up uses it
@@ -156,21 +159,21 @@ def run(cfg: GKDRunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> d
     student = as_dict(cfg.model)
     loss = gkd_loss(cfg, plan)
     # The teacher's accuracy, for reference (the gap the student closes).
-    judge = driver_group(Rollout, {"model": teacher_model, "config": common.rollout_config(cfg)}, "teacher_eval")
-    teacher_accuracy = common.accuracy(judge, eval_set, cfg.run.eval_max_new_tokens, cfg.data)
+    judge = driver_group(Rollout, {"model": teacher_model, "config": as_dict(cfg.rollout)}, "teacher_eval")
+    teacher_accuracy = common.accuracy(judge, eval_set, cfg.run.eval_max_new_tokens)
     if not cfg.algorithm.seq_kd:  # with seq_kd it writes the off-policy completions
         judge.shutdown()
     roles = start_roles(cfg, plan, {
         "train": (Trainer, {"model": student, "config": as_dict(cfg.trainer), "loss_fn": loss,
                             "loss_inputs": loss.loss_inputs, **engine_args(cfg, "train")}),
-        "rollout": (Rollout, {"model": student, "config": common.rollout_config(cfg), **engine_args(cfg, "rollout")}),
+        "rollout": (Rollout, {"model": student, "config": as_dict(cfg.rollout), **engine_args(cfg, "rollout")}),
         "teacher": (Teacher, {"model": teacher_model, "config": as_dict(cfg.teacher.engine),
                               **engine_args(cfg, "teacher")})}, restarts=cfg.run.max_restarts)
     log = RunLog(out_dir, cfg.run.steps, resolved_config=resolved, cfg=cfg)
     topk = plan.gkd_logits_topk
-    print(f"gkd: {len(train_set)} train / {len(eval_set)} held-out examples; {cfg.run.steps} steps x "
-          f"{cfg.run.prompts_per_step} prompts; teacher {teacher_model} (accuracy {teacher_accuracy:.3f}, "
-          f"{'top-%d %s' % (topk, cfg.algorithm.topk_mode) if topk else 'full vocabulary'}); output {log.dir}")
+    logger.info(f"gkd: {len(train_set)} train / {len(eval_set)} held-out examples; {cfg.run.steps} steps x "
+                f"{cfg.run.prompts_per_step} prompts; teacher {teacher_model} (accuracy {teacher_accuracy:.3f}, "
+                f"{'top-%d %s' % (topk, cfg.algorithm.topk_mode) if topk else 'full vocabulary'}); output {log.dir}")
     try:
         record = train(cfg, plan, roles["train"], roles["rollout"], roles["teacher"], train_set, eval_set,
                        load_tokenizer(student), log, step0={"teacher/eval_accuracy": teacher_accuracy, **stats},

@@ -6,7 +6,7 @@
 
 Each step draws `run.prompts_per_step` prompts; the rollout samples `num_generations`
 completions of each, and the reward functions (`reward_funcs` with `reward_weights`:
-accuracy by data.check, format regex, the rule-based arithmetic PRM, or a dotted path) score
+numeric accuracy, format regex, the rule-based arithmetic PRM, or a dotted path) score
 them. Advantages are relative to the prompt's group (`scale_rewards`, `leave_one_out`);
 with `dynamic_sample`, groups whose rewards are all equal are dropped and fresh prompts
 generated. The trainer takes `steps_per_generation` clipped-ratio updates on the batch
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -38,25 +39,27 @@ from omegaconf import DictConfig
 
 from algorithms import common, overlap, sft
 from algorithms.advantages import group_advantages, zero_variance_groups
-from algorithms.config import LoopConfig, RunConfig, SWIFT_COMMON_KEYS, as_dict, engine_args, prepare, sft_phase
+from algorithms.config import RunConfig, SWIFT_COMMON_KEYS, as_dict, engine_args, prepare, sft_phase
 from algorithms.data import load_task, row_limits
 from algorithms.grpo_rewards import Rewards, planned_reward_configs, reward_specs
 from algorithms.losses import LOSS_TYPES, make_loss
-from algorithms.runlog import RunLog, run_dir
+from algorithms.runlog import RunLog, phase_run, run_dir
 from algorithms.turns import Turns
 from algorithms.validation import (AT_LEAST_1, NON_NEGATIVE, POSITIVE, check_importable, check_run,
                                    check_trainer, require, require_all, require_roles)
-from orchestration.cluster import init_cluster
+from orchestration.cluster import init_cluster, set_log_level
 from orchestration.config import ConfigError, register_schema
 from orchestration.dispatch import flatten, slice_bounds
 from orchestration.launch import start_roles
 from orchestration.planner import Plan, make_plan, with_colocated_role
 from roles.batch import Completions, SamplingParams
 from roles.models import load_tokenizer
-from roles.orm import ANSWER_KINDS, ORM
+from roles.orm import ORM
 from roles.prm import AGGREGATES, PRM
 from roles.rollout import Rollout
 from roles.trainer import Trainer, slice_batch
+
+logger = logging.getLogger("algorithms.grpo")  # not __name__: python -m runs this module as __main__
 
 
 @dataclass
@@ -91,11 +94,9 @@ class GRPOAlgorithm:
     temperature: float = 1.0
     # Longest completion in tokens.
     max_new_tokens: int = 48
-    # Reward functions: accuracy (data.check against the reference), an answer check named by
-    # its kind (numeric, exact, last_number, regex with data.check_pattern, boxed: see
-    # data.check), format (regex format_pattern), prm (rule-based arithmetic step verifier, the
-    # '#### N' line counted as the last step, aggregated by prm_aggregate: with min, 1 only for
-    # a fully right derivation),
+    # Reward functions: accuracy (numeric '#### N' against the reference), format (regex
+    # format_pattern), prm (rule-based arithmetic step verifier, the '#### N' line counted as
+    # the last step, aggregated by prm_aggregate: with min, 1 only for a fully right derivation),
     # or a dotted path 'pkg.mod.fn' to fn(prompts, completions, references) -> list[float].
     reward_funcs: List[str] = field(default_factory=lambda: ["accuracy"])
     # Weight of each reward function, in order; empty: 1.0 each. The reward is the weighted sum.
@@ -144,7 +145,6 @@ def train(cfg: GRPORunConfig, plan: Plan, trainer: Any, rollout: Any, reference:
     beta = 0. Returns the last record."""
     algo, G = cfg.algorithm, cfg.algorithm.num_generations
     sampling = SamplingParams(temperature=algo.temperature, max_new_tokens=algo.max_new_tokens, n=G)
-    check = common.checker(cfg.data)
     with Turns(plan, {"train": trainer, "rollout": rollout, "reference": reference}, cfg.run, cfg.weight_sync,
                       log, eval_set) as turns:
         # Prompts continue where a resumed run's checkpoint left them; step k's generation starts
@@ -158,8 +158,8 @@ def train(cfg: GRPORunConfig, plan: Plan, trainer: Any, rollout: Any, reference:
                 # Generate + score: G completions per prompt and their rewards (with dynamic_sample,
                 # rounds of fresh prompts until prompts_per_step groups have reward variance).
                 with turns.rollout_turn(step - 1, metrics):
-                    rounds = _generate_and_score(algo, cfg.run.prompts_per_step, prefetch, rewards, check, step,
-                                                 log, metrics)
+                    rounds = _generate_and_score(algo, cfg.run.prompts_per_step, prefetch, rewards, step, log,
+                                                 metrics)
                 comps, scores = _pick_groups(rounds, cfg.run.prompts_per_step, G, algo.dynamic_sample)
                 # Staleness: trainer version minus each sample's; the ratio below uses the samples'
                 # own (behaviour) logprobs, so stale samples stay correctly weighted.
@@ -190,8 +190,8 @@ def train(cfg: GRPORunConfig, plan: Plan, trainer: Any, rollout: Any, reference:
         return turns.finish({"stream": prefetch.position()})
 
 
-def _generate_and_score(algo: GRPOAlgorithm, want: int, prefetch: Any, rewards: Rewards, check: ORM, step: int,
-                        log: RunLog, metrics: dict) -> list:
+def _generate_and_score(algo: GRPOAlgorithm, want: int, prefetch: Any, rewards: Rewards, step: int, log: RunLog,
+                        metrics: dict) -> list:
     """Generation rounds of `step`: [(completions, scores, zero-variance groups)], one round,
     or with dynamic_sample up to 1 + max_resample_times until `want` groups have reward
     variance. The first round's samples, as drawn, give the rollout/ and reward/ metrics."""
@@ -201,12 +201,12 @@ def _generate_and_score(algo: GRPOAlgorithm, want: int, prefetch: Any, rewards: 
             examples, comps = prefetch.take(step) if r == 0 else prefetch.extra(step)
         with log.phase("score", "reward"):
             scores, means = rewards.score([ex.prompt for ex in examples for _ in range(G)], comps.texts,
-                                          [common.reference(ex) for ex in examples for _ in range(G)])
+                                          [ex.answer for ex in examples for _ in range(G)])
         zero = zero_variance_groups(scores, G)
         rounds.append((comps, scores, zero))
         varied += int((~zero).sum())
         if r == 0:
-            metrics.update(_sample_metrics(comps, scores, means, zero, common.correct(check, examples, comps.texts)))
+            metrics.update(_sample_metrics(comps, scores, means, zero, examples, G))
         if not algo.dynamic_sample or varied >= want:
             break
     metrics["grpo/generation_rounds"] = len(rounds)
@@ -214,8 +214,10 @@ def _generate_and_score(algo: GRPOAlgorithm, want: int, prefetch: Any, rewards: 
 
 
 def _sample_metrics(comps: Completions, scores: torch.Tensor, means: dict, zero: torch.Tensor,
-                    correct: list) -> dict:
-    """What the current policy's samples look like: rewards, accuracy (data.check), length, flat groups."""
+                    examples: list, G: int) -> dict:
+    """What the current policy's samples look like: rewards, accuracy, length, flat groups."""
+    correct = common.NUMERIC.score([ex.prompt for ex in examples for _ in range(G)], comps.texts,
+                             [ex.answer for ex in examples for _ in range(G)])
     lengths = [len(c) for c in comps.completion_ids]
     return {"reward/mean": float(scores.mean()), "rollout/accuracy": sum(correct) / len(correct),
             "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
@@ -261,16 +263,17 @@ def warm_start(cfg: GRPORunConfig, train_ranks: int, out_dir: Path) -> str:
                                      total_steps=a.warmup_sft_steps, schedule="cosine",
                                      micro_batch_per_device=a.warmup_sft_batch),
                      data=replace(cfg.data, train_size=a.warmup_sft_examples or cfg.data.train_size),
-                     run=LoopConfig(steps=a.warmup_sft_steps, prompts_per_step=a.warmup_sft_batch,
-                                    eval_max_new_tokens=cfg.run.eval_max_new_tokens, save_final=True,
-                                    seed=cfg.run.seed, resume="auto" if cfg.run.resume else None))
-    print(f"grpo: SFT warm start of {cfg.model.name} for {a.warmup_sft_steps} steps")
+                     run=phase_run(cfg.run, out_dir, "sft_warmup", steps=a.warmup_sft_steps,
+                                   prompts_per_step=a.warmup_sft_batch, eval_max_new_tokens=cfg.run.eval_max_new_tokens,
+                                   save_final=True, seed=cfg.run.seed, resume="auto" if cfg.run.resume else None))
+    logger.info(f"grpo: SFT warm start of {cfg.model.name} for {a.warmup_sft_steps} steps")
     record = sft.run(warm, make_plan({"train": {"gpus": train_ranks}}), out_dir / "sft_warmup")
     return record["checkpoint"]
 
 
 def run(cfg: GRPORunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> dict:
     """Warm start (optional), start the roles of `plan`, train, shut down. Returns the last record."""
+    set_log_level(cfg.run.log_level)
     out_dir = Path(out_dir)
     train_set, eval_set, stats = load_task(cfg.data, row_limits(cfg, cfg.algorithm.max_new_tokens))
     if cfg.backend.workers == "ray":  # sized for this plan before the warm start uses it
@@ -283,14 +286,14 @@ def run(cfg: GRPORunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> 
                      max_completion_length=a.max_new_tokens)
     # The learning-rate schedule spans every optimizer update of the run.
     trainer_cfg = {**as_dict(cfg.trainer), "total_steps": cfg.run.steps * a.steps_per_generation}
-    specs = reward_specs(a, cfg.data)
+    specs = reward_specs(a)
     planned = planned_reward_configs(specs, plan)
     if a.beta:  # the initial policy for the KL term, on the trainer's devices and with its engine
         plan = with_colocated_role(plan, "reference", "train", offload_model=plan["train"].offload_model)
     policy = {"model": model, "config": trainer_cfg, **engine_args(cfg, "train")}
     roles = start_roles(cfg, plan, {
         "train": (Trainer, {**policy, "loss_fn": loss, "loss_inputs": ("entropy",)}),
-        "rollout": (Rollout, {"model": model, "config": common.rollout_config(cfg), **engine_args(cfg, "rollout")}),
+        "rollout": (Rollout, {"model": model, "config": as_dict(cfg.rollout), **engine_args(cfg, "rollout")}),
         **({"reference": (Trainer, policy)} if a.beta else {}),
         **{role: ({"orm": ORM, "prm": PRM}[role], {"config": c}) for role, c in planned.items()}},
         restarts=cfg.run.max_restarts)
@@ -300,10 +303,10 @@ def run(cfg: GRPORunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> 
     reference = roles["reference"] if a.beta else None
     log = RunLog(out_dir, cfg.run.steps, resolved_config=resolved, cfg=cfg)
     common.record_data_stats(log, stats, cfg.run.resume)
-    print(f"grpo: {len(train_set)} train / {len(eval_set)} held-out examples; {cfg.run.steps} steps x "
-          f"{cfg.run.prompts_per_step} prompts x {a.num_generations} completions = "
-          f"{cfg.run.prompts_per_step * a.num_generations} sequences in {a.steps_per_generation} update(s); "
-          f"rewards {[(label, w) for label, w, _ in rewards.parts]}; output {log.dir}")
+    logger.info(f"grpo: {len(train_set)} train / {len(eval_set)} held-out examples; {cfg.run.steps} steps x "
+                f"{cfg.run.prompts_per_step} prompts x {a.num_generations} completions = "
+                f"{cfg.run.prompts_per_step * a.num_generations} sequences in {a.steps_per_generation} update(s); "
+                f"rewards {[(label, w) for label, w, _ in rewards.parts]}; output {log.dir}")
     try:
         return train(cfg, plan, roles["train"], roles["rollout"], reference, rewards, train_set, eval_set,
                      load_tokenizer(model), log)
@@ -343,22 +346,20 @@ def validate(cfg: GRPORunConfig, plan: Plan) -> None:
     if a.reward_weights and len(a.reward_weights) != len(a.reward_funcs):
         raise ConfigError(f"config key 'algorithm.reward_weights' has {len(a.reward_weights)} weights for "
                           f"{len(a.reward_funcs)} reward_funcs. Fix: one weight per function, or [] for 1.0 each")
-    bad = [f for f in a.reward_funcs if f not in ("accuracy", "format", "prm", *ANSWER_KINDS) and "." not in f]
+    bad = [f for f in a.reward_funcs if f not in ("accuracy", "format", "prm") and "." not in f]
     if bad:
-        raise ConfigError(f"config key 'algorithm.reward_funcs': unknown {bad}. Fix: use accuracy, format, prm, "
-                          f"one of {list(ANSWER_KINDS)} or a dotted path 'pkg.mod.fn'")
+        raise ConfigError(f"config key 'algorithm.reward_funcs': unknown {bad}. Fix: use accuracy, format, prm "
+                          "or a dotted path 'pkg.mod.fn'")
     for f in a.reward_funcs:
         if "." in f:
             check_importable("algorithm.reward_funcs", f)
-        elif f in ANSWER_KINDS:
-            common.validate_check(cfg.data, f)
     if a.format_pattern is not None:
         try:
             re.compile(a.format_pattern)
         except re.error as e:
             raise ConfigError(f"config key 'algorithm.format_pattern'={a.format_pattern!r} is not a regular "
                               f"expression ({e}). Fix: correct it, or null for the default") from None
-    kinds = [c["kind"] for _, _, cls, c in reward_specs(a, cfg.data) if cls is ORM]
+    kinds = [c["kind"] for _, _, cls, c in reward_specs(a) if cls is ORM]
     if "orm" in plan.roles and len(set(kinds)) < len(kinds):
         raise ConfigError("config key 'algorithm.reward_funcs': a planned orm role combines the ORM functions "
                           "by kind, so each kind (and at most one dotted path) may appear once. Fix: drop the "

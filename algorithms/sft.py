@@ -32,7 +32,7 @@ from roles.models import load_tokenizer
 from roles.rollout import Rollout
 from roles.trainer import Trainer
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("algorithms.sft")  # not __name__: python -m runs this module as __main__
 
 
 def train(cfg: SFTRunConfig, plan: Any, trainer: Any, evaluator: Any, train_set: list, eval_set: list,

@@ -18,6 +18,7 @@ position); the loop then runs from `first_step`.
 from __future__ import annotations
 
 import contextlib
+import logging
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -27,6 +28,8 @@ from algorithms.runlog import RunLog, timed_call
 from orchestration.config import WeightSyncConfig
 from orchestration.planner import Plan
 from orchestration.weight_sync import WeightSync, sync_metrics
+
+logger = logging.getLogger(__name__)
 
 
 def due(step: int, every: int) -> bool:
@@ -72,7 +75,7 @@ class Turns:
             self._last = log.rewind(self.resumed["step"])
             with self.turn("train"):
                 self.trainer.call("load", str(self.resumed_from))
-            print(f"resumed from {self.resumed_from}: continuing at step {self.first_step}")
+            logger.info(f"resumed from {self.resumed_from}: continuing at step {self.first_step}")
         self.version = max(self.first_step - 1, 0)  # of the weights the rollout should hold
         for name, group in self.roles.items():  # a replaced rank of a restartable role (Ray groups)
             if hasattr(group, "on_restart"):
