@@ -12,7 +12,7 @@ outcome. Per prompt the candidates rank by score = PRM + orm_weight * ORM; the b
 `n_best_to_keep` with a PRM score >= `prm_threshold` become rows of `output_file`
 (sampled.jsonl) in the Hydra run directory: `messages` [user, assistant],
 `rejected_response` (the worst candidate), the scores, prompt and answer. metrics.jsonl gets, per step, candidates, kept
-rows, mean scores and the accuracy (numeric '#### N' check) of all candidates and of the
+rows, mean scores and the accuracy (data.check) of all candidates and of the
 kept ones, with run totals on the last line; step 0 holds the policy's greedy held-out
 eval/accuracy. Optional SFT phases run algorithms.sft on the sampler's device kind:
 `warmup_sft_steps` (at `warmup_lr`) first trains the policy on the task's reference
@@ -124,6 +124,7 @@ def sample(cfg: DistillRunConfig, sampler: Any, prm: Any, orm: Any, train_set: l
     first = resumed["step"] + 1 if resumed else 0
     stream = common.PromptStream(train_set, cfg.run.prompts_per_step, cfg.run.seed, resumed["stream"] if resumed else 0)
     totals: Counter = Counter(resumed["totals"] if resumed else {})
+    check = common.checker(cfg.data)
     record: dict = log.rewind(resumed["step"]) if resumed else {}
     if resumed:
         _keep_lines(out_path, resumed["rows"])
@@ -133,7 +134,7 @@ def sample(cfg: DistillRunConfig, sampler: Any, prm: Any, orm: Any, train_set: l
             if step == 0:
                 # Eval: greedy held-out accuracy of the policy that samples.
                 with log.phase("eval"):
-                    metrics["eval/accuracy"] = greedy_accuracy(sampler, eval_set, cfg.run.eval_max_new_tokens)
+                    metrics["eval/accuracy"] = greedy_accuracy(sampler, eval_set, cfg.run.eval_max_new_tokens, check)
             else:
                 examples = next(stream)
                 # Generate: n candidates per prompt, prompts split over the sampler ranks; seeded by
@@ -148,13 +149,13 @@ def sample(cfg: DistillRunConfig, sampler: Any, prm: Any, orm: Any, train_set: l
                 # Score: PRM (step scores aggregated) and ORM, candidates split over each group's ranks.
                 # References: the final answer when known (numeric ORM), else the reference solution.
                 prompts = [ex.prompt for ex in examples for _ in range(n)]
-                refs = [ex.answer or ex.solution for ex in examples for _ in range(n)]
+                refs = [common.reference(ex) for ex in examples for _ in range(n)]
                 with log.phase("score"):
                     prm_scores = prm.call("score", prompts, texts, refs, dispatch="slice", collect="flatten")
                     orm_scores = orm.call("score", prompts, texts, refs, dispatch="slice", collect="flatten")
                 # Select: best n_best_to_keep per prompt with PRM >= prm_threshold, the worst as rejected.
                 with log.phase("select"):
-                    correct = common.NUMERIC.score(prompts, texts, [ex.answer for ex in examples for _ in range(n)])
+                    correct = common.correct(check, examples, texts)
                     rows, counts = select(examples, texts, prm_scores, orm_scores, correct, algo)
                     out.writelines(json.dumps(row) + "\n" for row in rows)
                     out.flush()
@@ -180,7 +181,7 @@ def _keep_lines(path: Path, n: int) -> None:
 def select(examples: list[Example], texts: list[str], prm_scores: list[float], orm_scores: list[float],
            correct: list[float], algo: DistillAlgorithm) -> tuple[list[dict], Counter]:
     """Dataset rows of one batch (candidates of prompt i at i*n .. i*n+n-1) and the sums
-    behind its metrics. `correct` is the numeric check of each candidate (metrics only)."""
+    behind its metrics. `correct` is the data.check score of each candidate (metrics only)."""
     n, rows, c = algo.num_return_sequences, [], Counter()
     for i, ex in enumerate(examples):
         idx = range(i * n, (i + 1) * n)
@@ -220,12 +221,12 @@ def summarize(c: Counter, prefix: str) -> dict:
     return out
 
 
-def greedy_accuracy(sampler: Any, examples: list[Example], max_new_tokens: int) -> float:
-    """Held-out accuracy of one greedy sample per prompt (numeric '#### N' check)."""
+def greedy_accuracy(sampler: Any, examples: list[Example], max_new_tokens: int, check: ORM) -> float:
+    """Held-out accuracy of one greedy sample per prompt (`check`: data.check's scorer)."""
     comps = sampler.call("sample", [ex.prompt_messages() for ex in examples], 1,
                          SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens),
                          dispatch="slice", collect="flatten")
-    scores = common.NUMERIC.score([ex.prompt for ex in examples], comps.texts, [ex.answer for ex in examples])
+    scores = common.correct(check, examples, comps.texts)
     return sum(scores) / max(len(scores), 1)
 
 
@@ -277,7 +278,8 @@ def run(cfg: DistillRunConfig, plan: Plan, out_dir: Path, resolved: Any = None) 
     elif algo.sft_steps:
         # SFT on the kept rows; held-out task examples go last so that SFT evaluates on them.
         data = DataConfig(task="files", paths=[str(path), str(write_heldout(eval_set, Path(out_dir) / "heldout.jsonl"))],
-                          train_size=record["total/kept"], eval_size=len(eval_set), cache_dir=cfg.data.cache_dir)
+                          train_size=record["total/kept"], eval_size=len(eval_set), cache_dir=cfg.data.cache_dir,
+                          check=cfg.data.check, check_pattern=cfg.data.check_pattern, chat=cfg.data.chat)
         tuned = run_sft(cfg, plan, policy, data, algo.sft_steps, cfg.trainer.lr, out_dir / "sft")
         record.update({"sft/eval_accuracy": tuned["eval/accuracy"], "sft/checkpoint": tuned.get("checkpoint")})
     return record
@@ -288,7 +290,7 @@ def sample_with_roles(cfg: DistillRunConfig, plan: Plan, policy: Any, train_set:
     """Start the sampler, PRM and ORM groups, sample (continuing from `resumed`), shut down."""
     algo = cfg.algorithm
     roles = start_roles(cfg, plan, {"sampler": (Sampler, {"model": as_dict(resolve_config(policy)),
-                                                          "config": as_dict(cfg.rollout),
+                                                          "config": common.rollout_config(cfg),
                                                           **engine_args(cfg, "rollout")}),
                                     "prm": (PRM, {"config": as_dict(cfg.prm)}),
                                     "orm": (ORM, {"config": as_dict(cfg.orm)})}, restarts=cfg.run.max_restarts)

@@ -83,7 +83,8 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
                 if on_policy[step]:
                     metrics.update(overlap.staleness(comps, step, algo.max_staleness))
                 else:
-                    comps = _off_policy(examples, tokenizer, teacher_writer if algo.seq_kd else None, sampling, log)
+                    comps = _off_policy(examples, tokenizer, teacher_writer if algo.seq_kd else None, sampling, log,
+                                        cfg.data.chat)
                 batch = common.batch_of(tokenizer, comps)
                 # sft_alpha's NLL term counts dataset responses only, never the student's own text.
                 batch.sft_weight = torch.full((len(batch),), 0.0 if on_policy[step] else 1.0)
@@ -106,11 +107,12 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
         return turns.finish({"stream": prefetch.position()})
 
 
-def _off_policy(examples: list, tokenizer: Any, teacher_writer: Any, sampling: SamplingParams, log: RunLog) -> Any:
-    """Completions of an off-policy step: the dataset's responses, or with a teacher writer
-    (sequence-level KD) the teacher's own samples."""
+def _off_policy(examples: list, tokenizer: Any, teacher_writer: Any, sampling: SamplingParams, log: RunLog,
+                chat: Any) -> Any:
+    """Completions of an off-policy step: the dataset's responses (prompts rendered as data.chat
+    says: `chat`), or with a teacher writer (sequence-level KD) the teacher's own samples."""
     if teacher_writer is None:
-        return common.encode_examples(tokenizer, examples, pretrain=False)
+        return common.encode_examples(tokenizer, examples, pretrain=False, chat=chat)
     with log.phase("generate", "teacher_writer"):
         comps = teacher_writer.call("generate", [ex.prompt_messages() for ex in examples], sampling,
                                     dispatch="slice", collect="flatten")
@@ -159,14 +161,14 @@ def run(cfg: GKDRunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> d
     student = as_dict(cfg.model)
     loss = gkd_loss(cfg, plan)
     # The teacher's accuracy, for reference (the gap the student closes).
-    judge = driver_group(Rollout, {"model": teacher_model, "config": as_dict(cfg.rollout)}, "teacher_eval")
-    teacher_accuracy = common.accuracy(judge, eval_set, cfg.run.eval_max_new_tokens)
+    judge = driver_group(Rollout, {"model": teacher_model, "config": common.rollout_config(cfg)}, "teacher_eval")
+    teacher_accuracy = common.accuracy(judge, eval_set, cfg.run.eval_max_new_tokens, cfg.data)
     if not cfg.algorithm.seq_kd:  # with seq_kd it writes the off-policy completions
         judge.shutdown()
     roles = start_roles(cfg, plan, {
         "train": (Trainer, {"model": student, "config": as_dict(cfg.trainer), "loss_fn": loss,
                             "loss_inputs": loss.loss_inputs, **engine_args(cfg, "train")}),
-        "rollout": (Rollout, {"model": student, "config": as_dict(cfg.rollout), **engine_args(cfg, "rollout")}),
+        "rollout": (Rollout, {"model": student, "config": common.rollout_config(cfg), **engine_args(cfg, "rollout")}),
         "teacher": (Teacher, {"model": teacher_model, "config": as_dict(cfg.teacher.engine),
                               **engine_args(cfg, "teacher")})}, restarts=cfg.run.max_restarts)
     log = RunLog(out_dir, cfg.run.steps, resolved_config=resolved, cfg=cfg)

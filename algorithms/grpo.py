@@ -6,7 +6,7 @@
 
 Each step draws `run.prompts_per_step` prompts; the rollout samples `num_generations`
 completions of each, and the reward functions (`reward_funcs` with `reward_weights`:
-numeric accuracy, format regex, the rule-based arithmetic PRM, or a dotted path) score
+accuracy by data.check, format regex, the rule-based arithmetic PRM, or a dotted path) score
 them. Advantages are relative to the prompt's group (`scale_rewards`, `leave_one_out`);
 with `dynamic_sample`, groups whose rewards are all equal are dropped and fresh prompts
 generated. The trainer takes `steps_per_generation` clipped-ratio updates on the batch
@@ -54,7 +54,7 @@ from orchestration.launch import start_roles
 from orchestration.planner import Plan, make_plan, with_colocated_role
 from roles.batch import Completions, SamplingParams
 from roles.models import load_tokenizer
-from roles.orm import ORM
+from roles.orm import ANSWER_KINDS, ORM
 from roles.prm import AGGREGATES, PRM
 from roles.rollout import Rollout
 from roles.trainer import Trainer, slice_batch
@@ -94,9 +94,11 @@ class GRPOAlgorithm:
     temperature: float = 1.0
     # Longest completion in tokens.
     max_new_tokens: int = 48
-    # Reward functions: accuracy (numeric '#### N' against the reference), format (regex
-    # format_pattern), prm (rule-based arithmetic step verifier, the '#### N' line counted as
-    # the last step, aggregated by prm_aggregate: with min, 1 only for a fully right derivation),
+    # Reward functions: accuracy (data.check against the reference), an answer check named by
+    # its kind (numeric, exact, last_number, regex with data.check_pattern, boxed: see
+    # data.check), format (regex format_pattern), prm (rule-based arithmetic step verifier, the
+    # '#### N' line counted as the last step, aggregated by prm_aggregate: with min, 1 only for
+    # a fully right derivation),
     # or a dotted path 'pkg.mod.fn' to fn(prompts, completions, references) -> list[float].
     reward_funcs: List[str] = field(default_factory=lambda: ["accuracy"])
     # Weight of each reward function, in order; empty: 1.0 each. The reward is the weighted sum.
@@ -145,6 +147,7 @@ def train(cfg: GRPORunConfig, plan: Plan, trainer: Any, rollout: Any, reference:
     beta = 0. Returns the last record."""
     algo, G = cfg.algorithm, cfg.algorithm.num_generations
     sampling = SamplingParams(temperature=algo.temperature, max_new_tokens=algo.max_new_tokens, n=G)
+    check = common.checker(cfg.data)
     with Turns(plan, {"train": trainer, "rollout": rollout, "reference": reference}, cfg.run, cfg.weight_sync,
                       log, eval_set) as turns:
         # Prompts continue where a resumed run's checkpoint left them; step k's generation starts
@@ -158,8 +161,8 @@ def train(cfg: GRPORunConfig, plan: Plan, trainer: Any, rollout: Any, reference:
                 # Generate + score: G completions per prompt and their rewards (with dynamic_sample,
                 # rounds of fresh prompts until prompts_per_step groups have reward variance).
                 with turns.rollout_turn(step - 1, metrics):
-                    rounds = _generate_and_score(algo, cfg.run.prompts_per_step, prefetch, rewards, step, log,
-                                                 metrics)
+                    rounds = _generate_and_score(algo, cfg.run.prompts_per_step, prefetch, rewards, check, step,
+                                                 log, metrics)
                 comps, scores = _pick_groups(rounds, cfg.run.prompts_per_step, G, algo.dynamic_sample)
                 # Staleness: trainer version minus each sample's; the ratio below uses the samples'
                 # own (behaviour) logprobs, so stale samples stay correctly weighted.
@@ -190,8 +193,8 @@ def train(cfg: GRPORunConfig, plan: Plan, trainer: Any, rollout: Any, reference:
         return turns.finish({"stream": prefetch.position()})
 
 
-def _generate_and_score(algo: GRPOAlgorithm, want: int, prefetch: Any, rewards: Rewards, step: int, log: RunLog,
-                        metrics: dict) -> list:
+def _generate_and_score(algo: GRPOAlgorithm, want: int, prefetch: Any, rewards: Rewards, check: ORM, step: int,
+                        log: RunLog, metrics: dict) -> list:
     """Generation rounds of `step`: [(completions, scores, zero-variance groups)], one round,
     or with dynamic_sample up to 1 + max_resample_times until `want` groups have reward
     variance. The first round's samples, as drawn, give the rollout/ and reward/ metrics."""
@@ -201,12 +204,12 @@ def _generate_and_score(algo: GRPOAlgorithm, want: int, prefetch: Any, rewards: 
             examples, comps = prefetch.take(step) if r == 0 else prefetch.extra(step)
         with log.phase("score", "reward"):
             scores, means = rewards.score([ex.prompt for ex in examples for _ in range(G)], comps.texts,
-                                          [ex.answer for ex in examples for _ in range(G)])
+                                          [common.reference(ex) for ex in examples for _ in range(G)])
         zero = zero_variance_groups(scores, G)
         rounds.append((comps, scores, zero))
         varied += int((~zero).sum())
         if r == 0:
-            metrics.update(_sample_metrics(comps, scores, means, zero, examples, G))
+            metrics.update(_sample_metrics(comps, scores, means, zero, common.correct(check, examples, comps.texts)))
         if not algo.dynamic_sample or varied >= want:
             break
     metrics["grpo/generation_rounds"] = len(rounds)
@@ -214,10 +217,8 @@ def _generate_and_score(algo: GRPOAlgorithm, want: int, prefetch: Any, rewards: 
 
 
 def _sample_metrics(comps: Completions, scores: torch.Tensor, means: dict, zero: torch.Tensor,
-                    examples: list, G: int) -> dict:
-    """What the current policy's samples look like: rewards, accuracy, length, flat groups."""
-    correct = common.NUMERIC.score([ex.prompt for ex in examples for _ in range(G)], comps.texts,
-                             [ex.answer for ex in examples for _ in range(G)])
+                    correct: list) -> dict:
+    """What the current policy's samples look like: rewards, accuracy (data.check), length, flat groups."""
     lengths = [len(c) for c in comps.completion_ids]
     return {"reward/mean": float(scores.mean()), "rollout/accuracy": sum(correct) / len(correct),
             "reward/std": float(scores.std()) if len(scores) > 1 else 0.0,
@@ -286,14 +287,14 @@ def run(cfg: GRPORunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> 
                      max_completion_length=a.max_new_tokens)
     # The learning-rate schedule spans every optimizer update of the run.
     trainer_cfg = {**as_dict(cfg.trainer), "total_steps": cfg.run.steps * a.steps_per_generation}
-    specs = reward_specs(a)
+    specs = reward_specs(a, cfg.data)
     planned = planned_reward_configs(specs, plan)
     if a.beta:  # the initial policy for the KL term, on the trainer's devices and with its engine
         plan = with_colocated_role(plan, "reference", "train", offload_model=plan["train"].offload_model)
     policy = {"model": model, "config": trainer_cfg, **engine_args(cfg, "train")}
     roles = start_roles(cfg, plan, {
         "train": (Trainer, {**policy, "loss_fn": loss, "loss_inputs": ("entropy",)}),
-        "rollout": (Rollout, {"model": model, "config": as_dict(cfg.rollout), **engine_args(cfg, "rollout")}),
+        "rollout": (Rollout, {"model": model, "config": common.rollout_config(cfg), **engine_args(cfg, "rollout")}),
         **({"reference": (Trainer, policy)} if a.beta else {}),
         **{role: ({"orm": ORM, "prm": PRM}[role], {"config": c}) for role, c in planned.items()}},
         restarts=cfg.run.max_restarts)
@@ -346,20 +347,22 @@ def validate(cfg: GRPORunConfig, plan: Plan) -> None:
     if a.reward_weights and len(a.reward_weights) != len(a.reward_funcs):
         raise ConfigError(f"config key 'algorithm.reward_weights' has {len(a.reward_weights)} weights for "
                           f"{len(a.reward_funcs)} reward_funcs. Fix: one weight per function, or [] for 1.0 each")
-    bad = [f for f in a.reward_funcs if f not in ("accuracy", "format", "prm") and "." not in f]
+    bad = [f for f in a.reward_funcs if f not in ("accuracy", "format", "prm", *ANSWER_KINDS) and "." not in f]
     if bad:
-        raise ConfigError(f"config key 'algorithm.reward_funcs': unknown {bad}. Fix: use accuracy, format, prm "
-                          "or a dotted path 'pkg.mod.fn'")
+        raise ConfigError(f"config key 'algorithm.reward_funcs': unknown {bad}. Fix: use accuracy, format, prm, "
+                          f"one of {list(ANSWER_KINDS)} or a dotted path 'pkg.mod.fn'")
     for f in a.reward_funcs:
         if "." in f:
             check_importable("algorithm.reward_funcs", f)
+        elif f in ANSWER_KINDS:
+            common.validate_check(cfg.data, f)
     if a.format_pattern is not None:
         try:
             re.compile(a.format_pattern)
         except re.error as e:
             raise ConfigError(f"config key 'algorithm.format_pattern'={a.format_pattern!r} is not a regular "
                               f"expression ({e}). Fix: correct it, or null for the default") from None
-    kinds = [c["kind"] for _, _, cls, c in reward_specs(a) if cls is ORM]
+    kinds = [c["kind"] for _, _, cls, c in reward_specs(a, cfg.data) if cls is ORM]
     if "orm" in plan.roles and len(set(kinds)) < len(kinds):
         raise ConfigError("config key 'algorithm.reward_funcs': a planned orm role combines the ORM functions "
                           "by kind, so each kind (and at most one dotted path) may appear once. Fix: drop the "
