@@ -1,18 +1,19 @@
-"""Trackers chosen by run.loggers (metrics.jsonl, TensorBoard, offline W&B) fed by one record
-per step, and the progress output: a bar on a terminal, a line with every metric every
-run.log_every steps and at the first and last step."""
+"""Trackers chosen by run.loggers (metrics.jsonl, TensorBoard, offline W&B, MLflow) fed by one
+record per step, SFT phases inside a run feeding the run's trackers, and the progress output: a
+bar on a terminal, a line with every metric every run.log_every steps and at the first and last
+step."""
 import io
 import re
 from pathlib import Path
 
 import pytest
 
-from algorithms import sft
-from algorithms.config import LoopConfig, SFTRunConfig
+from algorithms import gkd, sft
+from algorithms.config import GKDRunConfig, LoopConfig, SFTRunConfig
 from algorithms.runlog import RunLog, read_metrics
 from algorithms.trackers import check_loggers, numeric
 from orchestration.config import ConfigError
-from tests.driver_helpers import TINY, prepared
+from tests.driver_helpers import TINY, TINY_GKD, prepared
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one intra-op thread
 
@@ -30,12 +31,23 @@ def with_run(**run) -> SFTRunConfig:
     return SFTRunConfig(run=LoopConfig(**run))
 
 
-def test_tiny_sft_run_writes_tensorboard_and_an_offline_wandb_run(tmp_path, monkeypatch):
-    """A local 3-step SFT run with every tracker: the TensorBoard scalars are metrics.jsonl's
-    numbers, step for step; the offline W&B run folder holds the run's records."""
+def series_of(records: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """The numeric series of metrics.jsonl records: {metric: [(step, value)]}."""
+    want: dict[str, list] = {}
+    for r in records:
+        for key, value in numeric(r).items():
+            want.setdefault(key, []).append((r["step"], value))
+    return want
+
+
+def test_tiny_sft_run_writes_tensorboard_an_offline_wandb_run_and_mlflow(tmp_path, monkeypatch):
+    """A local 3-step SFT run with every tracker: the TensorBoard scalars and the MLflow metrics
+    are metrics.jsonl's numbers, step for step; the offline W&B run folder holds the run's
+    records; the MLflow run has the run's name, flattened config and tags."""
     monkeypatch.delenv("WANDB_MODE", raising=False)  # the tracker sets offline itself
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     cfg, typed, plan = prepared(SFTRunConfig, ["+experiment=sft_quickstart", *TINY, "backend=local",
-                                               "run.loggers=[jsonl,tensorboard,wandb]", "run.name=tiny-sft",
+                                               "run.loggers=[jsonl,tensorboard,wandb,mlflow]", "run.name=tiny-sft",
                                                "run.tags=[tiny,ci]", "run.save_final=false"])
     sft.validate(typed, plan)
     sft.run(typed, plan, tmp_path / "run", resolved=cfg)
@@ -43,10 +55,7 @@ def test_tiny_sft_run_writes_tensorboard_and_an_offline_wandb_run(tmp_path, monk
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     series = scalars(tmp_path / "run" / "tensorboard" / "tiny-sft")
-    want: dict[str, list] = {}
-    for r in records:
-        for key, value in numeric(r).items():
-            want.setdefault(key, []).append((r["step"], value))
+    want = series_of(records)
     assert set(series) == set(want) and "train/loss" in series and "eval/accuracy" in series
     for key, points in want.items():  # TensorBoard keeps float32
         assert [s for s, _ in series[key]] == [s for s, _ in points], key
@@ -61,6 +70,37 @@ def test_tiny_sft_run_writes_tensorboard_and_an_offline_wandb_run(tmp_path, monk
     for text in (b"train/loss", b"eval/accuracy", b"tiny-sft", b"tiny", b"prompts_per_step"):
         assert text in data, text
     assert b"checkpoint" not in data  # no string goes to numeric streams
+
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'run' / 'mlflow.db'}")
+    [run] = client.search_runs([client.get_experiment_by_name("rayroles").experiment_id])
+    assert run.info.run_id == (tmp_path / "run" / "mlflow_run_id").read_text()
+    assert run.info.run_name == "tiny-sft" and run.info.status == "FINISHED"
+    assert {"tiny", "ci"} <= set(run.data.tags)
+    assert run.data.params["run.prompts_per_step"] == "4" and run.data.params["model.arch"] == typed.model.arch
+    assert set(run.data.metrics) == set(want)
+    for key, points in want.items():
+        history = client.get_metric_history(run.info.run_id, key)
+        assert [m.step for m in history] == [s for s, _ in points], key
+        assert [m.value for m in history] == pytest.approx([v for _, v in points]), key
+
+
+def test_a_teacher_warm_up_inside_a_gkd_run_feeds_the_runs_trackers(tmp_path):
+    """GKD's teacher SFT, a phase of the run: a TensorBoard run of its own named
+    <run name>/teacher_warmup in its folder, with metrics.jsonl's numbers."""
+    _, typed, _ = prepared(GKDRunConfig, ["+experiment=gkd_quickstart", *TINY_GKD, "backend=local",
+                                          f"teacher.cache_dir={tmp_path / 'teachers'}", "run.name=tiny-gkd",
+                                          "run.loggers=[jsonl,tensorboard]"])
+    gkd.warm_teacher(typed, tmp_path / "run")
+    phase = tmp_path / "run" / "teacher_warmup"
+    records = read_metrics(phase / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2]
+    series = scalars(phase / "tensorboard" / "tiny-gkd" / "teacher_warmup")
+    assert "train/loss" in series
+    want = series_of(records)["train/loss"]
+    assert [s for s, _ in series["train/loss"]] == [s for s, _ in want] == [1, 2]
+    assert [v for _, v in series["train/loss"]] == pytest.approx([v for _, v in want], rel=1e-6)
 
 
 def test_resumed_run_replaces_the_later_steps_in_tensorboard(tmp_path):
@@ -79,7 +119,7 @@ def test_resumed_run_replaces_the_later_steps_in_tensorboard(tmp_path):
 
 @pytest.mark.parametrize("loggers, says", [
     (["jsonl", "comet"], "config key 'run.loggers'=['jsonl', 'comet'] names an unknown logger 'comet'. Fix: list some of "
-                         "['jsonl', 'tensorboard', 'wandb'], e.g. run.loggers=[jsonl,tensorboard]"),
+                         "['jsonl', 'tensorboard', 'wandb', 'mlflow'], e.g. run.loggers=[jsonl,tensorboard]"),
     (["tensorboard"], "config key 'run.loggers'=['tensorboard'] leaves out jsonl"),
     (["jsonl", "jsonl"], "config key 'run.loggers'=['jsonl', 'jsonl'] names a logger twice. Fix: list each"),
 ])
