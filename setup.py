@@ -18,7 +18,9 @@ setup(
                 "GRPO, GKD, distill/sampling and SFT drivers, colocated or separate placement.",
     python_requires=">=3.10",
     packages=["roles", "roles.engines", "orchestration", "algorithms", "conf"],
-    package_data={"conf": ["*.yaml", "*/*.yaml"]},
+    package_data={"conf": ["*.yaml", "*/*.yaml"], "algorithms": ["ms_swift_examples/*.yaml"]},
+    # `rayroles grpo|gkd|sft|distill|plan ...`, `rayroles run --config X.yaml`, `rayroles example DIR`.
+    entry_points={"console_scripts": ["rayroles=algorithms.run:main"]},
     install_requires=[
         "torch>=2.4",
         "ray[default]>=2.40",  # the dashboard and job server: `ray job submit` to a running cluster

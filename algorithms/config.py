@@ -7,14 +7,16 @@ driver's `validate` (algorithms/validation.py) then checks the values, before an
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
-from typing import Any, Optional
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, ClassVar, Optional
 
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from algorithms.data import DataConfig
-from orchestration.config import (BackendConfig, ClusterConfig, PlacementConfig, WeightSyncConfig,
-                                  apply_swift_yaml, placement_dict, read_swift_yaml, validate)
+from algorithms.swift_args import epochs_to_steps, translate
+from orchestration.config import (BackendConfig, ClusterConfig, ConfigError, PlacementConfig, WeightSyncConfig,
+                                  apply_placement, placement_dict, read_config_file, validate)
 from orchestration.planner import Plan, make_plan
 from roles.engines.options import DeepSpeedOptions, MegatronOptions, VLLMOptions
 from roles.models import ModelConfig, hub_cache_dir
@@ -27,6 +29,9 @@ from roles.trainer import TrainerConfig
 class LoopConfig:
     # Optimizer steps of the run.
     steps: int = 100
+    # Passes over the training rows; when set, run.steps = ceil(epochs * rows / prompts_per_step)
+    # once the data is loaded (ms-swift's num_train_epochs). null: run.steps.
+    epochs: Optional[float] = None
     # Prompts drawn from the training set per step.
     prompts_per_step: int = 16
     # Measure eval/accuracy every N steps (always at step 0 and at the end); 0: only those.
@@ -104,6 +109,7 @@ class SFTAlgorithm:
 
 @dataclass
 class SFTRunConfig(RunConfig):
+    DRIVER: ClassVar[str] = "sft"
     # SFT / pretraining options.
     algorithm: SFTAlgorithm = field(default_factory=SFTAlgorithm)
 
@@ -158,47 +164,61 @@ class TeacherModelConfig:
 
 @dataclass
 class GKDRunConfig(RunConfig):
+    DRIVER: ClassVar[str] = "gkd"
     # GKD options.
     algorithm: GKDAlgorithm = field(default_factory=GKDAlgorithm)
     # The teacher.
     teacher: TeacherModelConfig = field(default_factory=TeacherModelConfig)
 
 
-# ms-swift keys a driver understands in a config_file, mapped onto our dotted keys.
-SWIFT_COMMON_KEYS = {"learning_rate": "trainer.lr", "max_steps": "run.steps", "seed": "run.seed",
-                     "warmup_steps": "trainer.warmup_steps", "max_grad_norm": "trainer.grad_clip",
-                     "weight_decay": "trainer.weight_decay", "model": "model.path",
-                     "per_device_train_batch_size": "trainer.micro_batch_per_device"}
-SWIFT_GKD_KEYS = {**SWIFT_COMMON_KEYS, "lmbda": "algorithm.lmbda", "beta": "algorithm.beta",
-                  "temperature": "algorithm.temperature", "sft_alpha": "algorithm.sft_alpha",
-                  "seq_kd": "algorithm.seq_kd", "max_completion_length": "algorithm.max_new_tokens"}
-
-
-def prepare(cfg: DictConfig | dict, schema: type, swift_keys: dict[str, str],
-            cli: Optional[list[str]] = None) -> tuple[Any, Plan]:
+def prepare(cfg: DictConfig | dict, schema: type, cli: Optional[list[str]] = None) -> tuple[Any, Plan]:
     """A composed config as a typed `schema` object with config_file applied, and its plan.
 
-    `cli`: the command line's overrides (default: Hydra's, when a Hydra app runs); they win
-    over the config_file's values. Raises ConfigError/PlanError naming the key. The driver's
-    `validate(cfg, plan)` checks the values next, before anything starts.
+    The config_file's training keys are translated for the schema's driver (`schema.DRIVER`,
+    algorithms/swift_args.py); `cli`: the command line's overrides (default: Hydra's, when a
+    Hydra app runs), which win over the file's values. Raises ConfigError/PlanError naming the
+    key. The driver's `validate(cfg, plan)` checks the values next, before anything starts.
     """
     typed = validate(cfg, schema)
     if typed.config_file:
-        apply_swift_yaml(typed, swift_keys)
-        placement, overrides, _ = read_swift_yaml(typed.config_file, swift_keys)
+        placement, overrides, no_effect = translate(read_config_file(typed.config_file), schema.DRIVER, typed)
+        apply_placement(typed, placement)
+        for key, value in overrides.items():
+            try:
+                OmegaConf.update(typed, key, value, merge=False)
+            except OmegaConfBaseException as e:
+                raise ConfigError(f"config key 'config_file'={typed.config_file!r}: its value for {key} "
+                                  f"({value!r}) does not fit: {getattr(e, 'msg', e)}. Fix: correct it in the file") from None
         file_keys = list(overrides) + ["placement"] * bool(placement)
         kept = keep_command_line(typed, cfg, cli_overrides() if cli is None else cli, file_keys)
         if kept:
             print(f"config_file {typed.config_file}: the command line's {kept} win over the file's values")
+        if no_effect:
+            print(f"config_file {typed.config_file}: {no_effect} change nothing here (docs/ms_swift.md says why)")
         typed = validate(typed, schema)
     plan = make_plan(placement_dict(typed))
     run = OmegaConf.to_object(typed)
     run.model.path = local_model_path(run.model.path)
-    # Derived once here: the learning-rate schedule spans the run.
-    run.trainer.total_steps = run.run.steps
-    if run.trainer.warmup_ratio is not None:
-        run.trainer.warmup_steps = round(run.trainer.warmup_ratio * run.run.steps)
-    return run, plan
+    return with_steps(run, run.run.steps), plan
+
+
+def with_steps(run: Any, steps: int) -> Any:
+    """`run` with `steps` optimizer steps and what follows from them (derived only here): the
+    learning-rate schedule spans the run, warmup_ratio sets the warmup steps."""
+    trainer = replace(run.trainer, total_steps=steps)
+    if trainer.warmup_ratio is not None:
+        trainer.warmup_steps = round(trainer.warmup_ratio * steps)
+    return replace(run, run=replace(run.run, steps=steps), trainer=trainer)
+
+
+def fit_epochs(run: Any, rows: int) -> Any:
+    """`run` with run.steps from run.epochs (when set) over `rows` training rows, one
+    run.prompts_per_step rows a step; the drivers call it once the data is loaded."""
+    if run.run.epochs is None:
+        return run
+    steps = epochs_to_steps(run.run.epochs, rows, run.run.prompts_per_step)
+    print(f"run.epochs={run.run.epochs} over {rows} training rows, {run.run.prompts_per_step} a step: {steps} steps")
+    return with_steps(run, steps)
 
 
 def local_model_path(path: Optional[str]) -> Optional[str]:

@@ -103,6 +103,8 @@ class RowLimits:
     # The run trains on the dataset's replies (SFT, GKD's dataset replies): prompt-only
     # training rows are skipped as no_reply. Held-out rows never need one.
     replies: bool = False
+    # data.chat: how prompts are rendered, so lengths are counted on the text the models read.
+    chat: Optional[bool] = None
 
 
 def model_context(spec: Any) -> Optional[int]:
@@ -148,7 +150,7 @@ def row_limits(cfg: Any, new_tokens: Optional[int] = None, replies: bool = False
         bounds = [x for x in (cfg.data.max_length, context) if x]
         max_length = min(bounds) if bounds else None
     return RowLimits(load_tokenizer(cfg.model), context, new_tokens, cfg.run.eval_max_new_tokens, max_length,
-                     replies)
+                     replies, cfg.data.chat)
 
 
 class _Tally:
@@ -174,9 +176,10 @@ def _prompt_limit(limits: Optional[RowLimits], held_out: bool) -> Optional[int]:
     return None if budget is None or limits.context is None else limits.context - budget
 
 
-def _lengths(tokenizer: Any, examples: list[Example], whole: bool) -> tuple[list[int], list[int]]:
+def _lengths(tokenizer: Any, examples: list[Example], whole: bool,
+             chat: Optional[bool] = None) -> tuple[list[int], list[int]]:
     """Token counts of each example's rendered prompt and (whole=True, else zeros) whole conversation."""
-    texts = [chat_texts(tokenizer, ex) if whole else (chat_prompt(tokenizer, ex), "") for ex in examples]
+    texts = [chat_texts(tokenizer, ex, chat) if whole else (chat_prompt(tokenizer, ex, chat), "") for ex in examples]
 
     def count(strings: list[str]) -> list[int]:
         return [len(ids) for ids in tokenizer(strings, add_special_tokens=False)["input_ids"]] if strings else []
@@ -197,7 +200,8 @@ def _fit(examples: list[Example], limits: Optional[RowLimits], held_out: bool, t
     # Lengths a chunk at a time: the held-out search usually ends within its first chunk.
     chunk = max(want or 0, 256)
     for start in range(0, len(examples), chunk):
-        prompts, fulls = _lengths(limits.tokenizer, examples[start:start + chunk], max_length is not None)
+        prompts, fulls = _lengths(limits.tokenizer, examples[start:start + chunk], max_length is not None,
+                                 limits.chat)
         for i, p, f in zip(range(start, start + chunk), prompts, fulls):
             if want is not None and len(kept) == want:
                 return kept

@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import json
 import logging
+import sys
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import hydra
 from omegaconf import DictConfig
@@ -38,6 +39,7 @@ from algorithms.data import DataConfig, load_task, row_limits
 from algorithms.checkpoints import write_json_atomic
 from algorithms.overlap import step_seed
 from algorithms.runlog import RunLog, phase_run, read_metrics, run_dir
+from algorithms.swift_args import output_run_dir
 from algorithms.tasks import Example
 from algorithms.validation import (AT_LEAST_1, NON_NEGATIVE, POSITIVE, check_run, check_scorer, require,
                                    require_all, require_roles)
@@ -96,21 +98,13 @@ class DistillAlgorithm:
 
 @dataclass
 class DistillRunConfig(RunConfig):
+    DRIVER: ClassVar[str] = "distill"
     # Sampling and selection options.
     algorithm: DistillAlgorithm = field(default_factory=DistillAlgorithm)
     # Process reward model (rule-based arithmetic step verifier by default).
     prm: PRMConfig = field(default_factory=PRMConfig)
     # Outcome reward model (numeric '#### N' check by default).
     orm: ORMConfig = field(default_factory=ORMConfig)
-
-
-# ms-swift sampling keys a config_file may carry, mapped onto ours. Not mapped, so refused:
-# prm_model/orm_model (their values are hub models or ms-swift built-ins; set prm./orm.),
-# sampler_engine, dataset, system, num_sampling_per_gpu_batch_size (per-GPU batching).
-SWIFT_DISTILL_KEYS = {"model": "model.path", "seed": "run.seed",
-                      **{k: f"algorithm.{k}" for k in ("num_return_sequences", "n_best_to_keep", "prm_threshold",
-                                                       "easy_query_threshold", "sampler_type", "temperature",
-                                                       "top_p", "max_new_tokens", "output_file")}}
 
 
 def sample(cfg: DistillRunConfig, sampler: Any, prm: Any, orm: Any, train_set: list, eval_set: list,
@@ -249,7 +243,9 @@ def run_sft(cfg: DistillRunConfig, plan: Plan, model: Any, data: DataConfig, ste
 def write_heldout(examples: list[Example], path: Path) -> Path:
     """Held-out examples as JSONL rows, appended after the kept rows for SFT's eval."""
     with open(path, "w") as f:
-        f.writelines(json.dumps({"messages": ex.messages(), "answer": ex.answer}) + "\n" for ex in examples)
+        # A prompt-only row (no reference reply) stays one: its messages end with the user.
+        f.writelines(json.dumps({"messages": ex.messages() if ex.solution else ex.prompt_messages(),
+                                 "answer": ex.answer}) + "\n" for ex in examples)
     return path
 
 
@@ -294,7 +290,7 @@ def sample_with_roles(cfg: DistillRunConfig, plan: Plan, policy: Any, train_set:
                                                           **engine_args(cfg, "rollout")}),
                                     "prm": (PRM, {"config": as_dict(cfg.prm)}),
                                     "orm": (ORM, {"config": as_dict(cfg.orm)})}, restarts=cfg.run.max_restarts)
-    log = RunLog(out_dir, cfg.run.steps, resolved_config=resolved, cfg=cfg)
+    log = RunLog(out_dir, cfg.run.steps, resolved_config=cfg, cfg=cfg)
     common.record_data_stats(log, {} if resumed else stats, None)  # a resumed sampling has its step 0
     logger.info(f"distill: {cfg.run.steps} steps x {cfg.run.prompts_per_step} prompts x {algo.num_return_sequences} "
                 f"candidates from {len(train_set)} train examples over "
@@ -357,11 +353,12 @@ register_schema(DistillRunConfig)
 @hydra.main(config_path="pkg://conf", config_name="config", version_base=None)
 @common.friendly_errors
 def main(cfg: DictConfig) -> None:
-    typed, plan = prepare(cfg, DistillRunConfig, SWIFT_DISTILL_KEYS)
+    typed, plan = prepare(cfg, DistillRunConfig)
     validate(typed, plan)
-    record = common.run_with_restarts(run, typed, plan, run_dir(), resolved=cfg)
+    record = common.run_with_restarts(run, typed, plan, run_dir())
     print(json.dumps({k: v for k, v in record.items() if k.startswith(("eval/", "total/", "sft/", "dataset"))}))
 
 
 if __name__ == "__main__":
+    sys.argv = output_run_dir(sys.argv)
     main()

@@ -26,6 +26,7 @@ import json
 import logging
 import random
 import shutil
+import sys
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -35,10 +36,11 @@ import torch
 from omegaconf import DictConfig
 
 from algorithms import common, overlap, sft
-from algorithms.config import GKDRunConfig, SWIFT_GKD_KEYS, as_dict, engine_args, prepare, sft_phase
+from algorithms.config import GKDRunConfig, as_dict, engine_args, fit_epochs, prepare, sft_phase
 from algorithms.data import load_task, row_limits
 from algorithms.losses import TOPK_MODES, make_loss
 from algorithms.runlog import RunLog, phase_run, run_dir
+from algorithms.swift_args import output_run_dir
 from algorithms.turns import Turns
 from algorithms.validation import (AT_LEAST_1, FRACTION, NON_NEGATIVE, POSITIVE, check_model, check_run,
                                    check_trainer, require, require_all, require_roles, vocab_size)
@@ -66,7 +68,7 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
     coin = random.Random(cfg.run.seed)
     on_policy = [False] + [coin.random() < algo.lmbda for _ in range(cfg.run.steps)]
     with Turns(plan, {"train": trainer, "rollout": rollout, "teacher": teacher}, cfg.run, cfg.weight_sync, log,
-                      eval_set) as turns:
+                      eval_set, data=cfg.data) as turns:
         # Prompts continue where a resumed run's checkpoint left them.
         stream = common.PromptStream(train_set, cfg.run.prompts_per_step, cfg.run.seed, turns.resumed.get("stream", 0))
         prefetch = overlap.Prefetch(rollout, log, stream, sampling, algo.max_staleness, cfg.run.steps,
@@ -151,8 +153,10 @@ def warm_teacher(cfg: GKDRunConfig, out_dir: Path) -> str:
 
 def run(cfg: GKDRunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> dict:
     set_log_level(cfg.run.log_level)
-    train_set, eval_set, stats = load_task(cfg.data, row_limits(cfg, cfg.algorithm.max_new_tokens, replies=True,
+    train_set, eval_set, stats = load_task(cfg.data, row_limits(cfg, cfg.algorithm.max_new_tokens,
+                                                                replies=cfg.algorithm.lmbda < 1 and not cfg.algorithm.seq_kd,
                                                                 teacher=plan["teacher"].model or cfg.teacher.model))
+    cfg = fit_epochs(cfg, len(train_set))
     if cfg.backend.workers == "ray":  # sized for this plan before the teacher warm-up uses it
         init_cluster(cfg.cluster, plan.demand())
     teacher_model = plan["teacher"].model or cfg.teacher.model
@@ -171,7 +175,7 @@ def run(cfg: GKDRunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> d
         "rollout": (Rollout, {"model": student, "config": common.rollout_config(cfg), **engine_args(cfg, "rollout")}),
         "teacher": (Teacher, {"model": teacher_model, "config": as_dict(cfg.teacher.engine),
                               **engine_args(cfg, "teacher")})}, restarts=cfg.run.max_restarts)
-    log = RunLog(out_dir, cfg.run.steps, resolved_config=resolved, cfg=cfg)
+    log = RunLog(out_dir, cfg.run.steps, resolved_config=cfg, cfg=cfg)
     topk = plan.gkd_logits_topk
     logger.info(f"gkd: {len(train_set)} train / {len(eval_set)} held-out examples; {cfg.run.steps} steps x "
                 f"{cfg.run.prompts_per_step} prompts; teacher {teacher_model} (accuracy {teacher_accuracy:.3f}, "
@@ -245,11 +249,12 @@ register_schema(GKDRunConfig)
 @hydra.main(config_path="pkg://conf", config_name="config", version_base=None)
 @common.friendly_errors
 def main(cfg: DictConfig) -> None:
-    typed, plan = prepare(cfg, GKDRunConfig, SWIFT_GKD_KEYS)
+    typed, plan = prepare(cfg, GKDRunConfig)
     validate(typed, plan)
-    record = common.run_with_restarts(run, typed, plan, run_dir(), resolved=cfg)
+    record = common.run_with_restarts(run, typed, plan, run_dir())
     print(json.dumps({k: v for k, v in record.items() if k.startswith(("eval/", "teacher/"))}))
 
 
 if __name__ == "__main__":
+    sys.argv = output_run_dir(sys.argv)
     main()

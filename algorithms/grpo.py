@@ -29,9 +29,10 @@ import dataclasses
 import json
 import logging
 import re
+import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import Any, ClassVar, List, Optional
 
 import hydra
 import torch
@@ -39,11 +40,12 @@ from omegaconf import DictConfig
 
 from algorithms import common, overlap, sft
 from algorithms.advantages import group_advantages, zero_variance_groups
-from algorithms.config import RunConfig, SWIFT_COMMON_KEYS, as_dict, engine_args, prepare, sft_phase
+from algorithms.config import RunConfig, as_dict, engine_args, fit_epochs, prepare, sft_phase
 from algorithms.data import load_task, row_limits
 from algorithms.grpo_rewards import Rewards, planned_reward_configs, reward_specs
 from algorithms.losses import LOSS_TYPES, make_loss
 from algorithms.runlog import RunLog, phase_run, run_dir
+from algorithms.swift_args import output_run_dir
 from algorithms.turns import Turns
 from algorithms.validation import (AT_LEAST_1, NON_NEGATIVE, POSITIVE, check_importable, check_run,
                                    check_trainer, require, require_all, require_roles)
@@ -124,19 +126,9 @@ class GRPOAlgorithm:
 
 @dataclass
 class GRPORunConfig(RunConfig):
+    DRIVER: ClassVar[str] = "grpo"
     # GRPO options.
     algorithm: GRPOAlgorithm = field(default_factory=GRPOAlgorithm)
-
-
-# ms-swift GRPO keys in a config_file, mapped onto ours. ms-swift's own 'format' reward checks
-# <think>/<answer> tags; ours checks this project's '#### N' answer line.
-SWIFT_GRPO_KEYS = {**SWIFT_COMMON_KEYS, "num_generations": "algorithm.num_generations",
-                   "scale_rewards": "algorithm.scale_rewards", "epsilon": "algorithm.epsilon",
-                   "epsilon_high": "algorithm.epsilon_high", "beta": "algorithm.beta",
-                   "loss_type": "algorithm.loss_type", "steps_per_generation": "algorithm.steps_per_generation",
-                   "dynamic_sample": "algorithm.dynamic_sample", "max_resample_times": "algorithm.max_resample_times",
-                   "temperature": "algorithm.temperature", "max_completion_length": "algorithm.max_new_tokens",
-                   "reward_funcs": "algorithm.reward_funcs", "reward_weights": "algorithm.reward_weights"}
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -149,7 +141,7 @@ def train(cfg: GRPORunConfig, plan: Plan, trainer: Any, rollout: Any, reference:
     sampling = SamplingParams(temperature=algo.temperature, max_new_tokens=algo.max_new_tokens, n=G)
     check = common.checker(cfg.data)
     with Turns(plan, {"train": trainer, "rollout": rollout, "reference": reference}, cfg.run, cfg.weight_sync,
-                      log, eval_set) as turns:
+                      log, eval_set, data=cfg.data) as turns:
         # Prompts continue where a resumed run's checkpoint left them; step k's generation starts
         # up to max_staleness steps early (0: after step k-1's weight sync).
         stream = common.PromptStream(train_set, cfg.run.prompts_per_step, cfg.run.seed, turns.resumed.get("stream", 0))
@@ -263,7 +255,8 @@ def warm_start(cfg: GRPORunConfig, train_ranks: int, out_dir: Path) -> str:
                                      warmup_steps=common.warmup_steps(a.warmup_sft_steps),
                                      total_steps=a.warmup_sft_steps, schedule="cosine",
                                      micro_batch_per_device=a.warmup_sft_batch),
-                     data=replace(cfg.data, train_size=a.warmup_sft_examples or cfg.data.train_size),
+                     data=replace(cfg.data, train_size=a.warmup_sft_examples or cfg.data.train_size,
+                                  max_rows=a.warmup_sft_examples or cfg.data.max_rows),
                      run=phase_run(cfg.run, out_dir, "sft_warmup", steps=a.warmup_sft_steps,
                                    prompts_per_step=a.warmup_sft_batch, eval_max_new_tokens=cfg.run.eval_max_new_tokens,
                                    save_final=True, seed=cfg.run.seed, resume="auto" if cfg.run.resume else None))
@@ -277,6 +270,7 @@ def run(cfg: GRPORunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> 
     set_log_level(cfg.run.log_level)
     out_dir = Path(out_dir)
     train_set, eval_set, stats = load_task(cfg.data, row_limits(cfg, cfg.algorithm.max_new_tokens))
+    cfg = fit_epochs(cfg, len(train_set))
     if cfg.backend.workers == "ray":  # sized for this plan before the warm start uses it
         init_cluster(cfg.cluster, plan.demand())
     a = cfg.algorithm
@@ -302,7 +296,7 @@ def run(cfg: GRPORunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> 
         roles["train"].call("load_optimizer_moments", warm)
     rewards = Rewards(specs, {role: roles[role] for role in planned})
     reference = roles["reference"] if a.beta else None
-    log = RunLog(out_dir, cfg.run.steps, resolved_config=resolved, cfg=cfg)
+    log = RunLog(out_dir, cfg.run.steps, resolved_config=cfg, cfg=cfg)
     common.record_data_stats(log, stats, cfg.run.resume)
     logger.info(f"grpo: {len(train_set)} train / {len(eval_set)} held-out examples; {cfg.run.steps} steps x "
                 f"{cfg.run.prompts_per_step} prompts x {a.num_generations} completions = "
@@ -393,11 +387,12 @@ register_schema(GRPORunConfig)
 @hydra.main(config_path="pkg://conf", config_name="config", version_base=None)
 @common.friendly_errors
 def main(cfg: DictConfig) -> None:
-    typed, plan = prepare(cfg, GRPORunConfig, SWIFT_GRPO_KEYS)
+    typed, plan = prepare(cfg, GRPORunConfig)
     validate(typed, plan)
-    record = common.run_with_restarts(run, typed, plan, run_dir(), resolved=cfg)
+    record = common.run_with_restarts(run, typed, plan, run_dir())
     print(json.dumps({k: v for k, v in record.items() if k.startswith("eval/")}))
 
 
 if __name__ == "__main__":
+    sys.argv = output_run_dir(sys.argv)
     main()

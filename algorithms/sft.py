@@ -12,6 +12,7 @@ directory. The placement needs a `train` role (Megatron form) or `default` (devi
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +20,11 @@ import hydra
 from omegaconf import DictConfig
 
 from algorithms import common
-from algorithms.config import SFTRunConfig, SWIFT_COMMON_KEYS, as_dict, engine_args, prepare
+from algorithms.config import SFTRunConfig, as_dict, engine_args, fit_epochs, prepare
 from algorithms.data import load_task, row_limits
 from algorithms.losses import make_loss
 from algorithms.runlog import RunLog, run_dir
+from algorithms.swift_args import output_run_dir
 from algorithms.turns import Turns
 from algorithms.validation import check_run, require_roles
 from orchestration.cluster import set_log_level
@@ -40,7 +42,7 @@ def train(cfg: SFTRunConfig, plan: Any, trainer: Any, evaluator: Any, train_set:
     """The SFT loop; roles are worker groups (or fakes in tests); the evaluator (a rollout)
     gets the trainer's weights before each eval. Returns the last record."""
     with Turns(plan, {"train": trainer, "rollout": evaluator}, cfg.run, cfg.weight_sync, log, eval_set,
-                      rollout_behind=True) as turns:
+                      rollout_behind=True, data=cfg.data) as turns:
         # Examples continue where a resumed run's checkpoint left them.
         stream = common.PromptStream(train_set, cfg.run.prompts_per_step, cfg.run.seed, turns.resumed.get("stream", 0))
         for step in range(turns.first_step, cfg.run.steps + 1):
@@ -60,13 +62,14 @@ def run(cfg: SFTRunConfig, plan: Any, out_dir: Path, resolved: Any = None) -> di
     """Start the roles of `plan`, train, shut down. Returns the last metrics record."""
     set_log_level(cfg.run.log_level)
     train_set, eval_set, stats = load_task(cfg.data, row_limits(cfg, replies=True))
+    cfg = fit_epochs(cfg, len(train_set))
     role = "train" if "train" in plan.roles else "default"
     loss = make_loss("sft")
     roles = start_roles(cfg, plan, {role: (Trainer, {"model": as_dict(cfg.model), "config": as_dict(cfg.trainer),
                                                      "loss_fn": loss, "loss_inputs": loss.loss_inputs,
                                                      **engine_args(cfg, "train")})})
     evaluator = driver_group(Rollout, {"model": as_dict(cfg.model), "config": common.rollout_config(cfg)}, "evaluator")
-    log = RunLog(out_dir, cfg.run.steps, resolved_config=resolved, cfg=cfg)
+    log = RunLog(out_dir, cfg.run.steps, resolved_config=cfg, cfg=cfg)
     common.record_data_stats(log, stats, cfg.run.resume)
     logger.info(f"sft: {len(train_set)} train / {len(eval_set)} held-out examples; {cfg.run.steps} steps x "
                 f"{cfg.run.prompts_per_step} sequences over {plan[role].world_size} {role} rank(s); output {log.dir}")
@@ -89,10 +92,11 @@ register_schema(SFTRunConfig)
 @hydra.main(config_path="pkg://conf", config_name="config", version_base=None)
 @common.friendly_errors
 def main(cfg: DictConfig) -> None:
-    typed, plan = prepare(cfg, SFTRunConfig, SWIFT_COMMON_KEYS)
+    typed, plan = prepare(cfg, SFTRunConfig)
     validate(typed, plan)
-    common.run_with_restarts(run, typed, plan, run_dir(), resolved=cfg)
+    common.run_with_restarts(run, typed, plan, run_dir())
 
 
 if __name__ == "__main__":
+    sys.argv = output_run_dir(sys.argv)
     main()

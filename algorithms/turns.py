@@ -58,10 +58,11 @@ class Turns:
     `rollout_behind`: the rollout starts without the trainer's weights (a separate evaluator)."""
 
     def __init__(self, plan: Plan, roles: dict[str, Any], run: Any, weight_sync: WeightSyncConfig, log: RunLog,
-                 eval_set: list, rollout_behind: bool = False):
+                 eval_set: list, rollout_behind: bool = False, data: Any = None):
         self.roles = {name: group for name, group in roles.items() if group is not None}
         self.trainer, self.rollout = self.roles["train"], self.roles.get("rollout")
         self.run, self.settings, self.log, self.eval_set = run, weight_sync, log, eval_set
+        self.data = data  # the run's DataConfig: data.check judges eval/accuracy
         self.offload = {name: offload_args(plan, name) for name in self.roles}
         self.sleep_level = plan["rollout"].sleep_level if "rollout" in plan.roles else 0
         self.behind = rollout_behind  # the rollout lacks the trainer's current weights
@@ -154,7 +155,7 @@ class Turns:
         if step == 0 or step == self.run.steps or due(step, self.run.eval_every):
             # Eval: greedy accuracy of the current weights on held-out prompts.
             with self.rollout_turn(step, metrics), self.log.phase("eval", "rollout"):
-                metrics["eval/accuracy"] = accuracy(self.rollout, self.eval_set, self.run.eval_max_new_tokens)
+                metrics["eval/accuracy"] = accuracy(self.rollout, self.eval_set, self.run.eval_max_new_tokens, self.data)
         if due(step, self.run.save_every) and not (step == self.run.steps and self.run.save_final):
             with self.log.phase("save", "train"):
                 self.save(step, state or {})

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from algorithms.checkpoints import find_resume
+from algorithms.data import check_data_files
 from algorithms.trackers import check_loggers
 from orchestration.config import ConfigError
 from orchestration.planner import Plan
@@ -145,14 +146,12 @@ def vocab_size(spec: Any) -> int:
 
 def check_data(d: Any) -> None:
     require(d.task in DATA_TASKS, "data.task", d.task, "is not a task", f"use one of {list(DATA_TASKS)}")
-    require_all(d, "data", {"train_size": AT_LEAST_1, "eval_size": AT_LEAST_1})
+    require_all(d, "data", {"eval_size": AT_LEAST_1})
+    if d.task != "files":
+        require_all(d, "data", {"train_size": AT_LEAST_1})
     from algorithms.common import validate_check  # data.check and check_pattern
     validate_check(d)
-    if d.task == "files":
-        require(bool(d.paths), "data.paths", list(d.paths), "is empty with data.task=files",
-                "data.paths=[/path/train.jsonl]")
-        for path in d.paths:
-            require(os.path.exists(path), "data.paths", path, "does not exist", "give existing JSONL/Parquet files")
+    check_data_files(d)
     if d.task == "arithmetic":
         a = d.arithmetic
         require_all(a, "data.arithmetic", {"min_operands": (lambda v: v >= 2, ">= 2"), "min_digits": AT_LEAST_1,

@@ -35,7 +35,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from algorithms import gkd, grpo
-from algorithms.config import GKDRunConfig, SWIFT_GKD_KEYS, prepare
+from algorithms.config import GKDRunConfig, prepare
 from algorithms.plots import timeline
 from algorithms.runlog import read_metrics, run_dir
 from orchestration.cluster import init_cluster
@@ -100,11 +100,10 @@ def overrides(bench: BenchConfig, algo: str, mode: str, warm: str | None) -> lis
 
 def composed(algo: str, items: list[str], separate_teacher: bool = False):
     """(composed config, typed config, plan) as the driver's main builds them, checks included."""
-    driver, schema, keys = (grpo, grpo.GRPORunConfig, grpo.SWIFT_GRPO_KEYS) if algo == "grpo" else \
-        (gkd, GKDRunConfig, SWIFT_GKD_KEYS)
+    driver, schema = (grpo, grpo.GRPORunConfig) if algo == "grpo" else (gkd, GKDRunConfig)
     register_schema(schema)
     cfg = compose(config_name="config", overrides=items + ["placement.teacher.gpus=1"] * separate_teacher)
-    typed, plan = prepare(cfg, schema, keys)
+    typed, plan = prepare(cfg, schema)
     driver.validate(typed, plan)
     return cfg, typed, plan
 

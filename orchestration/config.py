@@ -1,5 +1,6 @@
 """Typed config sections owned by the orchestration layer, their validation, and the
-loader for ms-swift YAML files (`config_file=PATH`).
+placement part of ms-swift YAML files (`config_file=PATH`; the drivers translate the
+training keys: algorithms/swift_args.py).
 
 Defaults live here, once; the YAML files under conf/ only choose values and carry a
 comment above every field. `validate` merges a composed config into these dataclasses
@@ -204,12 +205,8 @@ def validate(cfg: DictConfig | Mapping, schema: type, sections: list[str] | None
 PLACEMENT_KEYS = MEGATRON_KEYS | SWIFT_KEYS
 
 
-def read_swift_yaml(path: str, key_map: Mapping[str, str]) -> tuple[dict, dict, list[str]]:
-    """Read an ms-swift YAML file (either form).
-
-    Returns (placement, overrides, unused): the placement section, our dotted keys -> values
-    for the keys `key_map` knows (ms-swift name -> our dotted key), and the keys nobody reads.
-    """
+def read_config_file(path: str) -> dict:
+    """The keys of an ms-swift YAML file (`config_file=PATH`), any form; errors name the path."""
     try:
         with open(path) as f:
             data = yaml.safe_load(f) or {}
@@ -220,32 +217,21 @@ def read_swift_yaml(path: str, key_map: Mapping[str, str]) -> tuple[dict, dict, 
     if not isinstance(data, dict):
         raise ConfigError(f"config key 'config_file'={path!r} must hold a mapping of keys, got "
                           f"{type(data).__name__}. Fix: write one 'key: value' per line")
+    return data
+
+
+def apply_placement(cfg: DictConfig, data: Mapping) -> bool:
+    """Replace cfg.placement with the placement keys of a config_file's `data` (when it has
+    any: either form, orchestration/planner.py). Returns whether it had any."""
     placement = {k: v for k, v in data.items() if k in PLACEMENT_KEYS}
-    overrides = {key_map[k]: v for k, v in data.items() if k in key_map}
-    unused = sorted(k for k in data if k not in PLACEMENT_KEYS and k not in key_map)
-    return placement, overrides, unused
-
-
-def apply_swift_yaml(cfg: DictConfig, key_map: Mapping[str, str], *, allow_unused: bool = False) -> list[str]:
-    """Replace cfg.placement with the file's and apply mapped keys. Returns unused keys.
-
-    Unless `allow_unused`, keys this run does not support raise one error listing them all.
-    """
-    placement, overrides, unused = read_swift_yaml(cfg.config_file, key_map)
-    if unused and not allow_unused:
-        raise ConfigError(f"config key 'config_file'={cfg.config_file!r}: keys not supported here: {unused}. "
-                          f"Fix: remove them; supported keys are the placement keys {sorted(PLACEMENT_KEYS)} "
-                          f"and {sorted(key_map)}")
-    if placement:
-        fresh = OmegaConf.structured(PlacementConfig)
-        try:
-            cfg.placement = OmegaConf.merge(fresh, placement)
-        except OmegaConfBaseException as e:
-            raise ConfigError(f"config key 'config_file'={cfg.config_file!r}: placement key "
-                              f"'{getattr(e, 'full_key', '?')}': {getattr(e, 'msg', e)}. Fix: correct it in the file") from None
-    for key, value in overrides.items():
-        OmegaConf.update(cfg, key, value, merge=False)
-    return unused
+    if not placement:
+        return False
+    try:
+        cfg.placement = OmegaConf.merge(OmegaConf.structured(PlacementConfig), placement)
+    except OmegaConfBaseException as e:
+        raise ConfigError(f"config key 'config_file'={cfg.config_file!r}: placement key "
+                          f"'{getattr(e, 'full_key', '?')}': {getattr(e, 'msg', e)}. Fix: correct it in the file") from None
+    return True
 
 
 def placement_dict(cfg: DictConfig) -> dict:

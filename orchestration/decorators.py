@@ -91,8 +91,7 @@ class _Config:
                                     timeout_s=self.call_timeout_s)
             self.owners.append(group)
             for name in served:  # errors name the group a method belongs to
-                made[name] = group if name == served[0] else group.alias(name)
-        self.groups.update(made)
+                self.groups[name] = made[name] = group if name == served[0] else group.alias(name)
         return made
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_module
 
-from algorithms.config import GKDRunConfig, SWIFT_COMMON_KEYS, SWIFT_GKD_KEYS, prepare
+from algorithms.config import prepare
 from algorithms.runlog import RunLog, read_metrics
 from orchestration.base_group import BaseWorkerGroup
 from orchestration.config import register_schema
@@ -32,7 +32,7 @@ def composed(schema: type, overrides: list[str]):
 def prepared(schema: type, overrides: list[str]):
     """(composed DictConfig, typed config, plan), as the driver's main builds them."""
     cfg = composed(schema, overrides)
-    typed, plan = prepare(cfg, schema, SWIFT_GKD_KEYS if schema is GKDRunConfig else SWIFT_COMMON_KEYS)
+    typed, plan = prepare(cfg, schema)
     return cfg, typed, plan
 
 

@@ -9,7 +9,7 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from orchestration.config import (ConfigError, PlanConfig, apply_swift_yaml, placement_dict,
+from orchestration.config import (ConfigError, PlanConfig, apply_placement, placement_dict, read_config_file,
                                   register_schema, validate)
 from orchestration.planner import make_plan
 
@@ -128,16 +128,9 @@ def _with_file(tmp_path, text):
     return OmegaConf.merge(OmegaConf.structured(PlanConfig), {"config_file": str(path)})
 
 
-def test_ms_swift_megatron_file_maps_placement_and_refuses_the_rest_in_one_error(tmp_path):
+def test_ms_swift_megatron_file_gives_its_placement(tmp_path):
     cfg = _with_file(tmp_path, MS_SWIFT_MEGATRON)
-    with pytest.raises(ConfigError) as info:
-        apply_swift_yaml(cfg, {})
-    assert "['beta', 'lmbda', 'model', 'rlhf_type']" in str(info.value)
-    # With a mapping for the algorithm keys, nothing is left over.
-    cfg = OmegaConf.create({**OmegaConf.to_container(cfg), "extra": {}})
-    unused = apply_swift_yaml(cfg, {"beta": "extra.beta", "lmbda": "extra.lmbda", "model": "extra.model",
-                                    "rlhf_type": "extra.rlhf_type"})
-    assert unused == [] and cfg.extra.beta == 0.5
+    assert apply_placement(cfg, read_config_file(cfg.config_file))
     plan = make_plan(placement_dict(cfg))
     assert plan["teacher"].colocated_with == ("train", "rollout") and plan.gkd_logits_topk == 64
 
@@ -147,19 +140,17 @@ def test_ms_swift_file_replaces_the_composed_placement(tmp_path):
     cfg = validate(cfg, PlanConfig)
     cfg.config_file = str(tmp_path / "swift.yaml")
     Path(cfg.config_file).write_text(MS_SWIFT_SAMPLING)
-    unused = apply_swift_yaml(cfg, {}, allow_unused=True)
-    assert unused == ["num_return_sequences", "sampler_type"]
+    assert apply_placement(cfg, read_config_file(cfg.config_file))
     plan = make_plan(placement_dict(cfg))
     assert set(plan.roles) == {"sampler", "prm", "orm"} and plan["prm"].device == "CPU"
 
 
 def test_bad_config_file_is_named(tmp_path):
-    cfg = OmegaConf.merge(OmegaConf.structured(PlanConfig), {"config_file": str(tmp_path / "nope.yaml")})
     with pytest.raises(ConfigError, match="config_file.*cannot be read"):
-        apply_swift_yaml(cfg, {})
+        read_config_file(str(tmp_path / "nope.yaml"))
     cfg = _with_file(tmp_path, "train: {gpus: [1, 2]}\n")
     with pytest.raises(ConfigError, match="train.gpus"):
-        apply_swift_yaml(cfg, {})
+        apply_placement(cfg, read_config_file(cfg.config_file))
 
 
 def run_cli(*args, timeout=120):
@@ -224,7 +215,7 @@ def test_every_experiment_validates_against_its_driver(name):
     register_schema(schema)
     with initialize_config_module(config_module="conf", version_base=None):
         cfg = compose(config_name="config", overrides=[f"+experiment={name}"])
-    typed, plan = prepare(cfg, schema, {})
+    typed, plan = prepare(cfg, schema)
     assert plan.roles and typed.run.steps >= 1
 
 
@@ -246,7 +237,7 @@ def test_sft_phase_keeps_the_runs_engine_sections():
 def test_command_line_wins_over_the_config_file(tmp_path, capsys):
     """A config_file value silently beat the command line (a regression): the file's keys
     apply, then the command line's overrides of the same keys are put back."""
-    from algorithms.config import GKDRunConfig, SWIFT_GKD_KEYS, prepare
+    from algorithms.config import GKDRunConfig, prepare
 
     path = tmp_path / "swift.yaml"
     path.write_text("max_steps: 7\nlearning_rate: 1.0e-3\nbeta: 0.25\nlmbda: 0.5\n"
@@ -256,7 +247,7 @@ def test_command_line_wins_over_the_config_file(tmp_path, capsys):
     register_schema(GKDRunConfig)
     with initialize_config_module(config_module="conf", version_base=None):
         cfg = compose(config_name="config", overrides=cli)
-    typed, plan = prepare(cfg, GKDRunConfig, SWIFT_GKD_KEYS, cli=cli)
+    typed, plan = prepare(cfg, GKDRunConfig, cli=cli)
     assert typed.run.steps == 3 and plan["rollout"].sleep_level == 2  # the command line's
     assert typed.trainer.lr == 1e-3 and typed.algorithm.beta == 0.25 and typed.algorithm.lmbda == 0.5  # the file's
     assert typed.trainer.weight_decay == 0.1 and plan["teacher"].model == "tiny_llama"

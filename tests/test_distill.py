@@ -7,7 +7,7 @@ import pytest
 from hydra import compose, initialize_config_module
 
 from algorithms.config import LoopConfig, prepare
-from algorithms.distill import (SWIFT_DISTILL_KEYS, DistillAlgorithm, DistillRunConfig, validate, run, sample,
+from algorithms.distill import (DistillAlgorithm, DistillRunConfig, validate, run, sample,
                                 select)
 from algorithms.runlog import RunLog, read_metrics
 from algorithms.tasks import arithmetic_examples, load_user_data
@@ -136,7 +136,7 @@ def check_outputs(out_dir, record, prompts):
 
 
 def test_end_to_end_on_ray_with_a_cpu_reward_group(ray_cluster, tmp_path):
-    typed, plan = prepare(tiny_config({"device_groups": DEVICE_GROUPS}), DistillRunConfig, SWIFT_DISTILL_KEYS)
+    typed, plan = prepare(tiny_config({"device_groups": DEVICE_GROUPS}), DistillRunConfig)
     validate(typed, plan)
     assert plan["prm"].device == "CPU" and plan["orm"].world_size == 2 and plan["sampler"].device == "GPU"
     record = run(typed, plan, tmp_path)
@@ -149,19 +149,19 @@ def test_end_to_end_on_ray_with_a_tensor_parallel_vllm_sampler(ray_cluster, tmp_
     groups = {**DEVICE_GROUPS, "nproc_per_node": 2, "sample_group": {
         "device": "GPU", "ranks": [0, 1], "workers": ["sampler"], "vllm_tensor_parallel_size": 2}}
     typed, plan = prepare({**tiny_config({"device_groups": groups}), "backend": {"rollout": "vllm"}},
-                          DistillRunConfig, SWIFT_DISTILL_KEYS)
+                          DistillRunConfig)
     validate(typed, plan)
     assert plan["sampler"].world_size == 2 and plan["sampler"].tensor_parallel_size == 2
     record = run(typed, plan, tmp_path)
     check_outputs(tmp_path, record, prompts=6)
     local = {**tiny_config({"device_groups": groups}), "backend": {"rollout": "vllm", "workers": "local"}}
     with pytest.raises(ConfigError, match="device_groups.sample_group.vllm_tensor_parallel_size"):
-        validate(*prepare(local, DistillRunConfig, SWIFT_DISTILL_KEYS))
+        validate(*prepare(local, DistillRunConfig))
 
 
 def test_end_to_end_local_with_warmup_and_sft_on_the_kept_rows(tmp_path):
     cfg = tiny_config({"device_groups": DEVICE_GROUPS}, warmup_sft_steps=2, sft_steps=2)
-    typed, plan = prepare({**cfg, "backend": {"workers": "local"}}, DistillRunConfig, SWIFT_DISTILL_KEYS)
+    typed, plan = prepare({**cfg, "backend": {"workers": "local"}}, DistillRunConfig)
     validate(typed, plan)
     record = run(typed, plan, tmp_path)
     check_outputs(tmp_path, record, prompts=6)
@@ -202,7 +202,7 @@ device_groups:
 def test_ms_swift_sampling_yaml_loads_through_config_file_and_plans(tmp_path):
     path = tmp_path / "sampling.yaml"
     path.write_text(SWIFT_SAMPLING)
-    typed, plan = prepare({"config_file": str(path)}, DistillRunConfig, SWIFT_DISTILL_KEYS)
+    typed, plan = prepare({"config_file": str(path)}, DistillRunConfig)
     validate(typed, plan)
     algo = typed.algorithm
     assert (algo.num_return_sequences, algo.n_best_to_keep, algo.prm_threshold, algo.temperature, algo.top_p,
@@ -211,10 +211,11 @@ def test_ms_swift_sampling_yaml_loads_through_config_file_and_plans(tmp_path):
     assert plan["prm"].device == plan["orm"].device == "CPU" and plan["prm"].colocated_with == ("orm",)
     # ms-swift keys without a true counterpart here are refused together, by name.
     path.write_text(SWIFT_SAMPLING + "sampler_engine: vllm\nprm_model: Qwen/Qwen2.5-Math-PRM-7B\norm_model: math\n")
-    with pytest.raises(ConfigError, match=r"\['orm_model', 'prm_model', 'sampler_engine'\]"):
-        prepare({"config_file": str(path)}, DistillRunConfig, SWIFT_DISTILL_KEYS)
+    with pytest.raises(ConfigError, match=r"2 key\(s\) .*prm_model: not supported: set prm.kind.*"
+                                          r"orm_model: not supported: set orm.kind"):
+        prepare({"config_file": str(path)}, DistillRunConfig)
     path.write_text(SWIFT_SAMPLING.replace("n_best_to_keep: 2", "n_best_to_keep: 4"))
-    typed, plan = prepare({"config_file": str(path)}, DistillRunConfig, SWIFT_DISTILL_KEYS)
+    typed, plan = prepare({"config_file": str(path)}, DistillRunConfig)
     with pytest.raises(ConfigError, match="algorithm.n_best_to_keep.*must lie in"):
         validate(typed, plan)
 
@@ -223,7 +224,7 @@ def test_quickstart_composes_validates_and_plans():
     register_schema(DistillRunConfig)
     with initialize_config_module(config_module="conf", version_base=None):
         cfg = compose(config_name="config", overrides=["+experiment=distill_quickstart"])
-    typed, plan = prepare(cfg, DistillRunConfig, SWIFT_DISTILL_KEYS)
+    typed, plan = prepare(cfg, DistillRunConfig)
     validate(typed, plan)
     assert plan["sampler"].device == "GPU" and plan["prm"].device == "CPU" and plan["prm"].world_size == 2
     assert typed.prm.kind == "arithmetic" and typed.orm.kind == "numeric"

@@ -17,9 +17,8 @@ from orchestration.config import register_schema
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-# Driver module (algorithms.<driver>) -> its typed schema and ms-swift key map, as its main() uses them.
-DRIVERS = {"sft": ("SFTRunConfig", "SWIFT_COMMON_KEYS"), "grpo": ("GRPORunConfig", "SWIFT_GRPO_KEYS"),
-           "gkd": ("GKDRunConfig", "SWIFT_GKD_KEYS"), "distill": ("DistillRunConfig", "SWIFT_DISTILL_KEYS")}
+# Driver module (algorithms.<driver>) -> its typed schema, as its main() uses it.
+DRIVERS = {"sft": "SFTRunConfig", "grpo": "GRPORunConfig", "gkd": "GKDRunConfig", "distill": "DistillRunConfig"}
 # Every shipped experiment: the driver it is written for (its name or its header comment says
 # which), where its one-step run places the roles, and the overrides that shrink its layout.
 # Layouts keep their form (colocated, separate, two nodes, a standalone teacher group, a GPU
@@ -63,12 +62,11 @@ WARMUPS = ("algorithm.warmup_sft_steps", "teacher.warmup_steps", "algorithm.sft_
 def driver_of(name):
     driver = EXPERIMENTS[name][0]
     module = importlib.import_module(f"algorithms.{driver}")
-    schema, keys = (getattr(module, attr) for attr in DRIVERS[driver])
-    return module, schema, keys
+    return module, getattr(module, DRIVERS[driver])
 
 
 def compose_experiment(name, overrides=()):
-    _, schema, _ = driver_of(name)
+    _, schema = driver_of(name)
     register_schema(schema)
     with initialize_config_module(config_module="conf", version_base=None):
         return compose(config_name="config", overrides=[f"+experiment={name}", *overrides])
@@ -94,8 +92,8 @@ def tiny_overrides(name, tmp_path):
 def test_experiment_validates_as_shipped(name):
     """What `python -m algorithms.<driver> +experiment=NAME` checks before starting, on this
     CPU machine (GPU layouts are simulated)."""
-    module, schema, keys = driver_of(name)
-    typed, plan = prepare(compose_experiment(name), schema, keys)
+    module, schema = driver_of(name)
+    typed, plan = prepare(compose_experiment(name), schema)
     module.validate(typed, plan)
 
 
@@ -106,10 +104,10 @@ def layout_form(plan):
 
 
 def run_one_step(name, tmp_path):
-    module, schema, keys = driver_of(name)
+    module, schema = driver_of(name)
     cfg = compose_experiment(name, tiny_overrides(name, tmp_path))
-    typed, plan = prepare(cfg, schema, keys)
-    assert layout_form(plan) == layout_form(prepare(compose_experiment(name), schema, keys)[1])
+    typed, plan = prepare(cfg, schema)
+    assert layout_form(plan) == layout_form(prepare(compose_experiment(name), schema)[1])
     module.validate(typed, plan)
     module.run(typed, plan, tmp_path / "run", resolved=cfg)
     assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [0, 1]

@@ -77,7 +77,7 @@ def test_grpo_driver_colocated_on_one_gpu(tmp_path):
         cfg = compose(config_name="config", overrides=[
             "+experiment=grpo_quickstart", "run.steps=3", "run.prompts_per_step=4", "algorithm.num_generations=4",
             "algorithm.warmup_sft_steps=0", "trainer.warmup_steps=0", "data.train_size=50", "data.eval_size=8", "cluster.simulate_missing_gpus=false"])
-    typed, plan = prepare(cfg, grpo.GRPORunConfig, grpo.SWIFT_GRPO_KEYS)
+    typed, plan = prepare(cfg, grpo.GRPORunConfig)
     grpo.validate(typed, plan)
     try:
         grpo.run(typed, plan, tmp_path)

@@ -215,7 +215,7 @@ def test_tiny_run_end_to_end_on_ray(ray_cluster, tmp_path):
             "data.train_size=32", "data.eval_size=4", "algorithm.num_generations=4", "algorithm.max_new_tokens=8",
             "algorithm.warmup_sft_steps=2", "algorithm.warmup_sft_batch=8", "algorithm.steps_per_generation=2",
             "trainer.warmup_steps=0", "algorithm.beta=0.04"])  # the quickstart has no KL; this run does
-    typed, plan = prepare(cfg, grpo.GRPORunConfig, grpo.SWIFT_GRPO_KEYS)
+    typed, plan = prepare(cfg, grpo.GRPORunConfig)
     grpo.validate(typed, plan)
     record = grpo.run(typed, plan, tmp_path)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

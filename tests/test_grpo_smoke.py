@@ -17,7 +17,7 @@ def test_grpo_runs_end_to_end_and_logs_rewards(tmp_path):
             "+experiment=grpo_quickstart", "backend=local", "algorithm.warmup_sft_steps=2", "run.steps=2",
             "run.prompts_per_step=2", "data.eval_size=4", "run.eval_max_new_tokens=12", "run.save_final=false",
             "trainer.warmup_steps=0", "algorithm.beta=0.0"])
-    typed, plan = prepare(cfg, grpo.GRPORunConfig, grpo.SWIFT_GRPO_KEYS)
+    typed, plan = prepare(cfg, grpo.GRPORunConfig)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

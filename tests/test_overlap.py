@@ -208,7 +208,7 @@ def real_grpo(tmp_path, overrides):
     register_schema(grpo.GRPORunConfig)
     with initialize_config_module(config_module="conf", version_base=None):
         cfg = compose(config_name="config", overrides=TINY + overrides)
-    typed, plan = prepare(cfg, grpo.GRPORunConfig, grpo.SWIFT_GRPO_KEYS)
+    typed, plan = prepare(cfg, grpo.GRPORunConfig)
     grpo.validate(typed, plan)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -191,8 +191,7 @@ def test_distill_resumes_its_sampling_and_then_the_sft_phase(tmp_path, monkeypat
     def config(**run):
         cfg = tiny_config({"device_groups": DEVICE_GROUPS}, sft_steps=2)
         cfg["run"].update(steps=4, **run)
-        typed, plan = prepare({**cfg, "backend": {"workers": "local"}}, distill.DistillRunConfig,
-                              distill.SWIFT_DISTILL_KEYS)
+        typed, plan = prepare({**cfg, "backend": {"workers": "local"}}, distill.DistillRunConfig)
         distill.validate(typed, plan)
         return typed, plan
 

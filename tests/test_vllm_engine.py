@@ -294,7 +294,7 @@ def test_grpo_driver_with_the_vllm_rollout(tmp_path):
             "+experiment=grpo_quickstart", "backend=local", "backend.rollout=vllm", "algorithm.warmup_sft_steps=2",
             "run.steps=2", "run.prompts_per_step=2", "data.eval_size=4", "run.eval_max_new_tokens=12",
             "run.save_final=false", "trainer.warmup_steps=0", "algorithm.beta=0.0"])
-    typed, plan = prepare(cfg, grpo.GRPORunConfig, grpo.SWIFT_GRPO_KEYS)
+    typed, plan = prepare(cfg, grpo.GRPORunConfig)
     grpo.run(typed, plan, tmp_path)
     records = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["step"] >= 0]
     assert [r["step"] for r in records][-3:] == [0, 1, 2]
