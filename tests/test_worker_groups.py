@@ -180,7 +180,8 @@ def test_local_rank_matches_the_visible_device(ray_groups):
 
 def test_local_backend_local_rank_is_the_planned_device():
     """In-process every device is visible: LOCAL_RANK is the planned device's index on the node."""
-    plan = make_plan({"device_groups": {"nproc_per_node": 4, "a": {"device": "GPU", "ranks": [0, 1], "workers": ["train"]},
+    plan = make_plan({"device_groups": {"nproc_per_node": 4,
+                                        "a": {"device": "GPU", "ranks": [0, 1], "workers": ["train"]},
                                         "b": {"device": "GPU", "ranks": [2, 3], "workers": ["rollout"]}}})
     group = LocalWorkerGroup(Probe, plan["rollout"])
     assert [i["env"]["LOCAL_RANK"] for i in group.call("whoami")] == ["2", "3"]
