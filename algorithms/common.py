@@ -222,8 +222,8 @@ def record_event(out_dir: Any, event: dict) -> None:
         f.write(json.dumps(line) + "\n")
 
 
-def run_with_restarts(run: Callable, cfg: Any, plan: Any, out_dir: Any, resolved: Any = None) -> dict:
-    """`run(cfg, plan, out_dir, resolved)`; a rank lost beyond what its group replaces (a
+def run_with_restarts(run: Callable, cfg: Any, plan: Any, out_dir: Any) -> dict:
+    """`run(cfg, plan, out_dir)`; a rank lost beyond what its group replaces (a
     trainer rank, or a role's restarts used up) restarts every role from the run's newest
     checkpoint, up to run.max_restarts times."""
     from orchestration.base_group import WorkerError
@@ -231,7 +231,7 @@ def run_with_restarts(run: Callable, cfg: Any, plan: Any, out_dir: Any, resolved
     left = cfg.run.max_restarts
     while True:
         try:
-            return run(cfg, plan, out_dir, resolved)
+            return run(cfg, plan, out_dir)
         except WorkerError as e:
             if not e.lost or left <= 0:
                 raise

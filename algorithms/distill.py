@@ -249,7 +249,7 @@ def write_heldout(examples: list[Example], path: Path) -> Path:
     return path
 
 
-def run(cfg: DistillRunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> dict:
+def run(cfg: DistillRunConfig, plan: Plan, out_dir: Path) -> dict:
     """Optional warm-up SFT, sampling with the planned roles, optional SFT on the kept rows.
     Returns the sampling's last metrics record, plus the SFT results under sft/."""
     set_log_level(cfg.run.log_level)
@@ -267,7 +267,7 @@ def run(cfg: DistillRunConfig, plan: Plan, out_dir: Path, resolved: Any = None) 
         logger.info(f"distill: sampling finished before ({state}); resuming after it")
         record = read_metrics(Path(out_dir) / "metrics.jsonl")[-1]
     else:
-        record = sample_with_roles(cfg, plan, policy, train_set, eval_set, stats, path, resumed, out_dir, resolved)
+        record = sample_with_roles(cfg, plan, policy, train_set, eval_set, stats, path, resumed, out_dir)
     record["dataset"] = str(path)
     if algo.sft_steps and not record.get("total/kept"):
         logger.info("distill: no rows kept, so no SFT on them")
@@ -282,7 +282,7 @@ def run(cfg: DistillRunConfig, plan: Plan, out_dir: Path, resolved: Any = None) 
 
 
 def sample_with_roles(cfg: DistillRunConfig, plan: Plan, policy: Any, train_set: list, eval_set: list, stats: dict,
-                      path: Path, resumed: Optional[dict], out_dir: Path, resolved: Any) -> dict:
+                      path: Path, resumed: Optional[dict], out_dir: Path) -> dict:
     """Start the sampler, PRM and ORM groups, sample (continuing from `resumed`), shut down."""
     algo = cfg.algorithm
     roles = start_roles(cfg, plan, {"sampler": (Sampler, {"model": as_dict(resolve_config(policy)),

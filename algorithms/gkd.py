@@ -151,7 +151,7 @@ def warm_teacher(cfg: GKDRunConfig, out_dir: Path) -> str:
     return str(path)
 
 
-def run(cfg: GKDRunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> dict:
+def run(cfg: GKDRunConfig, plan: Plan, out_dir: Path) -> dict:
     set_log_level(cfg.run.log_level)
     train_set, eval_set, stats = load_task(cfg.data, row_limits(cfg, cfg.algorithm.max_new_tokens,
                                                                 replies=cfg.algorithm.lmbda < 1 and not cfg.algorithm.seq_kd,

@@ -265,7 +265,7 @@ def warm_start(cfg: GRPORunConfig, train_ranks: int, out_dir: Path) -> str:
     return record["checkpoint"]
 
 
-def run(cfg: GRPORunConfig, plan: Plan, out_dir: Path, resolved: Any = None) -> dict:
+def run(cfg: GRPORunConfig, plan: Plan, out_dir: Path) -> dict:
     """Warm start (optional), start the roles of `plan`, train, shut down. Returns the last record."""
     set_log_level(cfg.run.log_level)
     out_dir = Path(out_dir)

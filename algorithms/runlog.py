@@ -55,7 +55,8 @@ HIDDEN_PREFIXES = ("time/", "mem/", "move/")
 class RunLog:
     """`cfg`: the run's typed config; its run section chooses the trackers (run.loggers), the
     full-line cadence (run.log_every), the run's name and tags. Without it: metrics.jsonl only,
-    LoopConfig's defaults otherwise. `resolved_config`: the composed config, saved as
+    LoopConfig's defaults otherwise. `resolved_config`: the config the run uses (the drivers pass
+    their typed one, config_file values and derived steps included), saved as
     resolved_config.yaml and handed to the trackers (else `cfg` is)."""
 
     def __init__(self, out_dir: str | os.PathLike, total_steps: int, stream=None, resolved_config: Any = None,

@@ -58,7 +58,7 @@ def train(cfg: SFTRunConfig, plan: Any, trainer: Any, evaluator: Any, train_set:
         return turns.finish({"stream": stream.drawn})
 
 
-def run(cfg: SFTRunConfig, plan: Any, out_dir: Path, resolved: Any = None) -> dict:
+def run(cfg: SFTRunConfig, plan: Any, out_dir: Path) -> dict:
     """Start the roles of `plan`, train, shut down. Returns the last metrics record."""
     set_log_level(cfg.run.log_level)
     train_set, eval_set, stats = load_task(cfg.data, row_limits(cfg, replies=True))

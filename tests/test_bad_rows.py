@@ -241,7 +241,7 @@ def test_sft_run_on_bad_rows_finishes_and_records_the_counts(tmp_path, capsys):
                                                "data.task=files", f"data.paths=[{path}]",
                                                f"data.cache_dir={tmp_path / 'cache'}", "run.save_final=false"])
     sft.validate(typed, plan)
-    sft.run(typed, plan, tmp_path / "run", resolved=cfg)
+    sft.run(typed, plan, tmp_path / "run")
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     first = records[0]

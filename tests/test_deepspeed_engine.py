@@ -134,7 +134,7 @@ def test_sft_driver_end_to_end_with_zero3_on_two_ranks(ray_cluster, tmp_path):
     cfg, typed, plan = prepared(SFTRunConfig, ["+experiment=sft_quickstart", *TINY, "placement.train.gpus=2",
                                                "backend.train=deepspeed", "deepspeed.zero_stage=3"])
     assert plan["train"].world_size == 2
-    record = sft.run(typed, plan, tmp_path, resolved=cfg)
+    record = sft.run(typed, plan, tmp_path)
     records = check_outputs(tmp_path, 3, {"train"})
     assert records[-1]["train/step"] == 3.0 and records[-1]["train/sequences"] == 4.0
     assert records[-1]["train/loss"] < records[1]["train/loss"]

@@ -109,7 +109,7 @@ def run_one_step(name, tmp_path):
     typed, plan = prepare(cfg, schema)
     assert layout_form(plan) == layout_form(prepare(compose_experiment(name), schema)[1])
     module.validate(typed, plan)
-    module.run(typed, plan, tmp_path / "run", resolved=cfg)
+    module.run(typed, plan, tmp_path / "run")
     assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [0, 1]
 
 

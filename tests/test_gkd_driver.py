@@ -156,7 +156,7 @@ def test_gkd_end_to_end_local_full_vocab_then_topk_from_cached_teacher(tmp_path,
                                                       "placement.offload_optimizer=false"])
     gkd.validate(typed, plan)
     assert plan.gkd_logits_topk is None and plan["teacher"].offload_model and plan["rollout"].sleep_level == 1
-    record = gkd.run(typed, plan, tmp_path / "full", resolved=cfg)
+    record = gkd.run(typed, plan, tmp_path / "full")
     records = check_outputs(tmp_path / "full", 3, {"generate", "teacher", "train", "sync_weights"})
     assert 0.0 <= records[0]["teacher/eval_accuracy"] <= 1.0
     assert record["teacher/eval_accuracy"] == records[0]["teacher/eval_accuracy"]
@@ -170,7 +170,7 @@ def test_gkd_end_to_end_local_full_vocab_then_topk_from_cached_teacher(tmp_path,
     _, typed, plan = prepared(GKDRunConfig, base + ["placement.gkd_logits_topk=4"])
     assert plan.gkd_logits_topk == 4 and plan["train"].offload_model
     record = gkd.run(typed, plan, tmp_path / "topk")
-    records = check_outputs(tmp_path / "topk", 3, {"generate", "teacher", "train", "sync_weights"}, resolved=False)
+    records = check_outputs(tmp_path / "topk", 3, {"generate", "teacher", "train", "sync_weights"})
     assert all(0.0 < r["train/teacher_topk_mass"] <= 1.0 + 1e-6 for r in records[1:])
     assert "from cache" in capsys.readouterr().out
     assert not (tmp_path / "topk" / "teacher_warmup").exists() and len(list(cache.iterdir())) == 1

@@ -37,7 +37,7 @@ def tiny_sft(tmp_path, *overrides):
     cfg, typed, plan = prepared(SFTRunConfig, ["+experiment=sft_quickstart", *TINY, "backend=local",
                                                "run.save_final=false", *overrides])
     sft.validate(typed, plan)
-    return sft.run(typed, plan, tmp_path / "run", resolved=cfg)
+    return sft.run(typed, plan, tmp_path / "run")
 
 
 def test_sft_messages_and_metrics_lines_reach_the_log_file(tmp_path, log_file, capsys):

@@ -59,7 +59,7 @@ def test_sft_end_to_end_on_ray(ray_cluster, tmp_path):
     cfg, typed, plan = prepared(SFTRunConfig, ["+experiment=sft_quickstart", *TINY, "model=tiny_llama",
                                                "run.eval_every=2"])
     assert typed.backend.workers == "ray"
-    record = sft.run(typed, plan, tmp_path, resolved=cfg)
+    record = sft.run(typed, plan, tmp_path)
     records = check_outputs(tmp_path, 3, {"train"})
     assert {r["step"] for r in records if "eval/accuracy" in r} == {0, 2, 3}
     assert records[-1]["train/step"] == 3.0

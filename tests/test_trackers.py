@@ -50,7 +50,7 @@ def test_tiny_sft_run_writes_tensorboard_an_offline_wandb_run_and_mlflow(tmp_pat
                                                "run.loggers=[jsonl,tensorboard,wandb,mlflow]", "run.name=tiny-sft",
                                                "run.tags=[tiny,ci]", "run.save_final=false"])
     sft.validate(typed, plan)
-    sft.run(typed, plan, tmp_path / "run", resolved=cfg)
+    sft.run(typed, plan, tmp_path / "run")
 
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2, 3]
