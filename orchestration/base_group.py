@@ -2,11 +2,17 @@
 
 A subclass supplies `_submit(index, method, args, kwargs) -> handle` and
 `_wait(handles, method, indices) -> results`; everything about dispatch, execute and
-collect lives here once, so both backends give identical results.
+collect lives here once, so both backends give identical results. Arguments that several
+ranks get unchanged (dispatch='all', a tensor-parallel engine's ranks, lockstep empty
+slices) pass through `_shared` once per call, where the Ray group puts them into the object
+store once. `CALLS` counts, over every group of this process, the remote calls made and the
+seconds the driver spent waiting for (or, in-process, running) role methods, so a driver
+can report its own time per step apart from its roles'.
 """
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from orchestration import dispatch as dsp
@@ -82,6 +88,18 @@ def _rebuild(role, rank, method, problem, traceback, lost, cause) -> WorkerError
     return cls(role, rank, method, problem, traceback, lost, cause)
 
 
+@dataclass
+class CallStats:
+    """Running totals of this process's worker-group calls (read differences per step)."""
+    # Remote calls submitted (one per rank called; in-process calls are not remote).
+    remote: int = 0
+    # Seconds spent inside role calls: waiting for remote ranks, or running in-process ranks.
+    role_s: float = 0.0
+
+
+CALLS = CallStats()
+
+
 class GroupFuture:
     """Result of `async_call`: `get()` waits, collects and returns like `call` would."""
 
@@ -121,7 +139,8 @@ class BaseWorkerGroup:
         dsp.check_execute(execute)
         tp = self.tensor_parallel
         if execute == "first":  # the first engine: rank 0 and its tensor-parallel peers
-            handles = [self._submit(i, method, args, kwargs) for i in range(tp)]
+            shared = self._shared(args, kwargs) if tp > 1 else (args, kwargs)
+            handles = [self._submit(i, method, *shared) for i in range(tp)]
             return GroupFuture(lambda timeout: self._wait(handles, method, list(range(tp)), timeout)[0])
         if callable(dispatch):  # a custom dispatch is asked for every rank
             per_worker = dsp.split(dispatch, self.world_size, args, kwargs)
@@ -129,7 +148,11 @@ class BaseWorkerGroup:
             shares = dsp.split(dispatch, self.world_size // tp, args, kwargs, keep_empty=method in self.lockstep)
             per_worker = [shares[i // tp] for i in range(self.world_size)]
         indices = [i for i, a in enumerate(per_worker) if a is not None]
-        handles = [self._submit(i, method, *per_worker[i]) for i in indices]
+        users: dict[int, int] = {}  # id of a share -> ranks receiving that very share
+        for i in indices:
+            users[id(per_worker[i])] = users.get(id(per_worker[i]), 0) + 1
+        shared = {id(per_worker[i]): self._shared(*per_worker[i]) for i in indices if users[id(per_worker[i])] > 1}
+        handles = [self._submit(i, method, *shared.get(id(per_worker[i]), per_worker[i])) for i in indices]
 
         def finish(timeout: float | None) -> Any:
             results = self._wait(handles, method, indices, timeout)
@@ -147,6 +170,16 @@ class BaseWorkerGroup:
         twin = copy.copy(self)
         twin.role = role
         return twin
+
+    def memory(self) -> list:
+        """Each rank's memory() figures (host RSS now and at peak, device peak). The Ray group
+        answers with those that came back with each rank's latest call, asking only ranks never
+        called; in-process ranks are asked directly."""
+        return self.call("memory")
+
+    def _shared(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The arguments of one share sent to several ranks, as each rank receives them."""
+        return args, kwargs
 
     def _submit(self, index: int, method: str, args: tuple, kwargs: dict) -> Any:
         raise NotImplementedError

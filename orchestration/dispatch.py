@@ -4,7 +4,9 @@ dispatch: 'slice' splits every sequence-like argument (list, tuple, tensor, arra
           dataclass: one that defines __len__) along its first axis, first workers taking the remainder (10 over 4 ->
           3,3,2,2); scalars, strings and dicts go whole; workers with an empty slice are
           skipped, except for methods a role lists in LOCKSTEP_METHODS (its ranks meet in
-          collectives), which get the empty slice. 'all' sends the same arguments. A
+          collectives), which get the empty slice (one object shared by those ranks). 'all'
+          sends the same arguments (one object for every rank: a Ray group puts it into the
+          object store once). A
           callable f(n, i, *args, **kw) returns (args, kwargs) for worker i of n.
 execute:  'first' runs on rank 0 only and returns its value unwrapped; 'all' runs everywhere.
 collect:  'none' returns one value per worker; 'flatten' concatenates them (lists, tuples
@@ -96,12 +98,17 @@ def split(dispatch: Dispatch, n_workers: int, args: tuple, kwargs: dict,
     if len(set(lengths.values())) > 1:
         raise ValueError(f"dispatch='slice' needs sliced arguments of one length, got {lengths}")
     n_items = next(iter(lengths.values()))
-    out = []
+    out, empty = [], None
     for start, stop in slice_bounds(n_items, n_workers):
         if start == stop and not keep_empty:
             out.append(None)
             continue
-        out.append((tuple(_take(a, start, stop) for a in args), {k: _take(v, start, stop) for k, v in kwargs.items()}))
+        if start == stop and empty is not None:  # one empty share for every rank without items (sent once)
+            out.append(empty)
+            continue
+        share = (tuple(_take(a, start, stop) for a in args), {k: _take(v, start, stop) for k, v in kwargs.items()})
+        empty = share if start == stop else empty
+        out.append(share)
     return out
 
 

@@ -74,10 +74,15 @@ def start_roles(cfg: Any, plan: Plan, roles: dict[str, tuple[type, dict]], resta
     placement = create_placement(plan, timeout_s=cfg.cluster.placement_timeout_s)
     started = Roles({}, placement)
     try:
+        # Every role's actors are created before any is waited for: their processes start at once.
         for r, (cls, kw) in roles.items():
             started.groups[r] = WorkerGroup(cls, plan[r], kw, placement=placement,
                                             timeout_s=cfg.cluster.call_timeout_s,
-                                            restarts=restarts if restartable(cls, plan[r]) else 0)
+                                            restarts=restarts if restartable(cls, plan[r]) else 0, start=False)
+        for group in started.groups.values():
+            group.begin_setup()
+        for group in started.groups.values():
+            group.end_setup()
     except BaseException:
         started.shutdown()
         raise

@@ -11,10 +11,11 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 import traceback
 from typing import Any
 
-from orchestration.base_group import BaseWorkerGroup, WorkerError
+from orchestration.base_group import CALLS, BaseWorkerGroup, WorkerError
 from orchestration.planner import RolePlan
 
 
@@ -66,12 +67,15 @@ class LocalWorkerGroup(BaseWorkerGroup):
                 raise WorkerError.raised(self.role, i, "__init__", e, traceback.format_exc()) from e
 
     def _submit(self, index: int, method: str, args: tuple, kwargs: dict) -> Any:
+        start = time.perf_counter()
         try:
             args, kwargs = _resolved(args, kwargs)
             with _environ(self._envs[index]):
                 return ("ok", getattr(self.workers[index], method)(*args, **kwargs))
         except Exception as e:
             return ("error", WorkerError.raised(self.role, index, method, e, traceback.format_exc()))
+        finally:
+            CALLS.role_s += time.perf_counter() - start
 
     def _wait(self, handles: list, method: str, indices: list[int], timeout: float | None) -> list:
         for status, value in handles:

@@ -24,8 +24,8 @@ COMMON_KEYS = {"offload_model", "offload_optimizer", "sleep_level", "nnodes", "g
 MEGATRON_KEYS = COMMON_KEYS | {"colocate_groups", "teacher_model", "offload_teacher_model",
                                "nproc_per_node", *MEGATRON_ROLES}
 SWIFT_KEYS = COMMON_KEYS | {"device_groups"}
-ROLE_ENTRY_KEYS = {"gpus", "model", "vllm_tensor_parallel_size"}
-GROUP_ENTRY_KEYS = {"device", "ranks", "workers", "vllm_tensor_parallel_size"}
+ROLE_ENTRY_KEYS = {"gpus", "model", "vllm_tensor_parallel_size", "num_cpus"}
+GROUP_ENTRY_KEYS = {"device", "ranks", "workers", "vllm_tensor_parallel_size", "num_cpus"}
 
 
 class PlanError(ValueError):
@@ -54,6 +54,9 @@ class RolePlan:
     tensor_parallel_size: int
     colocated_with: tuple[str, ...] = ()
     model: str | None = None
+    # CPU cores each rank computes with (its torch/OpenMP threads); None: its share of its
+    # node's cores (orchestration.worker_group). Not used by backend=local.
+    num_cpus: float | None = None
 
     @property
     def world_size(self) -> int:
@@ -80,7 +83,7 @@ class Plan:
                  "nodes": sorted(set(r.nodes)), "group": r.group,
                  "colocated_with": list(r.colocated_with), "offload_model": r.offload_model,
                  "offload_optimizer": r.offload_optimizer, "sleep_level": r.sleep_level,
-                 "tensor_parallel_size": r.tensor_parallel_size, "model": r.model}
+                 "tensor_parallel_size": r.tensor_parallel_size, "model": r.model, "num_cpus": r.num_cpus}
                 for r in self.roles.values()]
 
     def demand(self) -> dict[str, float]:
@@ -164,6 +167,18 @@ def _common(cfg: Mapping) -> dict[str, Any]:
             "sleep_level": sleep, "gkd_logits_topk": topk}
 
 
+def _num_cpus(entry: Mapping, key: str) -> float | None:
+    """A role's or group's num_cpus: None (unset) or a number > 0."""
+    value = entry.get("num_cpus")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise PlanError(f"{key}.num_cpus", f"expected a number of cores > 0, got {value!r}",
+                        f"set {key}.num_cpus to the cores each rank computes with (e.g. 2), or leave it "
+                        "unset for a share of the node's cores")
+    return float(value)
+
+
 def _check_capacity(ranks_used: list[int], nnodes: int, per_node: int, key: str) -> None:
     if ranks_used and max(ranks_used) >= nnodes * per_node:
         raise PlanError(key, f"the layout needs device rank {max(ranks_used)} but {nnodes} node(s) x "
@@ -189,6 +204,7 @@ def _plan_megatron(cfg: dict) -> Plan:
         if "gpus" not in entry:
             raise PlanError(f"{role}.gpus", "missing", f"set {role}.gpus to the number of devices for {role}")
         _positive_int(entry["gpus"], f"{role}.gpus")
+        _num_cpus(entry, role)
         tp = _positive_int(entry.get("vllm_tensor_parallel_size", default_tp), f"{role}.vllm_tensor_parallel_size")
         if tp > 1 and role == "train":
             raise PlanError("train.vllm_tensor_parallel_size", "the trainer has no vLLM engine",
@@ -280,7 +296,7 @@ def _plan_megatron(cfg: dict) -> Plan:
             offload_optimizer=bool(mates) and role == "train" and common["offload_optimizer"],
             sleep_level=common["sleep_level"] if (mates and role == "rollout") else 0,
             tensor_parallel_size=entries[role].get("vllm_tensor_parallel_size", default_tp),
-            model=entries[role].get("model"))
+            model=entries[role].get("model"), num_cpus=_num_cpus(entries[role], role))
     return Plan(roles=roles, nnodes=nnodes, devices_per_node=per_node, form="megatron",
                 gkd_logits_topk=common["gkd_logits_topk"])
 
@@ -336,6 +352,7 @@ def _plan_device_groups(cfg: dict, any_role_names: bool = False) -> Plan:
     per_node = _positive_int(dg.pop("nproc_per_node"), "device_groups.nproc_per_node")
 
     parsed = []  # (name, device, ranks|count, workers, vLLM tensor parallel size)
+    cpus: dict[str, float | None] = {}  # group -> num_cpus of its ranks
     owner: dict[str, str] = {}
     for name, group in dg.items():
         key = f"device_groups.{name}"
@@ -376,6 +393,7 @@ def _plan_device_groups(cfg: dict, any_role_names: bool = False) -> Plan:
             raise PlanError(f"{key}.vllm_tensor_parallel_size", problem,
                             f"set it on a GPU group holding one of {list(VLLM_ROLES)}, dividing its ranks")
         parsed.append((name, device, ranks, list(workers), tp))
+        cpus[name] = _num_cpus(group, key)
 
     # Explicit GPU ranks first; counts then take the lowest free ranks, in group order.
     taken: dict[int, str] = {}
@@ -425,6 +443,6 @@ def _plan_device_groups(cfg: dict, any_role_names: bool = False) -> Plan:
                 offload_model=bool(mates) and role not in ("rollout", "sampler") and common["offload_model"],
                 offload_optimizer=bool(mates) and role in ("train", "default") and common["offload_optimizer"],
                 sleep_level=common["sleep_level"] if (mates and role in ("rollout", "sampler")) else 0,
-                tensor_parallel_size=tp if role in VLLM_ROLES else 1)
+                tensor_parallel_size=tp if role in VLLM_ROLES else 1, num_cpus=cpus[name])
     return Plan(roles=roles, nnodes=nnodes, devices_per_node=per_node, form="device_groups",
                 gkd_logits_topk=common["gkd_logits_topk"])

@@ -19,6 +19,16 @@ A group built with `restarts` > 0 (roles whose ranks hold no state but their wei
 in no collective: rollout, sampler, teacher, PRM, ORM) replaces a rank that died or went
 silent with a fresh actor on the same bundle, calls `on_restart(group, rank)` (the driver
 gives a rollout its current weights there) and runs the rank's share of the call again.
+
+Threads: each rank sets torch's intra-op threads (and OMP_NUM_THREADS/MKL_NUM_THREADS for what
+it starts) to its role's `num_cpus` in the plan, or, unset, to its share of its node's cores:
+the cores it may use divided by the processes planned on that node (colocated roles share a
+process slot and take turns, so they count once). Ray itself would leave every actor one thread.
+A rank's memory() figures come back with each call it answers, so the driver reads them
+(`memory()`) without a call of its own. Arguments several ranks share go into the object store
+once (`_shared`), as an ObjectRef per argument of at least SHARE_MIN_BYTES. `start_roles`
+starts the groups of a run together: every actor is created before any is waited for, so
+their processes start (and import torch) at the same time.
 """
 from __future__ import annotations
 
@@ -30,7 +40,11 @@ from typing import Any, Callable, Optional
 
 import ray
 
-from orchestration.base_group import BaseWorkerGroup, WorkerError
+import dataclasses
+
+import numpy as np
+
+from orchestration.base_group import CALLS, BaseWorkerGroup, WorkerError
 from orchestration.cluster import LOG_LEVEL_ENV, cluster_is_local, log_level_env, loopback_env, set_log_level
 from orchestration.placement import Placement
 from orchestration.planner import RolePlan
@@ -55,8 +69,10 @@ class _RoleHost:
                 "visible_index": _visible_index()}
 
     def setup(self, role_cls: type, env: dict[str, str], args: tuple, kwargs: dict,
-              serve: tuple[bool, bool] = (False, False)) -> None:
+              serve: tuple[bool, bool] = (False, False), threads: tuple[float | None, int] = (None, 1)) -> int:
+        """Build the role; returns the torch threads this rank computes with."""
         os.environ.update(env)
+        n = _set_threads(*threads)
         if LOG_LEVEL_ENV in env:  # run.log_level, as the driver set it
             set_log_level(env[LOG_LEVEL_ENV])
         # The store torch.distributed would open on *:port for the group (engine) whose first rank
@@ -68,14 +84,78 @@ class _RoleHost:
             else:
                 sock.close()
         self.instance = role_cls(*args, **kwargs)
+        memory = getattr(self.instance, "memory", None)
+        self.memory = memory if callable(memory) else None
+        return n
 
-    def call(self, method: str, /, *args: Any, **kwargs: Any) -> Any:
+    def call(self, method: str, /, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
+        """The method's value and this rank's memory() figures after it (None: the role has none)."""
         # Arguments arrive top-level, so Ray resolves an ObjectRef passed as one (nested ones stay refs).
-        return getattr(self.instance, method)(*args, **kwargs)
+        value = getattr(self.instance, method)(*args, **kwargs)
+        return value, (value if method == "memory" else self.memory() if self.memory else None)
 
     def __repr__(self) -> str:
         # Ray prefixes each line a worker prints with this: "(train rank 1 pid=...)".
         return self.name
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity), else the machine's."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # no sched_getaffinity (macOS)
+        return os.cpu_count() or 1
+
+
+def _set_threads(num_cpus: float | None, node_procs: int) -> int:
+    """torch's threads for this rank: `num_cpus` (its role's, from the plan), else this node's
+    usable cores over the `node_procs` processes planned on it; OpenMP/MKL get the same in the
+    environment for the processes this one starts."""
+    n = max(1, round(num_cpus)) if num_cpus else max(1, usable_cores() // max(node_procs, 1))
+    os.environ.update({"OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n)})
+    try:
+        import torch
+    except ImportError:
+        return n
+    torch.set_num_threads(n)
+    return n
+
+
+def node_processes(plan: Any, node: int) -> int:
+    """Processes planned on `node`: one per device slot in use there (colocated roles share one)."""
+    return len({(r.device, n, d) for r in plan.roles.values() for n, d in zip(r.nodes, r.local_devices)
+                if n == node})
+
+
+# An argument shared by several ranks goes into the object store once from this size up; smaller
+# ones travel inside each call (Ray inlines arguments under 100 KiB anyway).
+SHARE_MIN_BYTES = 64 * 1024
+
+
+def _nbytes(x: Any, limit: int = SHARE_MIN_BYTES) -> int:
+    """Rough serialized size of `x`, counted until it reaches `limit`."""
+    if isinstance(x, np.ndarray):
+        return x.nbytes
+    if hasattr(x, "element_size") and hasattr(x, "numel"):  # a torch tensor
+        return x.numel() * x.element_size()
+    if isinstance(x, (str, bytes, bytearray)):
+        return len(x)
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        x = [getattr(x, f.name) for f in dataclasses.fields(x)]
+    elif isinstance(x, dict):
+        x = [*x.keys(), *x.values()]
+    if isinstance(x, (list, tuple)):
+        total = 8 * len(x)
+        for item in x:
+            if total >= limit:
+                break
+            total += _nbytes(item, limit - total)
+        return total
+    return 8
+
+
+def _put_large(x: Any) -> Any:
+    return ray.put(x) if not isinstance(x, ray.ObjectRef) and _nbytes(x) >= SHARE_MIN_BYTES else x
 
 
 def _visible_index() -> int | None:
@@ -111,7 +191,9 @@ _RemoteHost = ray.remote(_RoleHost)
 class WorkerGroup(BaseWorkerGroup):
     def __init__(self, role_cls: type, plan_entry: RolePlan, init_kwargs: dict | None = None, *,
                  placement: Placement, init_args: tuple = (), env: dict[str, str] | list[dict] | None = None,
-                 timeout_s: float | None = None, restarts: int = 0):
+                 timeout_s: float | None = None, restarts: int = 0, start: bool = True):
+        """With `start` False the actors are created but not yet set up: `begin_setup()` and
+        `end_setup()` finish the start (start_roles does so for several groups at once)."""
         self.role, self.plan_entry, self.placement = plan_entry.role, plan_entry, placement
         self.world_size = plan_entry.world_size
         self.tensor_parallel = plan_entry.tensor_parallel_size
@@ -120,12 +202,22 @@ class WorkerGroup(BaseWorkerGroup):
         self.restarts_left = restarts
         self.on_restart: Optional[Callable[["WorkerGroup", int], None]] = None
         self._calls: dict[Any, tuple[int, str, tuple, dict]] = {}  # pending ref -> (rank, method, args, kwargs)
+        self._memory: dict[int, Any] = {}  # rank -> its memory() figures after its latest call
+        self._init = (role_cls, init_args, init_kwargs or {}, env)
         self.workers = [
             _RemoteHost.options(name=None, max_concurrency=1, **placement.slot(plan_entry, i).actor_options())
             .remote(f"{self.role} rank {i}") for i in range(self.world_size)]
-        local = cluster_is_local()
-        self.infos = self._wait([w.node_info.remote(local) for w in self.workers], "node_info",
-                                list(range(self.world_size)), None)
+        self._local = cluster_is_local()
+        self._pending = [w.node_info.remote(self._local) for w in self.workers]
+        if start:
+            self.begin_setup()
+            self.end_setup()
+
+    def begin_setup(self) -> None:
+        """Wait until every rank's process runs, then ask each to build its role."""
+        role_cls, init_args, init_kwargs, env = self._init
+        local = self._local
+        self.infos = self._wait_once(self._pending, "node_info", list(range(self.world_size)), None)
         master = self.infos[0]
         extra = env if isinstance(env, list) else [env or {}] * self.world_size  # per rank, or for all
         envs = [{**(loopback_env() if local else {}), **extra[i], "RANK": str(i),
@@ -137,14 +229,20 @@ class WorkerGroup(BaseWorkerGroup):
         # Only in a local run: elsewhere torch's own store (every address, any family) stays as it was.
         serve = [(local and i == 0 and self.world_size > 1, local and tp > 1 and i % tp == 0)
                  for i in range(self.world_size)]
-        self._setup = (role_cls, envs, init_args, init_kwargs or {}, serve)
-        refs = [w.setup.remote(role_cls, envs[i], init_args, init_kwargs or {}, serve[i])
-                for i, w in enumerate(self.workers)]
-        self._wait(refs, "__init__", list(range(self.world_size)), None)
+        threads = [(self.plan_entry.num_cpus, node_processes(self.placement.plan, self.plan_entry.nodes[i]))
+                   for i in range(self.world_size)]
+        self._setup = (role_cls, envs, init_args, init_kwargs, serve, threads)
+        self._pending = [w.setup.remote(role_cls, envs[i], init_args, init_kwargs, serve[i], threads[i])
+                         for i, w in enumerate(self.workers)]
+
+    def end_setup(self) -> None:
+        """Wait until every rank has built its role; `threads` records each rank's torch threads."""
+        self.threads = self._wait_once(self._pending, "__init__", list(range(self.world_size)), None)
+        self._pending = []
 
     def restart_rank(self, index: int) -> None:
         """A fresh actor for rank `index` on its bundle, built as the first one was."""
-        role_cls, envs, init_args, init_kwargs, serve = self._setup
+        role_cls, envs, init_args, init_kwargs, serve, threads = self._setup
         try:
             ray.kill(self.workers[index], no_restart=True)
         except Exception:  # already gone
@@ -153,8 +251,9 @@ class WorkerGroup(BaseWorkerGroup):
         self.workers[index] = _RemoteHost.options(name=None, max_concurrency=1, **options).remote(
             f"{self.role} rank {index}")
         ray.get(self.workers[index].node_info.remote(cluster_is_local()), timeout=self.timeout_s)
-        ray.get(self.workers[index].setup.remote(role_cls, envs[index], init_args, init_kwargs, serve[index]),
-                timeout=self.timeout_s)
+        ray.get(self.workers[index].setup.remote(role_cls, envs[index], init_args, init_kwargs, serve[index],
+                                                 threads[index]), timeout=self.timeout_s)
+        self._memory.pop(index, None)
 
     def _local_rank(self, rank: int) -> int:
         """LOCAL_RANK agrees with what the rank sees: its GPU's index among its visible devices (0, as
@@ -177,11 +276,31 @@ class WorkerGroup(BaseWorkerGroup):
 
     def _submit(self, index: int, method: str, args: tuple, kwargs: dict) -> Any:
         ref = self.workers[index].call.remote(method, *args, **kwargs)
+        CALLS.remote += 1
         if self.restarts_left > 0:
             self._calls[ref] = (index, method, args, kwargs)
         return ref
 
+    def _shared(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return tuple(_put_large(a) for a in args), {k: _put_large(v) for k, v in kwargs.items()}
+
+    def memory(self) -> list:
+        missing = [i for i in range(self.world_size) if self._memory.get(i) is None]
+        if missing:
+            self._wait([self._submit(i, "memory", (), {}) for i in missing], "memory", missing, None)
+        return [self._memory[i] for i in range(self.world_size)]
+
     def _wait(self, handles: list, method: str, indices: list[int], timeout: float | None) -> list:
+        start = time.perf_counter()
+        try:
+            pairs = self._wait_calls(handles, method, indices, timeout)
+        finally:
+            CALLS.role_s += time.perf_counter() - start
+        for index, (_, memory) in zip(indices, pairs):
+            self._memory[index] = memory
+        return [value for value, _ in pairs]
+
+    def _wait_calls(self, handles: list, method: str, indices: list[int], timeout: float | None) -> list:
         while True:
             try:
                 results = self._wait_once(handles, method, indices, timeout)

@@ -416,3 +416,97 @@ def test_driver_joins_an_existing_cluster_and_spans_its_nodes(ray_cluster):
     nodes = {role: {node_id for r, _, _, node_id, _, _, _ in rows if r == role} for role in ("train", "rollout")}
     assert len(rows) == 8 and len(nodes["train"]) == 1 and len(nodes["rollout"]) == 1
     assert nodes["train"] != nodes["rollout"]
+
+
+class Counter:
+    """Reports its threads and memory figures (these change with every call, so a stale one shows)."""
+
+    LOCKSTEP_METHODS = ("lengths",)
+
+    def __init__(self):
+        self.calls = 0
+
+    def threads(self) -> dict:
+        import os
+        return {"torch": torch.get_num_threads(), "omp": os.environ.get("OMP_NUM_THREADS")}
+
+    def bump(self, x=None):
+        self.calls += 1
+        return self.calls
+
+    def lengths(self, items):
+        return [len(items)]
+
+    def memory(self) -> dict:
+        return {"rss_bytes": 1000 + self.calls}
+
+
+def test_threads_follow_num_cpus_else_the_node_share(ray_cluster):
+    """A group's num_cpus sets its ranks' torch and OpenMP threads; the others split the cores by
+    the processes planned on the node (here 1 + 2)."""
+    from orchestration.placement import create_placement
+    from orchestration.worker_group import WorkerGroup, usable_cores
+
+    plan = make_plan({"device_groups": {"nproc_per_node": 1,
+                                        "a": {"device": "CPU", "ranks": 1, "workers": ["prm"], "num_cpus": 3},
+                                        "b": {"device": "CPU", "ranks": 2, "workers": ["orm"]}}})
+    assert plan["prm"].num_cpus == 3.0 and plan["orm"].num_cpus is None
+    placement = create_placement(plan, timeout_s=30)
+    try:
+        prm = WorkerGroup(Counter, plan["prm"], placement=placement, start=False)
+        orm = WorkerGroup(Counter, plan["orm"], placement=placement, start=False)
+        for g in (prm, orm):
+            g.begin_setup()
+        for g in (prm, orm):
+            g.end_setup()
+        assert prm.call("threads") == [{"torch": 3, "omp": "3"}] and prm.threads == [3]
+        share = max(1, usable_cores() // 3)
+        assert orm.call("threads") == [{"torch": share, "omp": str(share)}] * 2
+        prm.shutdown(), orm.shutdown()
+    finally:
+        placement.remove()
+
+
+def test_memory_figures_ride_back_on_calls(ray_cluster):
+    """memory() answers from the figures of each rank's latest call without a remote call of its own;
+    a rank not called yet is asked."""
+    from orchestration.base_group import CALLS
+    from orchestration.placement import create_placement
+    from orchestration.worker_group import WorkerGroup
+
+    plan = make_plan({"device_groups": {"nproc_per_node": 1, "c": {"device": "CPU", "ranks": 2, "workers": ["orm"]}}})
+    placement = create_placement(plan, timeout_s=30)
+    try:
+        g = WorkerGroup(Counter, plan["orm"], placement=placement)
+        g.call("bump", [1], dispatch="slice")  # rank 0 only (rank 1's slice is empty)
+        before = CALLS.remote
+        assert g.memory() == [{"rss_bytes": 1001}, {"rss_bytes": 1000}]
+        assert CALLS.remote == before + 1  # rank 1 was asked; rank 0's figures came with bump
+        g.call("bump")
+        before = CALLS.remote
+        assert g.memory() == [{"rss_bytes": 1002}, {"rss_bytes": 1001}]
+        assert CALLS.remote == before
+        local = LocalWorkerGroup(Counter, plan["orm"])
+        local.call("bump")
+        assert local.memory() == [{"rss_bytes": 1001}] * 2
+        g.shutdown()
+    finally:
+        placement.remove()
+
+
+def test_shared_arguments_go_into_the_object_store_once(ray_groups):
+    """dispatch='all' puts a large argument once (every rank gets the same ObjectRef, resolved on
+    arrival); small ones travel inline; lockstep ranks without items share one empty share."""
+    import ray
+
+    from orchestration import dispatch as dsp
+
+    g = ray_groups["train"]
+    big, small = np.arange(100_000, dtype=np.float32), {"k": 1}
+    args, kwargs = g._shared((big, 3), {"opts": small, "more": [big]})
+    assert isinstance(args[0], ray.ObjectRef) and args[1] == 3
+    assert kwargs["opts"] is small and isinstance(kwargs["more"], ray.ObjectRef)
+    echoed = g.call("echo", big)
+    assert len(echoed) == 4 and all(np.array_equal(e, big) for e in echoed)
+    shares = dsp.split("slice", 4, ([1, 2],), {}, keep_empty=True)
+    assert shares[2] is shares[3] and shares[2][0] == ([],)
