@@ -96,7 +96,7 @@ def _rlhf_type(driver: str) -> Mapper:
     def check(value: Any, file: Mapping, cfg: Any) -> dict:
         if value != driver:
             where = f"python -m algorithms.{value}" if value in DRIVERS else "no driver here"
-            raise Unsupported(f"is {value!r} but this is the {driver} driver ({where} runs it); "
+            raise Unsupported(f"is {value!r} but this is the {driver} driver ({where} runs it), and "
                               f"`python -m algorithms.run config_file=...` picks the driver from rlhf_type")
         return {}
     return check
@@ -106,7 +106,7 @@ def _neutral(values: tuple, why: str) -> Mapper:
     """A feature this project does not have: only its neutral values are accepted."""
     def check(value: Any, file: Mapping, cfg: Any) -> dict:
         if value not in values:
-            raise Unsupported(f"{why}; only {' or '.join(repr(v) for v in values)} is accepted")
+            raise Unsupported(f"{why}, only {' or '.join(repr(v) for v in values)} is accepted")
         return {}
     return check
 
@@ -163,7 +163,7 @@ def _use_vllm(value: Any, file: Mapping, cfg: Any) -> dict:
 def _vllm_mode(value: Any, file: Mapping, cfg: Any) -> dict:
     if value != "colocate":
         raise Unsupported(f"{value!r}: the rollout is a role on planned devices, never an external vLLM "
-                          "server; place it on its own devices instead (colocate_groups without rollout, "
+                          "server: place it on its own devices instead (colocate_groups without rollout, "
                           "or its own device group)")
     return {}
 
@@ -173,7 +173,7 @@ def _deepspeed(value: Any, file: Mapping, cfg: Any) -> dict:
     stages = {"zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3}
     base = text.removesuffix("_offload")
     if base not in stages:
-        raise Unsupported(f"{text!r}: name a ZeRO preset (zero0..zero3, zero2_offload, zero3_offload); "
+        raise Unsupported(f"{text!r}: name a ZeRO preset (zero0..zero3, zero2_offload, zero3_offload), "
                           "a DeepSpeed JSON file is not read, set deepspeed.* keys instead")
     out = {"backend.train": "deepspeed", "deepspeed.zero_stage": stages[base]}
     if text.endswith("_offload"):
@@ -194,15 +194,6 @@ def _flag_dtype(name: str) -> Mapper:
 def _attn(value: Any) -> str:
     return {"flash_attn": "flash_attention_2", "flash_attention_2": "flash_attention_2",
             "sdpa": "sdpa", "eager": "eager"}.get(str(value), str(value))
-
-
-def _one(name: str, what: str) -> Mapper:
-    """A parallelism this project does not have: only 1 (or false) is accepted."""
-    def check(value: Any, file: Mapping, cfg: Any) -> dict:
-        if value not in (1, False, None):
-            raise Unsupported(f"{value!r}: {what}; use 1")
-        return {}
-    return check
 
 
 def _tensor_parallel(value: Any, file: Mapping, cfg: Any) -> dict:
@@ -228,7 +219,7 @@ def _global_batch(driver: str) -> Mapper:
         completions = int(value) * spg
         if completions % G:
             raise Unsupported(f"{value} * steps_per_generation {spg} = {completions} completions per generation "
-                              f"is not a whole number of prompts of num_generations={G}; use a multiple of {G}")
+                              f"is not a whole number of prompts of num_generations={G}, use a multiple of {G}")
         return {"run.prompts_per_step": completions // G}
     return convert
 
@@ -296,10 +287,10 @@ MAPPED: dict[str, Mapper] = {
     "vllm_engine_kwargs": _vllm_engine_kwargs,
     "deepspeed": _deepspeed,
     "tensor_model_parallel_size": _tensor_parallel,
-    "pipeline_model_parallel_size": _one("pipeline_model_parallel_size", "there is no pipeline parallelism here"),
-    "context_parallel_size": _one("context_parallel_size", "there is no context parallelism here"),
-    "expert_model_parallel_size": _one("expert_model_parallel_size", "there is no expert parallelism here"),
-    "sequence_parallel": _one("sequence_parallel", "there is no sequence parallelism here"),
+    "pipeline_model_parallel_size": _neutral((1,), "there is no pipeline parallelism here"),
+    "context_parallel_size": _neutral((1,), "there is no context parallelism here"),
+    "expert_model_parallel_size": _neutral((1,), "there is no expert parallelism here"),
+    "sequence_parallel": _neutral((False,), "there is no sequence parallelism here"),
     "use_vllm": _use_vllm,
     "vllm_mode": _vllm_mode,
     "vllm_gpu_memory_utilization": to("vllm.gpu_memory_utilization", convert=float),
@@ -397,10 +388,10 @@ NO_EFFECT: dict[str, str] = {
 
 # Keys with a reason why they cannot be honoured (and what to use instead).
 REFUSED: dict[str, str] = {
-    "model_type": "the architecture comes from the model folder's config.json; remove it",
+    "model_type": "the architecture comes from the model folder's config.json, remove it",
     "template": "prompts use the tokenizer's own chat template (data.chat=false: plain text)",
-    "system": "no default system prompt is added; put a system turn in the rows' messages",
-    "gradient_accumulation_steps": "set global_batch_size (sequences per update); accumulation follows from "
+    "system": "no default system prompt is added, put a system turn in the rows' messages",
+    "gradient_accumulation_steps": "set global_batch_size (sequences per update), accumulation follows from "
                                    "micro_batch_size",
     "streaming": "user files are read whole (data.max_rows caps them)",
     "truncation_strategy": "too-long prompts are skipped and too-long replies cut (data.max_length), always",
@@ -416,8 +407,8 @@ REFUSED: dict[str, str] = {
     "orm_model": "set orm.kind / orm.model (a local folder) on the command line",
     "resume_from_checkpoint": "use run.resume=<checkpoints/step_N folder> (or auto)",
     "external_plugins": "rewards are named by dotted path in reward_funcs (pkg.mod.fn) here",
-    "teacher_kl_coef": "on-policy distillation inside GRPO is not implemented; use the gkd driver",
-    "enable_thinking": "templates get no thinking switch here; use a tokenizer whose template does what you want",
+    "teacher_kl_coef": "on-policy distillation inside GRPO is not implemented, use the gkd driver",
+    "enable_thinking": "templates get no thinking switch here, use a tokenizer whose template does what you want",
     "multi_turn_scheduler": "multi-turn rollouts are not implemented",
     "max_turns": "multi-turn rollouts are not implemented",
     "gym_env": "multi-turn rollouts are not implemented",
@@ -466,7 +457,7 @@ def translate(file: Mapping, driver: str, cfg: Any) -> tuple[dict, dict, list[st
                 continue
             for ours, v in mapped.items():
                 if ours in out and out[ours] != v:
-                    problems.append(f"{where}={value!r}: {source[ours]} already set {ours}={out[ours]!r}; one "
+                    problems.append(f"{where}={value!r}: {source[ours]} already set {ours}={out[ours]!r}, and one "
                                     f"value serves every role here, give them the same one")
                 out[ours], source[ours] = v, where
         elif key in NO_EFFECT:
@@ -480,7 +471,7 @@ def translate(file: Mapping, driver: str, cfg: Any) -> tuple[dict, dict, list[st
     if problems:
         raise ConfigError(f"config key 'config_file' has {len(problems)} key(s) this run cannot honour: "
                           + "; ".join(problems) + ". Fix: change or remove them (docs/ms_swift.md lists every "
-                          "key read); nothing has started")
+                          "key read), nothing has started")
     return placement, out, no_effect
 
 
@@ -508,7 +499,7 @@ def nearest(key: str, driver: str) -> str:
     own = list(known_keys(driver)) + sorted(PLACEMENT_KEYS) + list(NO_EFFECT)
     close = difflib.get_close_matches(key, own, n=1, cutoff=0.6)
     if close:
-        return f"; did you mean '{close[0]}'?"
+        return f", did you mean '{close[0]}'?"
     for other in DRIVERS:
         if other != driver and key in DRIVER_KEYS[other]:
             return f" (it is a key of the {other} driver)"

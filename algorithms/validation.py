@@ -22,7 +22,8 @@ from orchestration.config import ConfigError
 from orchestration.planner import Plan
 from orchestration.weight_sync import check_settings as check_weight_sync
 from roles.engines.options import ROLLOUT_ENGINES, TEACHER_ENGINES, TRAIN_ENGINES
-from roles.models import TOKENIZER_FILES, check_config, has_tokenizer_files, load_tokenizer, resolve_config
+from roles.models import (TOKENIZER_FILES, check_config, has_tokenizer_files, hub_cache_root, load_tokenizer,
+                          resolve_config)
 from roles.trainer import COMPUTE_DTYPES, SCHEDULES
 
 DATA_TASKS = ("arithmetic", "gsm", "files")
@@ -121,8 +122,10 @@ def check_model(key: str, spec: Any) -> None:
                           f"{e}. Fix: name a preset or a local directory holding a saved model") from None
     if cfg.path is not None:
         shown = f"{key}.path" if not isinstance(spec, str) else key
-        require(os.path.isdir(cfg.path), shown, cfg.path, "is not a directory",
-                "give a local folder written by save_pretrained (config.json, weights, tokenizer)")
+        require(os.path.isdir(cfg.path), shown, cfg.path,
+                f"is neither a local directory nor a model in the local Hugging Face cache ({hub_cache_root()})",
+                "give a local folder written by save_pretrained (config.json, weights, tokenizer), or put the hub "
+                f"model in that cache first (`huggingface-cli download {cfg.path}` where a network is)")
         require(os.path.isfile(os.path.join(cfg.path, "config.json")), shown, cfg.path, "holds no config.json",
                 "give a folder written by save_pretrained")
         require(cfg.tokenizer is not None or has_tokenizer_files(cfg.path), shown, cfg.path,

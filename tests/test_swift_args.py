@@ -1,0 +1,246 @@
+"""ms-swift YAML files as their users write them: every key translated, without effect, or
+refused in one error before anything starts; the shipped example files run unchanged."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+
+from algorithms import swift_args
+from algorithms.config import GKDRunConfig, RunConfig, fit_epochs, prepare
+from algorithms.grpo import GRPORunConfig
+from algorithms.run import config_of, driver_of, write_example
+from algorithms.swift_args import NO_EFFECT, REFUSED, known_keys, output_run_dir, translate
+from orchestration.config import ConfigError
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "algorithms" / "ms_swift_examples"
+ENV = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "HYDRA_FULL_ERROR": "0"}
+
+
+@pytest.fixture(scope="module")
+def example(tmp_path_factory):
+    """`rayroles example`: a student and a teacher folder, a dataset and the example YAMLs."""
+    return write_example(str(tmp_path_factory.mktemp("example")))
+
+
+def defaults(schema=GRPORunConfig):
+    return OmegaConf.structured(schema)
+
+
+def test_the_gkd_example_maps_every_key(example, monkeypatch):
+    monkeypatch.chdir(example)
+    file = yaml.safe_load((example / "gkd_colocated_teacher.yaml").read_text())
+    placement, out, no_effect = translate(file, "gkd", defaults(GKDRunConfig))
+    assert placement["colocate_groups"] == [["train", "rollout"]] and placement["teacher_model"] == "./teacher"
+    assert placement["train"] == {"gpus": 1} and placement["rollout"] == {"gpus": 1, "vllm_tensor_parallel_size": 1}
+    assert out["trainer.lr"] == 1e-4 and out["trainer.min_lr"] == 1e-5 and out["trainer.warmup_ratio"] == 0.0
+    assert out["run.prompts_per_step"] == 16 and out["trainer.micro_batch_per_device"] == 8
+    assert out["run.steps"] == 4 and out["run.log_every"] == 1 and out["run.seed"] == 42
+    assert out["algorithm.lmbda"] == 1 and out["algorithm.beta"] == 0.5 and out["algorithm.max_new_tokens"] == 24
+    assert out["data.task"] == "files" and out["data.paths"] == [str(example / "data" / "train.jsonl")]
+    assert out["data.val_split"] == 0.05 and out["data.max_length"] == 256 and out["backend.rollout"] == "torch"
+    # A role section's own keys: the rollout's vLLM settings.
+    assert out["vllm.gpu_memory_utilization"] == 0.4 and out["vllm.max_model_len"] == 512
+    assert {"padding_free", "attention_backend", "finetune", "recompute_granularity"} <= set(no_effect)
+    assert "train.output_dir" not in no_effect  # it is the run directory (output_run_dir)
+
+
+@pytest.mark.parametrize("yaml_file,driver", [("gkd_colocated_teacher", "gkd"), ("gkd_teacher_group", "gkd"),
+                                              ("grpo_colocate", "grpo"), ("grpo_separate", "grpo")])
+def test_each_example_prepares_and_validates_before_anything_starts(example, monkeypatch, yaml_file, driver):
+    import importlib
+
+    monkeypatch.chdir(example)
+    module = importlib.import_module(f"algorithms.{driver}")
+    schema = GKDRunConfig if driver == "gkd" else GRPORunConfig
+    assert driver_of(f"{yaml_file}.yaml") == driver
+    typed, plan = prepare({"config_file": f"{yaml_file}.yaml"}, schema, cli=[])
+    module.validate(typed, plan)
+    assert typed.model.path == str(example / "student") and typed.run.steps == 4
+    assert typed.trainer.total_steps == 4 and typed.trainer.min_lr > 0
+
+
+@pytest.mark.parametrize("key,value,driver,want", [
+    ("learning_rate", 3e-4, "sft", {"trainer.lr": 3e-4}),
+    ("lr_decay_style", "linear", "sft", {"trainer.schedule": "linear"}),
+    ("lr_warmup_iters", 5, "sft", {"trainer.warmup_steps": 5}),
+    ("max_steps", 9, "sft", {"run.steps": 9}),
+    ("num_train_epochs", 2, "sft", {"run.epochs": 2.0}),
+    ("save_steps", 50, "gkd", {"run.save_every": 50}),
+    ("save_interval", 50, "gkd", {"run.save_every": 50}),
+    ("save_total_limit", 2, "gkd", {"run.keep_last": 2}),
+    ("eval_steps", 7, "grpo", {"run.eval_every": 7}),
+    ("eval_interval", 7, "grpo", {"run.eval_every": 7}),
+    ("clip_grad", 0.5, "grpo", {"trainer.grad_clip": 0.5}),
+    ("report_to", ["tensorboard", "wandb"], "sft", {"run.loggers": ["jsonl", "tensorboard", "wandb"]}),
+    ("report_to", "none", "sft", {"run.loggers": ["jsonl"]}),
+    ("torch_dtype", "bfloat16", "sft", {"model.dtype": "bfloat16"}),
+    ("bf16", True, "sft", {"trainer.dtype": "bfloat16"}),
+    ("attn_impl", "flash_attn", "sft", {"model.attn_implementation": "flash_attention_2"}),
+    ("deepspeed", "zero3_offload", "sft", {"backend.train": "deepspeed", "deepspeed.zero_stage": 3,
+                                           "deepspeed.offload_optimizer": True, "deepspeed.offload_param": True}),
+    ("tensor_model_parallel_size", 2, "gkd", {"backend.train": "megatron", "megatron.tensor_parallel_size": 2}),
+    ("tensor_model_parallel_size", 1, "gkd", {}),
+    ("use_vllm", True, "grpo", {"backend.rollout": "vllm"}),
+    ("use_ray", False, "distill", {"backend.workers": "local"}),
+    ("vllm_tensor_parallel_size", 2, "grpo", {"placement.rollout.vllm_tensor_parallel_size": 2}),
+    ("vllm_engine_kwargs", '{"max_logprobs": 32}', "gkd", {"vllm.max_logprobs": 32}),
+    ("columns", '{"question": "query"}', "sft", {"data.columns": {"question": "query"}}),
+    ("val_dataset", "/no/such/val.jsonl", "sft", {"data.val_paths": ["/no/such/val.jsonl"]}),
+    ("split_dataset_ratio", 0, "sft", {}),
+    ("dataset", ["/d/a.jsonl#100", "/d/b.jsonl#100"], "sft", {"data.task": "files", "data.max_rows": 100,
+                                                             "data.paths": ["/d/a.jsonl", "/d/b.jsonl"]}),
+    ("num_generations", 4, "grpo", {"algorithm.num_generations": 4}),
+    ("generation_batch_size", 32, "grpo", {"run.prompts_per_step": 4}),  # 32 completions / 8 per prompt
+    ("scale_rewards", False, "grpo", {"algorithm.scale_rewards": "none"}),
+    ("advantage_estimator", "rloo", "grpo", {"algorithm.leave_one_out": True}),
+    ("reward_funcs", "accuracy", "grpo", {"algorithm.reward_funcs": ["accuracy"]}),
+    ("seq_kd", False, "gkd", {"algorithm.seq_kd": False}),
+    ("num_sampling_batch_size", 4, "distill", {"run.prompts_per_step": 4}),
+    ("sampler_engine", "vllm", "distill", {"backend.rollout": "vllm"}),
+])
+def test_each_key_lands_on_its_counterpart(key, value, driver, want):
+    _, out, _ = translate({key: value}, driver, defaults())
+    assert out == want
+
+
+def test_grpo_global_batch_counts_completions():
+    """ms-swift's global_batch_size is completions per update: prompts = gbs * spg / G."""
+    _, out, _ = translate({"global_batch_size": 16, "num_generations": 4, "steps_per_generation": 2}, "grpo",
+                          defaults())
+    assert out["run.prompts_per_step"] == 8
+    with pytest.raises(ConfigError, match="global_batch_size=10.*not a whole number of prompts"):
+        translate({"global_batch_size": 10, "num_generations": 4}, "grpo", defaults())
+
+
+def test_every_key_that_cannot_be_honoured_is_in_one_error_with_its_fix():
+    file = {"rlhf_type": "gkd", "learning_rat": 1e-5, "tuner_type": "lora", "lora_rank": 8, "lmbda": 0.5,
+            "vllm_mode": "server", "global_batch_size": 16, "train": {"gpus": 1, "sequence_parallel": True}}
+    with pytest.raises(ConfigError) as info:
+        translate(file, "grpo", defaults())
+    message = str(info.value)
+    assert "\n" not in message and "has 7 key(s)" in message and "nothing has started" in message
+    assert message.count("; ") == 6  # one part per key
+    assert "rlhf_type='gkd': is 'gkd' but this is the grpo driver (python -m algorithms.gkd runs it)" in message
+    assert "learning_rat: unknown to the grpo driver, did you mean 'learning_rate'?" in message
+    assert "tuner_type='lora': 'lora': only full-parameter training is supported" in message
+    assert "lora_rank: not supported: only full-parameter training" in message
+    assert "lmbda: unknown to the grpo driver (it is a key of the gkd driver)" in message
+    assert "vllm_mode='server'" in message and "train.sequence_parallel=True" in message
+
+
+def test_one_value_per_setting_across_role_sections():
+    file = {"rollout": {"gpus": 1, "vllm_max_model_len": 512}, "teacher": {"gpus": 1, "vllm_max_model_len": 1024}}
+    with pytest.raises(ConfigError, match="teacher.vllm_max_model_len=1024: rollout.vllm_max_model_len already "
+                                          "set vllm.max_model_len=512"):
+        translate(file, "gkd", defaults(GKDRunConfig))
+
+
+def test_train_iters_wins_over_epochs_and_epochs_set_steps_from_the_rows():
+    _, out, _ = translate({"num_train_epochs": 1, "train_iters": 5}, "sft", defaults())
+    assert out == {"run.steps": 5}
+    run = OmegaConf.to_object(OmegaConf.merge(defaults(RunConfig), {"run": {"epochs": 2.0, "prompts_per_step": 16},
+                                                                      "trainer": {"warmup_ratio": 0.1}}))
+    run = fit_epochs(run, 100)
+    assert run.run.steps == 13 and run.trainer.total_steps == 13 and run.trainer.warmup_steps == 1  # ceil(200/16)
+
+
+def test_documented_keys_are_the_keys_read():
+    """docs/ms_swift.md lists every key the translation knows, and no other."""
+    doc = (ROOT / "docs" / "ms_swift.md").read_text()
+    listed = {line.split("`")[1] for line in doc.splitlines() if line.startswith("| `")}
+    read = set(NO_EFFECT) | set(REFUSED)
+    for driver in swift_args.DRIVERS:
+        read |= set(known_keys(driver))
+    assert listed == read, (sorted(read - listed), sorted(listed - read))
+
+
+def test_output_dir_becomes_the_run_directory(tmp_path):
+    path = tmp_path / "x.yaml"
+    path.write_text("train: {gpus: 1, output_dir: out/run}\n")
+    argv = output_run_dir(["m", f"config_file={path}", "run.steps=2"])
+    assert argv[-1].startswith(f"hydra.run.dir={os.path.abspath('out/run')}/${{now:")
+    assert output_run_dir(["m", f"config_file={path}", "hydra.run.dir=/x"])[-1] == "hydra.run.dir=/x"
+    assert config_of(["--config", "a.yaml", "run.steps=2"]) == ("a.yaml", ["run.steps=2"])
+
+
+# ----------------------------------------------------------------------------- before anything starts
+
+def rayroles(*args, cwd, timeout=600):
+    return subprocess.run([sys.executable, "-m", "algorithms.run", *args], capture_output=True, text=True,
+                          cwd=cwd, env={**ENV, "PYTHONPATH": str(ROOT)}, timeout=timeout)
+
+
+BAD_FILES = [
+    ({"model": "./no_student"}, "config key 'model.path'='./no_student' is neither a local directory nor a model in "
+                                "the local Hugging Face cache"),
+    ({"teacher_model": "./no_teacher"}, "config key 'placement.teacher_model'"),
+    ({"dataset": "./data/missing.jsonl"}, "data.paths"),
+    ({"rollout": {"gpus": 1, "vllm_gpu_memory_utilisation": 0.4}}, "rollout.vllm_gpu_memory_utilisation: unknown"),
+]
+
+
+def bad_file(example, change):
+    file = {**yaml.safe_load((example / "gkd_colocated_teacher.yaml").read_text()), **change}
+    path = example / f"bad_{abs(hash(json.dumps(change, sort_keys=True)))}.yaml"
+    path.write_text(yaml.safe_dump(file))
+    return path
+
+
+@pytest.mark.parametrize("change,message", BAD_FILES)
+def test_a_bad_file_is_refused_by_the_checks_before_start(example, monkeypatch, change, message):
+    """prepare + validate: what the driver runs before any actor, file or cluster exists."""
+    from algorithms import gkd
+
+    monkeypatch.chdir(example)
+    with pytest.raises(ConfigError) as info:
+        gkd.validate(*prepare({"config_file": bad_file(example, change).name}, GKDRunConfig, cli=[]))
+    assert message in str(info.value) and "Fix:" in str(info.value)
+
+
+def test_the_command_line_stops_a_bad_file_in_one_line(example):
+    path = bad_file(example, {"learning_rat": 1e-4})
+    out = rayroles("run", "--config", path.name, cwd=example, timeout=120)
+    assert out.returncode == 2, out.stderr[-2000:]
+    lines = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and "did you mean 'learning_rate'" in lines[0] and "Fix:" in lines[0], out.stderr[-2000:]
+    assert not list((example / "output").glob("gkd_colocated_teacher/*/metrics.jsonl"))
+
+
+def test_a_missing_tokenizer_is_named_before_start(example, tmp_path):
+    import shutil
+
+    bare = tmp_path / "no_tokenizer"
+    shutil.copytree(example / "student", bare)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (bare / name).unlink()
+    with pytest.raises(ConfigError, match="holds no tokenizer files"):
+        from algorithms.validation import check_model
+
+        check_model("model.path", str(bare))
+
+
+# ----------------------------------------------------------------------------- the examples run
+
+@pytest.mark.parametrize("yaml_file,extra", [("gkd_teacher_group", []),
+                                             ("grpo_colocate", ["backend.workers=local"]),
+                                             ("gkd_colocated_teacher", ["backend.workers=local"]),
+                                             ("grpo_separate", ["backend.workers=local"])])
+def test_the_example_yamls_run_unchanged(example, yaml_file, extra):
+    """Each shipped file, verbatim, runs with its local folders (one on Ray, three in-process);
+    the run lands in the file's output_dir; the recorded config holds the file's values."""
+    out = rayroles("run", "--config", f"{yaml_file}.yaml", "run.steps=2", *extra, cwd=example)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1])["eval/accuracy"] >= 0.0
+    runs = sorted((example / "output" / yaml_file).iterdir())
+    resolved = yaml.safe_load((runs[-1] / "resolved_config.yaml").read_text())
+    assert resolved["run"]["steps"] == 2 and resolved["trainer"]["min_lr"] > 0  # the command line's, the file's
+    assert resolved["model"]["path"] == str(example / "student")
+    assert (runs[-1] / "metrics.jsonl").is_file() and (runs[-1] / "curves.png").is_file()
