@@ -84,6 +84,9 @@ class DataConfig:
     # text (the user text, a conversation's contents joined by newlines; training text is
     # prompt + reply + eos); null: the template when the run's tokenizer has one, else plain.
     chat: Optional[bool] = None
+    # A system turn put before every row that has none (ms-swift's `system`): the text itself,
+    # or the path of a .txt file holding it. null: rows as they are.
+    system: Optional[str] = None
 
 
 @dataclass
@@ -305,6 +308,7 @@ def _load_task(cfg: DataConfig, limits: Optional[RowLimits]) -> tuple[list[Examp
             train = gsm_examples(cfg.train_size, seed=cfg.seed, split="train")
             held = gsm_examples(cfg.eval_size, seed=cfg.seed + 1, split="test")
         tally = _Tally()
+        train, held = with_system(train, cfg.system), with_system(held, cfg.system)
         train = [ex for _, ex in _fit(train, limits, False, tally)]
         held = [ex for _, ex in _fit(held, limits, True, tally)]
         if not train or not held:
@@ -326,7 +330,29 @@ def _read(cfg: DataConfig, key: str, tally: _Tally, max_rows: Optional[int] = No
     for reason, n in data.skip_reasons.items():
         tally.reasons[reason] += n
         tally.first.setdefault(reason, data.first_bad[reason])
-    return data.examples
+    return with_system(data.examples, cfg.system)
+
+
+def system_text(system: Optional[str]) -> Optional[str]:
+    """data.system's text: a .txt file's content, or the value itself."""
+    if system and system.endswith(".txt"):
+        try:
+            return Path(system).read_text().strip()
+        except OSError as e:
+            raise ConfigError(f"config key 'data.system'={system!r} cannot be read ({e.strerror}). "
+                              "Fix: give an existing .txt file, or the system prompt itself") from None
+    return system
+
+
+def with_system(examples: list[Example], system: Optional[str]) -> list[Example]:
+    """`examples` with a system turn first where they have none (data.system)."""
+    text = system_text(system)
+    if not text:
+        return examples
+    turn = {"role": "system", "content": text}
+    return [ex if any(m["role"] == "system" for m in ex.context)
+            else replace(ex, context=[turn] + (list(ex.context) or [{"role": "user", "content": ex.prompt}]))
+            for ex in examples]
 
 
 def _load_files(cfg: DataConfig, limits: Optional[RowLimits]) -> tuple[list[Example], list[Example], _Tally, str]:

@@ -248,6 +248,7 @@ MAPPED: dict[str, Mapper] = {
     "split_dataset_ratio": _split_ratio,
     "columns": to("data.columns", convert=_columns),
     "max_length": to("data.max_length", convert=int),
+    "system": to("data.system", convert=lambda v: _path(v) if str(v).endswith(".txt") else str(v)),
     "seed": to("run.seed", "data.seed", "trainer.seed", convert=int),
     "data_seed": to("data.seed", convert=int),
     "lr": to("trainer.lr", convert=float),
@@ -390,7 +391,6 @@ NO_EFFECT: dict[str, str] = {
 REFUSED: dict[str, str] = {
     "model_type": "the architecture comes from the model folder's config.json, remove it",
     "template": "prompts use the tokenizer's own chat template (data.chat=false: plain text)",
-    "system": "no default system prompt is added, put a system turn in the rows' messages",
     "gradient_accumulation_steps": "set global_batch_size (sequences per update), accumulation follows from "
                                    "micro_batch_size",
     "streaming": "user files are read whole (data.max_rows caps them)",

@@ -244,3 +244,21 @@ def test_the_example_yamls_run_unchanged(example, yaml_file, extra):
     assert resolved["run"]["steps"] == 2 and resolved["trainer"]["min_lr"] > 0  # the command line's, the file's
     assert resolved["model"]["path"] == str(example / "student")
     assert (runs[-1] / "metrics.jsonl").is_file() and (runs[-1] / "curves.png").is_file()
+
+
+def test_a_system_prompt_goes_before_rows_without_one(tmp_path):
+    from algorithms.data import DataConfig, load_task
+
+    rows = [{"messages": [{"role": "user", "content": f"{i}+1?"}, {"role": "assistant", "content": f"{i + 1}"}]}
+            for i in range(6)] + [{"messages": [{"role": "system", "content": "own"}, {"role": "user", "content": "q"},
+                                                {"role": "assistant", "content": "a"}]}]
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "system.txt").write_text("Answer with a number.\n")
+    _, out, _ = translate({"system": str(tmp_path / "system.txt")}, "sft", defaults())
+    train, held, _ = load_task(DataConfig(task="files", paths=[str(data)], eval_size=2, system=out["data.system"]))
+    assert train[0].prompt_messages() == [{"role": "system", "content": "Answer with a number."},
+                                          {"role": "user", "content": "0+1?"}]
+    assert held[-1].prompt_messages()[0] == {"role": "system", "content": "own"}  # a row's own system turn wins
+    with pytest.raises(ConfigError, match="data.system"):
+        load_task(DataConfig(task="files", paths=[str(data)], eval_size=2, system=str(tmp_path / "none.txt")))
