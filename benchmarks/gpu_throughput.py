@@ -206,8 +206,9 @@ def profile_vllm(runner: RolloutGenerate, prompts, samples: int, new_tokens: int
 # Options of the benchmark itself, not passed to the engine: "vary_prompt_len" gives every
 # timed call prompts of a new length (as a driver's batches have), "cudnn_sdp": false turns off
 # cuDNN's attention in torch (it builds a plan for every new shape), "request_form" (vLLM) one
-# of REQUEST_FORMS.
-BENCH_OPTIONS = ("vary_prompt_len", "cudnn_sdp", "request_form")
+# of REQUEST_FORMS; torch engine: "cuda_graphs": false decodes the static-cache steps eagerly,
+# "static_decode": false runs the dynamic loop (DynamicCache, one launch per kernel).
+BENCH_OPTIONS = ("vary_prompt_len", "cudnn_sdp", "request_form", "cuda_graphs", "static_decode")
 
 
 def generate_one(args) -> dict:
@@ -216,6 +217,11 @@ def generate_one(args) -> dict:
     engine_options = {k: v for k, v in options.items() if k not in BENCH_OPTIONS}
     if options.get("cudnn_sdp") is False:
         torch.backends.cuda.enable_cudnn_sdp(False)
+    from roles.engines import torch_decode
+    if options.get("cuda_graphs") is False:
+        torch_decode.CUDA_GRAPHS = False
+    if options.get("static_decode") is False:
+        torch_decode.STATIC_DEVICES = set()
     vocab = build_model(args.model).config.vocab_size
     t0 = time.perf_counter()
     runner = HFGenerate(args.model, args.device) if args.engine == "hf" else \
@@ -238,7 +244,8 @@ def generate_one(args) -> dict:
             walls.append(time.perf_counter() - t0)
         wall = statistics.median(walls)
         result["sizes"][str(rows)] = {"rows": rows, "tokens": tokens, "walls_s": walls, "wall_s": wall,
-                                      "tokens_per_s": tokens / wall, "ms_per_step": 1e3 * wall / args.new_tokens}
+                                      "tokens_per_s": tokens / wall, "ms_per_step": 1e3 * wall / args.new_tokens,
+                                      "decode_calls": dict(torch_decode.COUNTS)}
         print(json.dumps({"engine": args.engine, "options": options, **result["sizes"][str(rows)]}), flush=True)
         Path(args.out).write_text(json.dumps(result))  # kept if a later size or the profile fails
     if args.profile and args.engine == "vllm":
@@ -401,7 +408,7 @@ def main() -> None:
     g.add_argument("--engine", default="torch", help="generate-one: hf|torch|vllm; cycle: trainer engine")
     g.add_argument("--vllm-variant", action="append", help="JSON dict of vllm options; repeat for several")
     g.add_argument("--torch-variant", action="append", help="JSON dict of benchmark options for the torch "
-                   "engine (vary_prompt_len, cudnn_sdp); repeat for several")
+                   "engine (vary_prompt_len, cudnn_sdp, cuda_graphs, static_decode); repeat for several")
     g.add_argument("--options", help="generate-one / cycle: JSON dict of vllm options")
     g.add_argument("--prompt-len", type=int, default=32)
     g.add_argument("--repeats", type=int, default=3)

@@ -87,3 +87,49 @@ def test_grpo_driver_colocated_on_one_gpu(tmp_path):
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2, 3]
     assert all(r["time/train"] > 0 for r in records[1:])
+
+
+@pytest.mark.parametrize("preset", ["tiny_qwen2", "tiny_llama"])
+def test_graph_decode_greedy_equals_transformers_generate(preset):
+    """The CUDA-graph decode path (fp32, so both sides compute the same numbers) against HF
+    `generate` on weights that decode varied text, stops included."""
+    from roles.engines import torch_decode
+    from tests.test_rollout import PROMPTS as ROLLOUT_PROMPTS, lively
+
+    model, tok = build_model(preset).cuda().eval(), load_tokenizer(preset)
+    model.load_state_dict(lively(model))
+    rollout = Rollout(preset, config={"device": "cuda", "dtype": "float32"})
+    rollout.update_weights([lively(rollout.model)], version=1)
+    graphs = torch_decode.COUNTS["graph"]
+    got = rollout.generate(ROLLOUT_PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=40))
+    assert torch_decode.COUNTS["graph"] == graphs + 1
+    tok.padding_side = "left"
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, tokenize=False)
+             for p in ROLLOUT_PROMPTS]
+    enc = tok(texts, add_special_tokens=False, padding=True, return_tensors="pt").to("cuda")
+    ref = model.generate(**enc, do_sample=False, max_new_tokens=40, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id)[:, enc["input_ids"].shape[1]:].tolist()
+    assert len({tuple(ids) for ids in got.completion_ids}) == len(ROLLOUT_PROMPTS)
+    for ids, reason, row in zip(got.completion_ids, got.finish_reasons, ref):
+        assert ids == row[:len(ids)]
+        assert len(ids) == 40 if reason == "length" else ids[-1] == tok.eos_token_id
+
+
+def test_graph_decode_samples_as_the_eager_steps_and_logprobs_match_a_forward(monkeypatch):
+    from roles.batch import batch_from_completions
+    from roles.engines import torch_decode
+    from roles.engines.torch_engine import token_logprobs
+
+    rollout = Rollout("small_qwen2", config={"device": "cuda", "dtype": "float32", "max_batch_size": 64})
+    sampling = SamplingParams(temperature=0.8, top_k=20, max_new_tokens=48, n=5, seed=3)
+    graphed = rollout.generate(PROMPTS, sampling)
+    monkeypatch.setattr(torch_decode, "CUDA_GRAPHS", False)
+    eager = rollout.generate(PROMPTS, sampling)
+    assert graphed.completion_ids == eager.completion_ids
+    assert len({tuple(c) for c in graphed.completion_ids}) > len(PROMPTS)
+    batch = batch_from_completions(graphed, rollout.pad_id)
+    with torch.no_grad():
+        logits = rollout.model(input_ids=batch.input_ids.cuda(), attention_mask=batch.attention_mask.cuda()).logits
+    ref = token_logprobs(logits, batch.input_ids.cuda(), 0.8).cpu()
+    mask = batch.loss_mask.bool()
+    torch.testing.assert_close(batch.old_logprobs[mask], ref[mask], atol=2e-3, rtol=0)

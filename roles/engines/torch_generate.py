@@ -11,6 +11,10 @@ that of the temperature-scaled distribution before top-k/top-p filtering (temper
 for greedy), i.e. what a full forward of prompt + completion gives with the same
 temperature. Per-row `torch.Generator`s make a sample depend only on its own seed, not on
 which other rows share its batch.
+
+On CUDA (`torch_decode.STATIC_DEVICES`) `generate_batch` hands the batch to
+`torch_decode.generate_static`: a static KV cache and the decode step as a CUDA graph,
+sampling seeded by each row's generator seed. CPU keeps this loop.
 """
 from __future__ import annotations
 
@@ -20,6 +24,8 @@ from typing import Optional, Sequence
 
 import torch
 from transformers import DynamicCache
+
+from roles.engines import torch_decode
 
 
 @dataclass
@@ -93,6 +99,12 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], *, temperature: floa
                    generators: Optional[list[torch.Generator]] = None) -> Generated:
     """Generate one completion per prompt (token-id lists) in a single batch."""
     device = next(model.parameters()).device
+    if device.type in torch_decode.STATIC_DEVICES and torch_decode.supports(model):
+        seeds = None if generators is None else [g.initial_seed() for g in generators]
+        with attention_kernels(device):
+            return torch_decode.generate_static(model, prompts, temperature=temperature, top_k=top_k, top_p=top_p,
+                                                max_new_tokens=max_new_tokens, stop_ids=stop_ids, pad_id=pad_id,
+                                                seeds=seeds)
     with attention_kernels(device):
         if max_new_tokens <= 0:
             return Generated([[] for _ in prompts], [[] for _ in prompts], ["length"] * len(prompts))
@@ -119,12 +131,15 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], *, temperature: floa
             out = model(input_ids=token[:, None], attention_mask=mask, position_ids=positions,
                         past_key_values=cache, use_cache=True)
         del cache, out
-        token_rows = torch.stack(tokens, 1).tolist()
-        logprob_rows = torch.stack(logprobs, 1).float().tolist()
-        result = Generated([], [], [])
-        for row, lp, at in zip(token_rows, logprob_rows, stopped_at.tolist()):
-            end = at + 1 if at >= 0 else len(row)
-            result.tokens.append(row[:end])
-            result.logprobs.append(lp[:end])
-            result.finish_reasons.append("stop" if at >= 0 else "length")
-        return result
+        return collect(torch.stack(tokens, 1).tolist(), torch.stack(logprobs, 1).float().tolist(), stopped_at.tolist())
+
+
+def collect(token_rows: list[list[int]], logprob_rows: list[list[float]], stopped_at: list[int]) -> Generated:
+    """Rows cut after their stop token (`stopped_at`: its step, -1 for none)."""
+    result = Generated([], [], [])
+    for row, lp, at in zip(token_rows, logprob_rows, stopped_at):
+        end = at + 1 if at >= 0 else len(row)
+        result.tokens.append(row[:end])
+        result.logprobs.append(lp[:end])
+        result.finish_reasons.append("stop" if at >= 0 else "length")
+    return result

@@ -1,0 +1,242 @@
+"""Decoding with a static KV cache, and on CUDA with the decode step captured as a CUDA graph.
+
+The dynamic loop of `torch_generate` launches every kernel of every layer from Python at
+every token: on a GPU a decode step then costs the same ~20 ms at 64 rows as at 512. Here
+the K/V of every layer live in tensors allocated once per call ([rows, kv_heads, length,
+head_dim]); a decode step writes its keys at a slot held in a device tensor, attends over
+the whole cache under a boolean mask of the slots filled so far, samples, and advances its
+own counters in place. Nothing in a step depends on the host, so on CUDA the step is
+captured once per call and replayed per token (one launch instead of hundreds); the host
+only looks at the device every `DONE_CHECK_EVERY` steps to stop when every row has stopped.
+
+Sampling is batched and seeded per row without a generator per row: a row's uniform at a
+step is a hash of (row seed, step), and the token is where it falls in the cumulative
+distribution of the filtered probabilities (inverse-CDF sampling). A sample depends on its
+row's seed only, not on its batch mates. Greedy decoding and reported logprobs are those
+of `torch_generate` (the temperature-scaled distribution before top-k/top-p).
+
+Prefill runs the model's own attention kernel over the prompt ([rows, P] keys); decode
+attends with one scaled-dot-product call per layer in which the query heads of a key/value
+head act as that head's queries, so grouped-query K/V are read once, not repeated.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+log = logging.getLogger(__name__)
+
+# Device types on which `generate_batch` takes this path (CPU keeps the dynamic loop).
+STATIC_DEVICES = {"cuda"}
+# Capture the decode step as a CUDA graph (on CUDA); False decodes the same steps eagerly.
+CUDA_GRAPHS = True
+# Rows are padded up to a multiple of this, the cache length up to a multiple of CACHE_ALIGN.
+ROW_ALIGN, CACHE_ALIGN = 8, 64
+# How often (in steps) the host reads whether every row has stopped (a device sync).
+DONE_CHECK_EVERY = 16
+# Calls that decoded with a captured graph / eagerly on this path (read by tests and benchmarks).
+COUNTS = {"graph": 0, "eager": 0}
+ATTENTION = "rollout_static"
+_MASK64 = (1 << 64) - 1
+
+
+def _i64(value: int) -> int:
+    """An unsigned 64-bit constant as the signed int64 torch stores."""
+    value &= _MASK64
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _shr(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's >> is arithmetic)."""
+    return (x >> bits) & ((1 << (64 - bits)) - 1)
+
+
+_GOLDEN, _MIX1, _MIX2 = _i64(0x9E3779B97F4A7C15), _i64(0xBF58476D1CE4E5B9), _i64(0x94D049BB133111EB)
+
+
+def row_uniforms(seeds: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
+    """[B] float64 in [0, 1): splitmix64 of (row seed, step); int64 products wrap."""
+    z = seeds + (step + 1) * _GOLDEN
+    z = (z ^ _shr(z, 30)) * _MIX1
+    z = (z ^ _shr(z, 27)) * _MIX2
+    z = z ^ _shr(z, 31)
+    return _shr(z, 11).double() * 2.0 ** -53
+
+
+def sample_rows(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, seeds: torch.Tensor,
+                step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token [B], logprob [B]) from float32 logits [B, V]; row i draws with uniform
+    row_uniforms(seeds, step)[i]. Filtering as `torch_generate.filter_logits`."""
+    from roles.engines.torch_generate import filter_logits
+
+    if temperature == 0:
+        token = logits.argmax(-1)
+        return token, torch.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1)
+    scaled = logits / temperature
+    logp = torch.log_softmax(scaled, -1)
+    cdf = filter_logits(scaled, top_k, top_p).softmax(-1).cumsum(-1)
+    # First index whose cumulative mass exceeds u (a token of zero mass is never picked).
+    u = (row_uniforms(seeds, step) * cdf[:, -1].double()).to(cdf.dtype)
+    token = (cdf <= u[:, None]).sum(-1).clamp_(max=logits.shape[-1] - 1)
+    return token, logp.gather(-1, token[:, None]).squeeze(-1)
+
+
+class SlotCache(Cache):
+    """K/V of every layer in preallocated [B, kv_heads, length, head_dim] tensors. A forward
+    writes its keys at positions `slots` (a device tensor) and attends over the first
+    `visible` positions (the prompt during prefill, the whole cache when decoding)."""
+
+    def __init__(self, layers: int, batch: int, kv_heads: int, length: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):  # no Cache.__init__: no per-layer objects
+        shape = (batch, kv_heads, length, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        self.slots = torch.zeros(1, dtype=torch.long, device=device)
+        self.visible = length
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        k, v = self.keys[layer_idx], self.values[layer_idx]
+        k.index_copy_(2, self.slots, key_states.to(k.dtype))
+        v.index_copy_(2, self.slots, value_states.to(v.dtype))
+        return k[:, :, :self.visible], v[:, :, :self.visible]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0  # positions and masks are always passed in
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+
+def _static_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """One query per row: the g query heads of each key/value head become its g queries, one
+    SDPA call over [B, kv_heads, g, D] (no repeated K/V). Longer queries (prefill): sdpa."""
+    if query.shape[2] != 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
+    b, heads, _, d = query.shape
+    q = query.reshape(b, key.shape[1], heads // key.shape[1], d)
+    out = F.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask, scale=scaling)
+    return out.reshape(b, 1, heads, d), None
+
+
+AttentionInterface.register(ATTENTION, _static_attention)
+
+
+def supports(model) -> bool:
+    """Whether `model` can decode here: full attention in every layer (no sliding windows)."""
+    types = getattr(model.config, "layer_types", None) or []
+    return all(t == "full_attention" for t in types) and not getattr(model.config, "use_sliding_window", False)
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def _capture(step) -> Optional["torch.cuda.CUDAGraph"]:
+    """Run `step` once eagerly on a side stream (a real decode step; it also initialises
+    lazily created kernels' state), then capture it. None if the capture fails."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            step()
+    except Exception as exc:  # an op that syncs with the host: decode eagerly instead
+        log.warning("decode step not captured as a CUDA graph (%s); decoding eagerly", exc)
+        return None
+    return graph
+
+
+@torch.inference_mode()
+def generate_static(model, prompts: Sequence[Sequence[int]], *, temperature: float, top_k: int, top_p: float,
+                    max_new_tokens: int, stop_ids: Sequence[int], pad_id: int,
+                    seeds: Optional[Sequence[int]] = None, graphs: Optional[bool] = None):
+    """`torch_generate.generate_batch`'s contract; `seeds`: one per row (sampling), None draws
+    them from torch's global generator. `graphs` None: CUDA_GRAPHS on CUDA."""
+    from roles.engines.torch_generate import Generated, collect, left_pad
+
+    device = next(model.parameters()).device
+    count = len(prompts)
+    if max_new_tokens <= 0 or not count:
+        return Generated([[] for _ in prompts], [[] for _ in prompts], ["length"] * count)
+    graphs = (CUDA_GRAPHS if graphs is None else graphs) and device.type == "cuda"
+    rows = _round_up(count, ROW_ALIGN) if graphs else count
+    # Filler rows (one pad token each) keep the batch at an aligned size; their output is dropped.
+    ids, mask, positions = left_pad(list(prompts) + [[pad_id]] * (rows - count), pad_id, device)
+    width = ids.shape[1]
+    length = _round_up(width + max_new_tokens, CACHE_ALIGN)
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    dtype = next(model.parameters()).dtype
+    cache = SlotCache(cfg.num_hidden_layers, rows, cfg.num_key_value_heads, length, head_dim, dtype, device)
+    valid = torch.zeros(rows, length, dtype=torch.bool, device=device)
+    valid[:, :width] = mask.bool()
+    if seeds is None:
+        seeds = torch.randint(0, 2**62, (count,)).tolist()
+    seed_t = torch.tensor(list(seeds) + [0] * (rows - count), dtype=torch.long, device=device)
+    stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
+    step = torch.zeros(1, dtype=torch.long, device=device)
+    token = torch.zeros(rows, dtype=torch.long, device=device)
+    done = torch.zeros(rows, dtype=torch.bool, device=device)
+    stopped_at = torch.full((rows,), -1, dtype=torch.long, device=device)
+    out_tokens = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
+    out_logprobs = torch.zeros(rows, max_new_tokens, dtype=torch.float32, device=device)
+
+    def record(logits: torch.Tensor) -> None:
+        nonlocal done
+        tok, logprob = sample_rows(logits.float(), temperature, top_k, top_p, seed_t, step)
+        tok = tok.masked_fill(done, pad_id)
+        out_tokens.index_copy_(1, step, tok[:, None])
+        out_logprobs.index_copy_(1, step, logprob[:, None].float())
+        hit = ~done & (tok[:, None] == stops).any(-1)
+        stopped_at.copy_(torch.where(hit, step, stopped_at))
+        done |= hit
+        token.copy_(tok)
+        step.add_(1)
+
+    saved_attention = cfg._attn_implementation
+    cfg._attn_implementation = ATTENTION
+    try:  # 4-d boolean masks (True: attend) reach the attention as they are
+        # Prefill: causal over the prompt, padding masked; a padding query sees itself (no empty rows).
+        causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
+        prefill_mask = (causal & valid[:, None, :width]) | torch.eye(width, dtype=torch.bool, device=device)
+        cache.slots, cache.visible = torch.arange(width, device=device), width
+        out = model(input_ids=ids, attention_mask=prefill_mask[:, None], position_ids=positions,
+                    past_key_values=cache, use_cache=True, logits_to_keep=1)
+        record(out.logits[:, -1])
+        del out
+        cache.slots, cache.visible = torch.full((1,), width, dtype=torch.long, device=device), length
+        position = positions[:, -1:] + 1
+        decode_mask = valid[:, None, None, :]
+
+        def decode() -> None:  # feeds the last sampled token at slot `cache.slots`
+            valid.index_fill_(1, cache.slots, True)
+            logits = model(input_ids=token[:, None], attention_mask=decode_mask, position_ids=position,
+                           past_key_values=cache, use_cache=True).logits
+            record(logits[:, -1])
+            position.add_(1)
+            cache.slots.add_(1)
+
+        taken, graph = 1, None
+        if graphs and max_new_tokens > 2:
+            graph = _capture(decode)  # its eager run is decode step 1
+            taken += 1
+        COUNTS["graph" if graph is not None else "eager"] += 1
+        while taken < max_new_tokens:
+            if taken % DONE_CHECK_EVERY == 0 and bool(done[:count].all()):
+                break
+            graph.replay() if graph is not None else decode()
+            taken += 1
+    finally:
+        cfg._attn_implementation = saved_attention
+    return collect(out_tokens[:count, :taken].tolist(), out_logprobs[:count, :taken].tolist(),
+                   stopped_at[:count].tolist())

@@ -1,0 +1,109 @@
+"""The static-KV-cache decode path (roles/engines/torch_decode.py), which the torch Rollout
+takes on CUDA, run on CPU: the Rollout tests of greedy decoding against transformers,
+logprobs against a full forward, seeds and stops, plus its batched seeded sampler. (The same
+path with the decode step captured as a CUDA graph: tests/test_gpu.py.)"""
+import dataclasses
+
+import pytest
+import torch
+
+from roles.batch import SamplingParams
+from roles.engines import torch_decode
+from roles.engines.torch_generate import generate_batch
+from roles.models import build_model
+from roles.rollout import Rollout
+from tests import test_rollout
+from tests.test_rollout import CPU, GREEDY, PROMPTS, lively
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture
+def static_path(monkeypatch):
+    """generate_batch takes the static path on CPU too; yields the number of calls that did."""
+    monkeypatch.setattr(torch_decode, "STATIC_DEVICES", {"cpu", "cuda"})
+    before = torch_decode.COUNTS["eager"]
+    yield lambda: torch_decode.COUNTS["eager"] - before
+
+
+@pytest.mark.parametrize("preset", ["tiny_qwen2", "tiny_llama"])
+def test_greedy_matches_transformers_generate(static_path, preset):
+    test_rollout.test_greedy_matches_transformers_generate(preset)
+    assert static_path() == 1
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingParams(temperature=1.0, max_new_tokens=16, n=2, seed=0),
+    SamplingParams(temperature=0.7, top_k=3, max_new_tokens=16, n=2, seed=2),
+    SamplingParams(temperature=1.0, top_p=0.3, max_new_tokens=16, n=2, seed=3),
+    GREEDY,
+], ids=["t1", "t0.7-topk", "t1-topp", "greedy"])
+def test_logprobs_match_a_full_forward(static_path, sampling):
+    test_rollout.test_logprobs_match_a_full_forward(Rollout("tiny_qwen2", config=CPU), sampling)
+    assert static_path() == 1
+
+
+def test_seeds_stops_and_chunking(static_path):
+    rollout = Rollout("tiny_qwen2", config=CPU)
+    test_rollout.test_seeds_reproduce_and_samples_are_grouped(rollout)
+    test_rollout.test_max_new_tokens_and_stop_tokens(rollout)
+    assert static_path() > 5
+
+
+def test_static_path_equals_the_dynamic_loop_and_stops_early():
+    model = build_model("tiny_qwen2").eval()
+    model.load_state_dict(lively(model))
+    prompts = [[5, 6, 7, 8, 9], [10, 11], list(range(3, 20)), [20]]
+    kw = dict(temperature=0.0, top_k=0, top_p=1.0, max_new_tokens=40, pad_id=0)
+    for stops in ([], [2], [model.generation_config.eos_token_id]):
+        want = generate_batch(model, prompts, **kw, stop_ids=stops)
+        got = torch_decode.generate_static(model, prompts, **kw, stop_ids=stops)
+        assert got.tokens == want.tokens and got.finish_reasons == want.finish_reasons
+        torch.testing.assert_close(sum(got.logprobs, []), sum(want.logprobs, []), atol=1e-5, rtol=0)
+    # Every row stops at its first token: the loop ends at the first done check, all rows "stop".
+    first = [row[0] for row in want.tokens]
+    short = torch_decode.generate_static(model, prompts, **kw, stop_ids=first)
+    assert short.tokens == [[t] for t in first] and set(short.finish_reasons) == {"stop"}
+
+
+def test_seeded_rows_do_not_depend_on_their_batch_mates():
+    model = build_model("tiny_qwen2").eval()
+    prompts = [[5, 6, 7], [10, 11, 12, 13, 14], [20], [7, 7, 7, 7]]
+    kw = dict(temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=12, stop_ids=[], pad_id=0)
+    full = torch_decode.generate_static(model, prompts, **kw, seeds=[11, 12, 13, 14])
+    part = torch_decode.generate_static(model, prompts[2:0:-1], **kw, seeds=[13, 12])
+    assert part.tokens == full.tokens[2:0:-1]  # logprobs: equal up to rounding (other padding width)
+    torch.testing.assert_close(part.logprobs, full.logprobs[2:0:-1], atol=1e-5, rtol=0)
+    other = torch_decode.generate_static(model, prompts, **kw, seeds=[11, 12, 13, 15])
+    assert other.tokens[:3] == full.tokens[:3] and other.tokens[3] != full.tokens[3]
+
+
+def test_batched_sampler_draws_from_the_filtered_distribution():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -30.0])
+    rows = 40000
+    seeds = torch.arange(rows, dtype=torch.long) * 7919 + 3
+    for step, (top_k, top_p) in enumerate([(0, 1.0), (3, 1.0), (0, 0.8)]):
+        token, logprob = torch_decode.sample_rows(logits.expand(rows, -1), 1.0, top_k, top_p, seeds,
+                                                  torch.tensor([step]))
+        probs = torch.softmax(logits, -1)
+        torch.testing.assert_close(logprob, probs.log()[token])  # unfiltered logprob of the drawn token
+        want = torch.softmax(torch_decode_filter(logits, top_k, top_p), -1)
+        freq = torch.bincount(token, minlength=len(logits)).double() / rows
+        assert (freq - want.double()).abs().max() < 0.01, (top_k, top_p, freq, want)
+        assert (freq[want == 0] == 0).all()
+    u = torch_decode.row_uniforms(seeds, torch.tensor([0]))
+    assert 0 <= float(u.min()) and float(u.max()) < 1 and abs(float(u.mean()) - 0.5) < 0.01
+    again = torch_decode.row_uniforms(seeds, torch.tensor([1]))
+    assert abs(float(torch.corrcoef(torch.stack([u, again]))[0, 1])) < 0.02  # steps draw afresh
+
+
+def torch_decode_filter(logits, top_k, top_p):
+    from roles.engines.torch_generate import filter_logits
+
+    return filter_logits(logits[None], top_k, top_p)[0]
+
+
+def test_cpu_default_is_still_the_dynamic_loop():
+    before = dict(torch_decode.COUNTS)
+    Rollout("tiny_qwen2", config=CPU).generate(PROMPTS, dataclasses.replace(GREEDY, max_new_tokens=4))
+    assert torch_decode.COUNTS == before and "cpu" not in torch_decode.STATIC_DEVICES
