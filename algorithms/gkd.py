@@ -204,7 +204,7 @@ def validate(cfg: GKDRunConfig, plan: Plan) -> None:
     require(a.topk_mode in TOPK_MODES, "algorithm.topk_mode", a.topk_mode, "is not a top-k mode",
             f"use one of {list(TOPK_MODES)}")
     require_all(t, "teacher", {"warmup_steps": NON_NEGATIVE, "warmup_lr": POSITIVE, "warmup_batch": AT_LEAST_1})
-    require_all(t.engine, "teacher.engine", {"micro_batch_per_device": NON_NEGATIVE})
+    require_all(t.engine, "teacher.engine", {"micro_batch_per_device": NON_NEGATIVE, "micro_batch_memory_mb": POSITIVE})
     teacher_key = "placement.teacher_model" if plan["teacher"].model else "teacher.model"
     teacher_model = plan["teacher"].model or t.model
     check_model(teacher_key, teacher_model)

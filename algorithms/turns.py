@@ -5,8 +5,12 @@ eval, save). `Turns` decides from the plan what happens around each phase: a col
 trainer, reference or teacher is onloaded for its turn and offloaded after it; a sleeping
 rollout is woken for its work and put back to sleep; the rollout gets the trainer's weights
 before it works whenever it is behind them (sleep level 2 dropped them, or training moved on
-without a sync). It also closes each step (eval when due, the periodic save, memory figures,
-the metrics record) and the run (the final save), and owns the run's weight-sync channel,
+without a sync). A strictly on-policy run (max_staleness 0) syncs after a training step only
+when the rollout works before the next one (its next step generates, or eval is due): GKD's
+off-policy steps skip it. It also closes each step (eval when due, the periodic save, memory
+figures as they came back with the roles' calls, the metrics record, with `calls/remote`: the
+remote calls the step made, and `time/driver`: the step's wall time outside role calls) and
+the run (the final save), and owns the run's weight-sync channel,
 whose shared-memory files and process groups live from the first sync to the end of the
 `with Turns(...)` block.
 
@@ -19,12 +23,14 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
 from algorithms.checkpoints import driver_state, find_resume, save_checkpoint
 from algorithms.common import accuracy, record_event
 from algorithms.runlog import RunLog, timed_call
+from orchestration.base_group import CALLS, BaseWorkerGroup
 from orchestration.config import WeightSyncConfig
 from orchestration.planner import Plan
 from orchestration.weight_sync import WeightSync, sync_metrics
@@ -67,6 +73,7 @@ class Turns:
         self.sleep_level = plan["rollout"].sleep_level if "rollout" in plan.roles else 0
         self.behind = rollout_behind  # the rollout lacks the trainer's current weights
         self._sync: Optional[WeightSync] = None
+        self._mark = (time.perf_counter(), CALLS.remote, CALLS.role_s)  # start of the step's accounting
         # Resume: the trainer continues from the checkpoint; the driver reads `resumed`.
         self.resumed_from = find_resume(log.dir, run.resume)
         self.resumed: dict = driver_state(self.resumed_from) if self.resumed_from else {}
@@ -117,12 +124,24 @@ class Turns:
             self.behind = self.behind or self.sleep_level == 2
 
     def sync(self, version: int, prefetch: Any, max_staleness: int) -> dict[str, Any]:
-        """The trainer's weights into the rollout after a training step; generations started
-        ahead (max_staleness > 0) first finish on the old weights."""
+        """The trainer's weights into the rollout after training step `version`; generations
+        started ahead (max_staleness > 0) first finish on the old weights. Strictly on-policy,
+        nothing is sent while the rollout has no work before the next training step (the
+        rollout stays behind, and a later step's sync sends the newer weights)."""
         if max_staleness:
             with self.log.phase("wait_rollout"):
                 prefetch.drain()
+        elif not self._rollout_works_after(version, prefetch):
+            with self.log.phase("sync_weights"):  # every record has the phase, 0 s here
+                self.log.add("sync/skipped", 1)
+            return {}
         return self._send(version)
+
+    def _rollout_works_after(self, step: int, prefetch: Any) -> bool:
+        """Whether the rollout generates or evaluates between training step `step` and the next."""
+        evals = step == self.run.steps or due(step, self.run.eval_every)
+        nxt = step + 1
+        return evals or (nxt <= self.run.steps and getattr(prefetch, "generates", lambda s: True)(nxt))
 
     def _restored(self, group: Any, rank: int) -> None:
         """A lost rank of `group` was replaced: a rollout rank gets the weights it should hold
@@ -159,9 +178,14 @@ class Turns:
         if due(step, self.run.save_every) and not (step == self.run.steps and self.run.save_final):
             with self.log.phase("save", "train"):
                 self.save(step, state or {})
-        for name, group in self.roles.items():
-            self.log.memory(name, group.call("memory"))
+        for name, group in self.roles.items():  # Ray groups answer from what their calls brought back
+            self.log.memory(name, group.memory() if isinstance(group, BaseWorkerGroup) else group.call("memory"))
+        now = time.perf_counter()
+        start, calls, role_s = self._mark
+        metrics["calls/remote"] = CALLS.remote - calls
+        metrics["time/driver"] = round(max(now - start - (CALLS.role_s - role_s), 0.0), 4)
         self._last = self.log.step(step, metrics)
+        self._mark = (time.perf_counter(), CALLS.remote, CALLS.role_s)
         return self._last
 
     def save(self, step: int, state: dict) -> Path:

@@ -97,7 +97,8 @@ def check_run(cfg: Any, plan: Plan, updates: Optional[int] = None) -> None:
 def check_trainer(t: Any, prefix: str, updates: int, updates_key: str) -> None:
     """A trainer section (`prefix`: its config key) over `updates` optimizer updates."""
     require_all(t, prefix, {"lr": POSITIVE, "weight_decay": NON_NEGATIVE, "warmup_steps": NON_NEGATIVE,
-                            "grad_clip": NON_NEGATIVE, "micro_batch_per_device": NON_NEGATIVE})
+                            "grad_clip": NON_NEGATIVE, "micro_batch_per_device": NON_NEGATIVE,
+                            "micro_batch_memory_mb": POSITIVE})
     require(math.isfinite(t.lr), f"{prefix}.lr", t.lr, "must be finite", f"set {prefix}.lr to e.g. 1e-5")
     require(0.0 <= t.min_lr <= t.lr, f"{prefix}.min_lr", t.min_lr, f"must be in [0, {prefix}.lr={t.lr}]",
             f"set it below {prefix}.lr, or 0")

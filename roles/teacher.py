@@ -28,6 +28,7 @@ from roles.engines.options import TEACHER_ENGINES, MegatronOptions, check_engine
 from roles.engines.torch_engine import process_memory
 from roles.engines.torch_trainer import host_bytes, module_tensors, rank_device, to_device, to_host
 from roles.models import DTYPES, ModelSpec, build_model, load_tokenizer, resolve_config
+from roles.trainer import fitting_rows, token_bytes
 from roles.weight_transfer import WeightReceiver, load_named_weights
 
 
@@ -36,8 +37,11 @@ class TeacherConfig:
     # Compute device: 'auto' (CUDA if torch can use it, else CPU), 'cpu', 'cuda' or 'cuda:N'.
     device: str = "auto"
     # Sequences per forward pass; bounds the [micro-batch, T, V] logits held at once.
-    # 0: the whole batch at once.
-    micro_batch_per_device: int = 8
+    # 0: chosen per call, the whole batch when its estimated activations fit
+    # micro_batch_memory_mb, else the most rows that fit.
+    micro_batch_per_device: int = 0
+    # Activation memory (MiB) one forward may take when micro_batch_per_device is 0.
+    micro_batch_memory_mb: float = 2048.0
     # Weight dtype of the forward ("float32", "bfloat16", "float16"); None keeps the model's
     # (a preset's is float32). vLLM's GPU attention kernels need bfloat16 or float16.
     dtype: Optional[str] = None
@@ -60,6 +64,8 @@ class Teacher(WeightReceiver):
             config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TeacherConfig), config))
         if config.micro_batch_per_device < 0:
             raise ValueError(f"teacher micro_batch_per_device={config.micro_batch_per_device} must be >= 0")
+        if not config.micro_batch_memory_mb > 0:
+            raise ValueError(f"teacher micro_batch_memory_mb={config.micro_batch_memory_mb} must be > 0")
         if config.dtype is not None and config.dtype not in DTYPES:
             raise ValueError(f"teacher dtype='{config.dtype}'; choose one of {sorted(DTYPES)} or null")
         self.config = config
@@ -118,7 +124,8 @@ class Teacher(WeightReceiver):
         values = torch.zeros(B, T, width)
         indices = torch.zeros(B, T, width, dtype=torch.long) if topk is not None else None
         tails = torch.zeros(B, T) if tail else None
-        size = self.config.micro_batch_per_device or max(B, 1)
+        size = self.config.micro_batch_per_device or fitting_rows(B, T, token_bytes(self.model, backward=False),
+                                                                  self.config.micro_batch_memory_mb)
         for start in range(0, B, size):
             rows = slice(start, min(start + size, B))
             ids = batch.input_ids[rows].to(self.device)

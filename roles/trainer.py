@@ -69,8 +69,12 @@ class TrainerConfig:
     # Clip the global gradient norm to this value; 0 disables clipping (the norm is still reported).
     grad_clip: float = 1.0
     # Sequences per forward/backward on one device; a rank's share of a step is split into
-    # micro-batches of this size and their gradients accumulated. 0: the whole share at once.
-    micro_batch_per_device: int = 8
+    # micro-batches of this size and their gradients accumulated (exactly: the loss is
+    # normalised by the step's totals). 0: chosen per call, the whole share when its estimated
+    # activations fit micro_batch_memory_mb, else the most rows that fit.
+    micro_batch_per_device: int = 0
+    # Activation memory (MiB) one forward/backward may take when micro_batch_per_device is 0.
+    micro_batch_memory_mb: float = 2048.0
     # Seed of torch's global RNG (dropout), offset by the data-parallel rank.
     seed: int = 0
     # Compute device: 'auto' (CUDA if torch can use it, else CPU), 'cpu', 'cuda' or 'cuda:N'.
@@ -95,6 +99,8 @@ def resolve_trainer_config(config: Union[TrainerConfig, Mapping[str, Any], None]
         problems.append(f"dtype='{cfg.dtype}' (choose one of {COMPUTE_DTYPES})")
     if cfg.micro_batch_per_device < 0 or cfg.warmup_steps < 0 or cfg.grad_clip < 0:
         problems.append("micro_batch_per_device, warmup_steps and grad_clip must be >= 0")
+    if not cfg.micro_batch_memory_mb > 0:
+        problems.append(f"micro_batch_memory_mb={cfg.micro_batch_memory_mb} must be > 0")
     if cfg.schedule != "constant" and cfg.total_steps <= cfg.warmup_steps:
         problems.append(f"total_steps={cfg.total_steps} must exceed warmup_steps={cfg.warmup_steps} "
                         f"for the {cfg.schedule} schedule")
@@ -106,6 +112,21 @@ def resolve_trainer_config(config: Union[TrainerConfig, Mapping[str, Any], None]
         raise ValueError("trainer config: " + "; ".join(problems))
     cfg.betas = tuple(float(b) for b in cfg.betas)
     return cfg
+
+
+def token_bytes(model: torch.nn.Module, backward: bool) -> float:
+    """Rough activation bytes per token of a forward (with `backward`, also what it keeps for the
+    backward): the fp32 logits and their softmax, plus a few hidden-size tensors per layer."""
+    c = getattr(model, "config", None)
+    vocab = getattr(c, "vocab_size", 32_000)
+    hidden, layers = getattr(c, "hidden_size", 1024), getattr(c, "num_hidden_layers", 24)
+    return 4.0 * ((3 if backward else 2) * vocab + (16 if backward else 4) * hidden * layers)
+
+
+def fitting_rows(rows: int, width: int, per_token: float, budget_mb: float) -> int:
+    """Rows per pass for an automatic micro-batch: all `rows` when `rows` x `width` tokens of
+    `per_token` bytes fit `budget_mb` MiB, else the most that fit (at least 1)."""
+    return max(1, min(rows, int(budget_mb * 2**20 // (max(width, 1) * per_token))))
 
 
 def sft_loss(logprobs: torch.Tensor, batch: Batch, extras: dict) -> tuple[torch.Tensor, dict]:
@@ -175,13 +196,17 @@ class Trainer(WeightSender):
         return self.engine.step
 
     # ------------------------------------------------------------------ compute
-    def _micro_size(self, n: int) -> int:
-        """Rows per forward pass for a share of n rows (micro_batch_per_device 0: all of them)."""
-        return self.config.micro_batch_per_device or max(n, 1)
+    def _micro_size(self, batch: Batch, backward: bool) -> int:
+        """Rows per forward pass for this share (micro_batch_per_device 0: as many as fit the
+        activation budget, all of them for a small share)."""
+        if self.config.micro_batch_per_device:
+            return self.config.micro_batch_per_device
+        return fitting_rows(len(batch), batch.input_ids.shape[1], token_bytes(self.model, backward),
+                            self.config.micro_batch_memory_mb)
 
-    def _micro_batches(self, batch: Batch):
+    def _micro_batches(self, batch: Batch, backward: bool):
         n = len(batch)
-        size = self._micro_size(n)
+        size = self._micro_size(batch, backward)
         for start in range(0, n, size):
             stop = min(start + size, n)
             # Trailing positions that are padding in every row of the micro-batch are cut.
@@ -219,7 +244,7 @@ class Trainer(WeightSender):
         """One optimizer update on `batch` (this rank's share); returns global metrics."""
         self.engine.check_live("train_step")
         batch, _ = self._join_rows(batch)
-        micro_batches = -(-len(batch) // self._micro_size(len(batch)))
+        micro_batches = -(-len(batch) // self._micro_size(batch, backward=True))
         local = [float(batch.loss_mask.sum()), float(len(batch)), float(micro_batches),
                  float(len(batch) == 0)]
         idle = self._idle_passes(micro_batches, backward=True)
@@ -230,7 +255,7 @@ class Trainer(WeightSender):
         self.model.train()
         loss_sum, weighted = 0.0, {}
         try:
-            for _, _, mb in self._micro_batches(batch):
+            for _, _, mb in self._micro_batches(batch, backward=True):
                 logprobs, extras = self._forward(mb, temperature, self.loss_inputs)
                 loss, metrics = self.loss_fn(logprobs, mb, {**base, **extras})
                 self.engine.backward(loss)
@@ -262,8 +287,8 @@ class Trainer(WeightSender):
         batch, own = self._join_rows(batch)
         B, T = batch.input_ids.shape
         lp, ent = torch.zeros(B, T), torch.zeros(B, T)
-        idle = self._idle_passes(-(-B // self._micro_size(B)), backward=False)
-        for start, stop, mb in self._micro_batches(batch):
+        idle = self._idle_passes(-(-B // self._micro_size(batch, backward=False)), backward=False)
+        for start, stop, mb in self._micro_batches(batch, backward=False):
             out, extras = self._forward(mb, temperature, ("entropy",) if entropy else ())
             width = out.shape[1]
             lp[start:stop, :width] = out.float().cpu()

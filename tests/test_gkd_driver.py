@@ -54,8 +54,9 @@ GKD_COLOCATED = ["+experiment=gkd_quickstart", *TINY_GKD, "placement.train.gpus=
 def test_gkd_colocated_call_order(tmp_path):
     """Every step: the rollout wakes, generates, sleeps (on-policy steps only); the teacher is
     onloaded for its logits and offloaded after; the trainer is onloaded for the update and
-    offloaded after the weights went to the rollout (version == step); eval wakes the rollout
-    at step 0, every eval_every steps and at the end."""
+    offloaded after the weights went to the rollout (version == step) when the rollout works
+    before the next update (the next step is on-policy, or eval is due), else without a sync;
+    eval wakes the rollout at step 0, every eval_every steps and at the end."""
     _, typed, plan = prepared(GKDRunConfig, GKD_COLOCATED)
     assert (plan["train"].offload_model, plan["train"].offload_optimizer, plan["rollout"].sleep_level,
             plan["teacher"].offload_model, plan["train"].world_size) == (True, True, 1, True, 2)
@@ -73,13 +74,18 @@ def test_gkd_colocated_call_order(tmp_path):
         want = [("teacher", "offload", ())] if step == 0 else []  # out of the way before anything runs
         if step > 0:
             want += rollout_turn(n) if on_policy[step] else []
+            syncs = step in eval_steps(steps, typed.run.eval_every) or on_policy.get(step + 1, False)
             want += [("teacher", "onload", None), ("teacher", "logits", 4), ("teacher", "offload", ()),
-                     ("train", "onload", None), ("train", "train_step", n), ("train", "state_dict_buckets", None),
-                     ("rollout", "update_weights", step), ("train", "offload", (True, True))]
+                     ("train", "onload", None), ("train", "train_step", n)]
+            want += [("train", "state_dict_buckets", None), ("rollout", "update_weights", step)] if syncs else []
+            want += [("train", "offload", (True, True))]
         if step in eval_steps(steps, typed.run.eval_every):
             want += rollout_turn(n_eval)
         assert got == want, f"step {step}"
     assert segments[-1] == []
+    skipped = [s for s in range(1, steps) if not on_policy[s + 1] and s not in eval_steps(steps, typed.run.eval_every)]
+    assert skipped, "seed gives no step whose sync is skipped; change it"
+    assert [r["step"] for r in records if r.get("sync/skipped")] == skipped
     assert [r["step"] for r in records] == list(range(steps + 1))
     assert {r["step"] for r in records if "eval/accuracy" in r} == {0, 2, 4, 5}
     assert records[0]["teacher/eval_accuracy"] == 1.0
@@ -120,12 +126,13 @@ def test_gkd_separate_plan_never_offloads_or_sleeps(tmp_path):
     calls, records, _ = run_gkd_fakes(typed, plan, tmp_path)
     assert not [c for c in calls if c[1] in ("offload", "onload", "sleep", "wake_up")]
     segments = by_step(calls)
+    skipped = {r["step"] for r in records if r.get("sync/skipped")}
     for step in range(1, typed.run.steps + 1):
         methods = [c[:2] for c in segments[step]]
         at = methods.index(("train", "train_step"))
         assert methods[at - 1] == ("teacher", "logits")
-        assert segments[step][at + 1:at + 3] == [("train", "state_dict_buckets", None),
-                                                 ("rollout", "update_weights", step)]
+        synced = [("train", "state_dict_buckets", None), ("rollout", "update_weights", step)]
+        assert segments[step][at + 1:at + 3] == ([] if step in skipped else synced)
     assert sum(r.get("gkd/on_policy", 0) for r in records) > 0
 
 

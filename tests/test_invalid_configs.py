@@ -40,6 +40,7 @@ CASES = [
     ("sft", "trainer.warmup_steps=-1", "trainer.warmup_steps"),
     ("sft", "trainer.grad_clip=-1", "trainer.grad_clip"),
     ("sft", "trainer.micro_batch_per_device=-1", "trainer.micro_batch_per_device"),
+    ("grpo", "trainer.micro_batch_memory_mb=0", "trainer.micro_batch_memory_mb"),
     ("sft", "trainer.schedule=step", "trainer.schedule"),
     ("grpo", "trainer.dtype=fp8", "trainer.dtype"),
     ("sft", "trainer.betas=[0.9,1.5]", "trainer.betas"),
@@ -128,6 +129,7 @@ CASES = [
     ("gkd", "teacher.warmup_batch=0", "teacher.warmup_batch"),
     ("gkd", "teacher.warmup_steps=-1", "teacher.warmup_steps"),
     ("gkd", "teacher.engine.micro_batch_per_device=-1", "teacher.engine.micro_batch_per_device"),
+    ("gkd", "teacher.engine.micro_batch_memory_mb=0", "teacher.engine.micro_batch_memory_mb"),
     # Only vLLM engines span several ranks, each rank its own process, heads split evenly.
     ("gkd", VLLM_TP + "2", "placement.rollout.vllm_tensor_parallel_size"),
     ("gkd", "backend.rollout=vllm backend.workers=local " + VLLM_TP + "2",

@@ -120,6 +120,29 @@ def test_micro_batching_gives_the_same_loss_and_gradients(batch):
         torch.testing.assert_close(ones_grads[name], g, atol=1e-5, rtol=0, msg=name)
 
 
+def test_automatic_micro_batch_fits_the_budget_and_changes_nothing(batch):
+    """micro_batch_per_device=0 takes the whole share when it fits micro_batch_memory_mb, else the
+    most rows that fit; either way the step equals one pass over the whole batch."""
+    from roles.trainer import fitting_rows, token_bytes
+
+    roomy = Trainer(MODEL, config(micro_batch_per_device=0))
+    width = batch.input_ids.shape[1]
+    per_row = width * token_bytes(roomy.model, backward=True)
+    assert roomy._micro_size(batch, backward=True) == len(batch)
+    tight_mb = 3 * per_row / 2**20  # three rows fit
+    assert fitting_rows(len(batch), width, token_bytes(roomy.model, True), tight_mb) == 3
+    assert fitting_rows(len(batch), width, token_bytes(roomy.model, True), tight_mb / 10) == 1
+    tight = Trainer(MODEL, config(micro_batch_per_device=0, micro_batch_memory_mb=tight_mb))
+    assert tight._micro_size(batch, backward=True) == 3
+    whole, whole_grads = _step_with_grads(roomy, batch)
+    split, split_grads = _step_with_grads(tight, batch)
+    assert split["loss"] == pytest.approx(whole["loss"], abs=1e-5)
+    for name, g in whole_grads.items():
+        torch.testing.assert_close(split_grads[name], g, atol=1e-5, rtol=0, msg=name)
+    with pytest.raises(ValueError, match="micro_batch_memory_mb=0"):
+        resolve_trainer_config({"micro_batch_memory_mb": 0})
+
+
 def test_loss_function_contract(batch):
     """The loss sees aligned logprobs, aligned logits/entropy on request, and global counts."""
     seen = []
