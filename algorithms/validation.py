@@ -16,14 +16,17 @@ from pathlib import Path
 from typing import Any, Optional
 
 from algorithms.checkpoints import find_resume
-from algorithms.data import check_data_files
+from algorithms.common import rollout_config
+from algorithms.data import check_data_files, system_text
 from algorithms.trackers import check_loggers
+from orchestration.cluster import check_log_level
 from orchestration.config import ConfigError
 from orchestration.planner import Plan
 from orchestration.weight_sync import check_settings as check_weight_sync
 from roles.engines.options import ROLLOUT_ENGINES, TEACHER_ENGINES, TRAIN_ENGINES
 from roles.models import (TOKENIZER_FILES, check_config, has_tokenizer_files, hub_cache_root, load_tokenizer,
                           resolve_config)
+from roles.engines.torch_trainer import OPTIMIZERS
 from roles.trainer import COMPUTE_DTYPES, SCHEDULES
 
 DATA_TASKS = ("arithmetic", "gsm", "files")
@@ -65,6 +68,7 @@ def check_run(cfg: Any, plan: Plan, updates: Optional[int] = None) -> None:
                                  "keep_last": NON_NEGATIVE, "max_restarts": NON_NEGATIVE,
                                  "log_every": NON_NEGATIVE})
     check_loggers(cfg.run.loggers)
+    check_log_level(cfg.run.log_level)
     if cfg.run.resume not in (None, "", "auto"):
         find_resume(None, cfg.run.resume)  # a named checkpoint must be complete
     ranks = max((plan[r].world_size for r in ("train", "default") if r in plan.roles), default=1)
@@ -79,6 +83,8 @@ def check_run(cfg: Any, plan: Plan, updates: Optional[int] = None) -> None:
             key = "placement.teacher_model" if colocated_teacher else f"placement.{role}.model"
             check_model(key, entry.model)
     check_data(cfg.data)
+    if cfg.model.path is None or os.path.isdir(cfg.model.path):  # a missing folder is named above
+        rollout_config(cfg)  # data.chat against the tokenizer's template, rollout.chat against data.chat
     for role, choices in (("train", TRAIN_ENGINES), ("rollout", ROLLOUT_ENGINES), ("teacher", TEACHER_ENGINES)):
         value = getattr(cfg.backend, role)
         require(value in choices, f"backend.{role}", value, "is not an engine", f"use one of {list(choices)}")
@@ -105,6 +111,9 @@ def check_trainer(t: Any, prefix: str, updates: int, updates_key: str) -> None:
     require(t.warmup_ratio is None or 0.0 <= t.warmup_ratio < 1.0, f"{prefix}.warmup_ratio", t.warmup_ratio,
             "must be in [0, 1)", f"set a fraction of the run's updates, e.g. 0.05, or null for {prefix}.warmup_steps")
     require(t.schedule in SCHEDULES, f"{prefix}.schedule", t.schedule, "is not a schedule", f"use one of {SCHEDULES}")
+    require(t.optimizer in OPTIMIZERS, f"{prefix}.optimizer", t.optimizer, "is not an optimizer",
+            f"use one of {list(OPTIMIZERS)}")
+    require(t.adam_eps > 0, f"{prefix}.adam_eps", t.adam_eps, "must be > 0", f"set {prefix}.adam_eps=1e-8")
     require(t.dtype in COMPUTE_DTYPES, f"{prefix}.dtype", t.dtype, "is not a compute dtype",
             f"use one of {COMPUTE_DTYPES}")
     require(len(t.betas) == 2 and all(0.0 <= b < 1.0 for b in t.betas), f"{prefix}.betas", list(t.betas),
@@ -156,6 +165,7 @@ def check_data(d: Any) -> None:
     from algorithms.common import validate_check  # data.check and check_pattern
     validate_check(d)
     check_data_files(d)
+    system_text(d.system)  # a .txt file that cannot be read
     if d.task == "arithmetic":
         a = d.arithmetic
         require_all(a, "data.arithmetic", {"min_operands": (lambda v: v >= 2, ">= 2"), "min_digits": AT_LEAST_1,

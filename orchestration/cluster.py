@@ -41,15 +41,20 @@ class _Print(logging.Handler):
             self.handleError(record)
 
 
+def check_log_level(level: str) -> str:
+    """run.log_level as a level name, or a ConfigError naming the key."""
+    if str(level).upper() not in LOG_LEVELS:
+        raise ConfigError(f"config key 'run.log_level'={level!r} is not a log level. "
+                          f"Fix: set run.log_level to one of {', '.join(LOG_LEVELS)}")
+    return str(level).upper()
+
+
 def set_log_level(level: str) -> None:
     """Set the project's loggers of this process to run.log_level, and the level its worker
     groups pass to their ranks. Under a Hydra app the root logger's handlers (console and
     <run dir>/<job name>.log) show the records; in a process without a console handler on the
     root logger (a Ray worker, a script, a test) they are printed as plain lines."""
-    if str(level).upper() not in LOG_LEVELS:
-        raise ConfigError(f"config key 'run.log_level'={level!r} is not a log level. "
-                          f"Fix: set run.log_level to one of {', '.join(LOG_LEVELS)}")
-    level = str(level).upper()
+    level = check_log_level(level)
     os.environ[LOG_LEVEL_ENV] = level
     root = logging.getLogger()
     if root.getEffectiveLevel() < logging.WARNING:  # Hydra sets INFO: third-party INFO stays hidden
