@@ -37,7 +37,7 @@ from omegaconf import OmegaConf
 from roles.batch import Batch
 from roles.engines.options import TRAIN_ENGINES, check_engine
 from roles.engines.torch_engine import process_memory, token_entropy, token_logprobs
-from roles.engines.torch_trainer import TorchTrainEngine, rank_device, rng_state, set_rng_state
+from roles.engines.torch_trainer import OPTIMIZERS, TorchTrainEngine, rank_device, rng_state, set_rng_state
 from roles.models import ModelConfig, ModelSpec, build_model, load_tokenizer, resolve_config, save_checkpoint
 from roles.weight_transfer import WeightSender
 
@@ -56,6 +56,11 @@ class TrainerConfig:
     weight_decay: float = 0.0
     # AdamW moment decay rates (beta1, beta2).
     betas: Tuple[float, float] = (0.9, 0.999)
+    # AdamW's epsilon, added to the root of the second moment.
+    adam_eps: float = 1e-8
+    # AdamW kernel: 'adamw' (torch's choice), 'adamw_fused' (one fused kernel), 'adamw_foreach'
+    # (per tensor list) or 'adamw_for_loop' (per tensor); the same update on every engine.
+    optimizer: str = "adamw"
     # Optimizer updates of linear warmup from lr / warmup_steps up to lr; 0 starts at lr.
     warmup_steps: int = 0
     # Update at which the cosine or linear decay reaches min_lr (it stays there after it).
@@ -95,6 +100,10 @@ def resolve_trainer_config(config: Union[TrainerConfig, Mapping[str, Any], None]
     problems = []
     if cfg.schedule not in SCHEDULES:
         problems.append(f"schedule='{cfg.schedule}' (choose one of {SCHEDULES})")
+    if cfg.optimizer not in OPTIMIZERS:
+        problems.append(f"optimizer='{cfg.optimizer}' (choose one of {tuple(OPTIMIZERS)})")
+    if not cfg.adam_eps > 0:
+        problems.append(f"adam_eps={cfg.adam_eps} must be > 0")
     if cfg.dtype not in COMPUTE_DTYPES:
         problems.append(f"dtype='{cfg.dtype}' (choose one of {COMPUTE_DTYPES})")
     if cfg.micro_batch_per_device < 0 or cfg.warmup_steps < 0 or cfg.grad_clip < 0:
@@ -177,7 +186,8 @@ class Trainer(WeightSender):
             dtype = "bfloat16" if device.type == "cuda" else "float32"
         c = self.config
         optim = dict(device=device, dtype=dtype, lr=c.lr, weight_decay=c.weight_decay, betas=c.betas,
-                     warmup_steps=c.warmup_steps, total_steps=c.total_steps, schedule=c.schedule, min_lr=c.min_lr,
+                     eps=c.adam_eps, optimizer=c.optimizer, warmup_steps=c.warmup_steps, total_steps=c.total_steps,
+                     schedule=c.schedule, min_lr=c.min_lr,
                      seed=c.seed)
         if engine == "megatron":
             from roles.engines.megatron_trainer import MegatronTrainEngine

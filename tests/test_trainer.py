@@ -143,6 +143,23 @@ def test_automatic_micro_batch_fits_the_budget_and_changes_nothing(batch):
         resolve_trainer_config({"micro_batch_memory_mb": 0})
 
 
+@pytest.mark.parametrize("optimizer", ["adamw_fused", "adamw_foreach", "adamw_for_loop"])
+def test_optimizer_kernels_give_the_same_update(batch, optimizer):
+    """trainer.optimizer picks torch's AdamW kernel; adam_eps and betas reach every param group."""
+    plain = Trainer(MODEL, config(adam_eps=1e-6, betas=(0.8, 0.95)))
+    other = Trainer(MODEL, config(adam_eps=1e-6, betas=(0.8, 0.95), optimizer=optimizer))
+    groups = other.engine.optimizer.param_groups
+    assert all(g["eps"] == 1e-6 and g["betas"] == (0.8, 0.95) for g in groups)
+    flag = {"adamw_fused": ("fused", True), "adamw_foreach": ("foreach", True), "adamw_for_loop": ("foreach", False)}
+    assert all(g[flag[optimizer][0]] is flag[optimizer][1] for g in groups)
+    for _ in range(2):
+        plain.train_step(batch), other.train_step(batch)
+    for name, w in weights(plain).items():
+        torch.testing.assert_close(weights(other)[name], w, atol=1e-6, rtol=1e-5, msg=name)
+    with pytest.raises(ValueError, match="optimizer='sgd'"):
+        resolve_trainer_config({"optimizer": "sgd"})
+
+
 def test_loss_function_contract(batch):
     """The loss sees aligned logprobs, aligned logits/entropy on request, and global counts."""
     seen = []

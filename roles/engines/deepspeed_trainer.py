@@ -94,8 +94,8 @@ def _without_shm_op():
 
 class DeepSpeedTrainEngine(DataParallelCollectives):
     def __init__(self, model: torch.nn.Module, *, options: Mapping[str, Any], device: torch.device, dtype: str,
-                 lr: float, weight_decay: float, betas: tuple[float, float], warmup_steps: int, total_steps: int,
-                 schedule: str, min_lr: float, seed: int):
+                 lr: float, weight_decay: float, betas: tuple[float, float], eps: float, optimizer: str,
+                 warmup_steps: int, total_steps: int, schedule: str, min_lr: float, seed: int):
         self.options = resolve_options(options)
         self.stage = self.options.zero_stage
         self.rank, self.world_size = init_data_parallel(device)
@@ -115,7 +115,7 @@ class DeepSpeedTrainEngine(DataParallelCollectives):
         if self.world_size > 1:  # ZeRO-3 partitions each rank's own copy: start from rank 0's
             for t in list(model.parameters()) + list(model.buffers()):
                 dist.broadcast(t.data, src=0)
-        optimizer = adamw([p for p in model.parameters() if p.requires_grad], lr, betas, weight_decay)
+        optimizer = adamw([p for p in model.parameters() if p.requires_grad], lr, betas, weight_decay, eps, optimizer)
         self.groups = [list(g["params"]) for g in optimizer.param_groups]
         self.group_settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         self.ds, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self._config(dtype),

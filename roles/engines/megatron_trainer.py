@@ -217,8 +217,8 @@ class MegatronTrainEngine(TorchTrainEngine):
     lr, barrier and offload/onload are the torch engine's (they use the same attributes)."""
 
     def __init__(self, hf_model: torch.nn.Module, *, options: Mapping[str, Any], device: torch.device, dtype: str,
-                 lr: float, weight_decay: float, betas: tuple[float, float], warmup_steps: int, total_steps: int,
-                 schedule: str, min_lr: float, seed: int):
+                 lr: float, weight_decay: float, betas: tuple[float, float], eps: float, optimizer: str,
+                 warmup_steps: int, total_steps: int, schedule: str, min_lr: float, seed: int):
         from megatron.core import parallel_state as ps
 
         self.tp = int(options.get("tensor_parallel_size", MegatronOptions.tensor_parallel_size))
@@ -233,7 +233,7 @@ class MegatronTrainEngine(TorchTrainEngine):
         self.model = to_megatron(hf_model, self.tp, device).eval()
         self.autocast_dtype = AUTOCAST_DTYPES[dtype]
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = adamw(self.params, lr, betas, weight_decay)
+        self.optimizer = adamw(self.params, lr, betas, weight_decay, eps, optimizer)
         self.scheduler = lr_schedule(self.optimizer, warmup_steps, total_steps, schedule, min_lr / lr)
         self.step = 0
         self._host_model: Optional[list] = None

@@ -54,11 +54,19 @@ def lr_multiplier(step: int, warmup_steps: int, total_steps: int, schedule: str,
     return floor + (1.0 - floor) * decay
 
 
-def adamw(params: list[torch.nn.Parameter], lr: float, betas, weight_decay: float) -> torch.optim.AdamW:
-    """The engines' AdamW (torch, DeepSpeed, Megatron): norm weights and biases (1-d) are not decayed."""
+# trainer.optimizer -> torch.optim.AdamW's kernel switches ("adamw": torch's own choice).
+OPTIMIZERS = {"adamw": {}, "adamw_fused": {"fused": True}, "adamw_foreach": {"foreach": True},
+              "adamw_for_loop": {"foreach": False, "fused": False}}
+
+
+def adamw(params: list[torch.nn.Parameter], lr: float, betas, weight_decay: float, eps: float,
+          optimizer: str) -> torch.optim.AdamW:
+    """The engines' AdamW (torch, DeepSpeed, Megatron): norm weights and biases (1-d) are not decayed;
+    `optimizer` picks torch's kernel (OPTIMIZERS): the same update, computed fused, per list, or per tensor."""
     groups = [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
               {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=tuple(betas))
+    return torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=tuple(betas), eps=eps,
+                             **OPTIMIZERS[optimizer])
 
 
 def lr_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps: int,
@@ -155,8 +163,8 @@ class DataParallelCollectives:
 
 class TorchTrainEngine(DataParallelCollectives):
     def __init__(self, model: torch.nn.Module, *, device: torch.device, dtype: str, lr: float,
-                 weight_decay: float, betas: tuple[float, float], warmup_steps: int, total_steps: int,
-                 schedule: str, min_lr: float, seed: int):
+                 weight_decay: float, betas: tuple[float, float], eps: float, optimizer: str, warmup_steps: int,
+                 total_steps: int, schedule: str, min_lr: float, seed: int):
         self.rank, self.world_size = init_data_parallel(device)
         self.device = device
         torch.manual_seed(seed + self.rank)
@@ -167,7 +175,7 @@ class TorchTrainEngine(DataParallelCollectives):
             for t in module_tensors(self.model):
                 dist.broadcast(t.data, src=0)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = adamw(self.params, lr, betas, weight_decay)
+        self.optimizer = adamw(self.params, lr, betas, weight_decay, eps, optimizer)
         self.scheduler = lr_schedule(self.optimizer, warmup_steps, total_steps, schedule, min_lr / lr)
         self.step = 0
         self._host_model: Optional[list] = None
