@@ -18,6 +18,13 @@ QUIET_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
              "RAY_DEDUP_LOGS": "1", "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
 
 
+# Ray starts its worker processes at niceness 15, below every other process on the host, so a
+# role's compute would yield to anything else running there; the roles are the run's work, and
+# in backend=local they run at the driver's priority. A local cluster's workers keep the
+# driver's (an exported RAY_worker_niceness wins).
+WORKER_PRIORITY_ENV = {"RAY_worker_niceness": "0"}
+
+
 def quiet_ray_env() -> None:
     for k, v in QUIET_ENV.items():
         os.environ.setdefault(k, v)
@@ -169,6 +176,8 @@ def init_cluster(cfg: ClusterConfig, demand: dict[str, float] | None = None):
     if removed:
         print(f"cluster: removed {len(removed)} leftovers of earlier runs that were killed, e.g. {removed[0]}")
     cleanup.forget_session_at_exit()  # before ray.init: runs after Ray's own exit handler
+    for k, v in WORKER_PRIORITY_ENV.items():
+        os.environ.setdefault(k, v)
     # address="local": always a new cluster, never one found running on this machine.
     context = ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=cfg.dashboard,
                        object_store_memory=cfg.object_store_mb * 2**20 if cfg.object_store_mb else None,
