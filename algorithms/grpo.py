@@ -246,6 +246,14 @@ def _parts(batch: Any, n: int) -> list:
 
 # ----------------------------------------------------------------------------- run
 
+def warmup_rows(data: Any, examples: int) -> dict:
+    """The data. keys capping the warm start at `examples` rows (0: all): a generated task
+    draws that many, a user's file is read that far."""
+    if not examples:
+        return {}
+    return {"max_rows": examples} if data.task == "files" else {"train_size": examples}
+
+
 def warm_start(cfg: GRPORunConfig, train_ranks: int, out_dir: Path) -> str:
     """SFT on the task's reference solutions with GRPO's engine, engine options and number of
     trainer ranks (so its optimizer moments fit GRPO's trainer); returns its checkpoint."""
@@ -255,8 +263,7 @@ def warm_start(cfg: GRPORunConfig, train_ranks: int, out_dir: Path) -> str:
                                      warmup_steps=common.warmup_steps(a.warmup_sft_steps),
                                      total_steps=a.warmup_sft_steps, schedule="cosine",
                                      micro_batch_per_device=a.warmup_sft_batch),
-                     data=replace(cfg.data, train_size=a.warmup_sft_examples or cfg.data.train_size,
-                                  max_rows=a.warmup_sft_examples or cfg.data.max_rows),
+                     data=replace(cfg.data, **warmup_rows(cfg.data, a.warmup_sft_examples)),
                      run=phase_run(cfg.run, out_dir, "sft_warmup", steps=a.warmup_sft_steps,
                                    prompts_per_step=a.warmup_sft_batch, eval_max_new_tokens=cfg.run.eval_max_new_tokens,
                                    save_final=True, seed=cfg.run.seed, resume="auto" if cfg.run.resume else None))

@@ -121,9 +121,10 @@ def interrupt_after(monkeypatch, step: int):
 
 
 def comparable(records: list[dict]) -> list[dict]:
-    """Records without what depends on the clock or the process (times, memory, bytes moved) and
-    the weight syncs' figures (a resumed run sends the loaded weights once more)."""
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "mem/", "move/", "sync/", "rollout/generate_s"))}
+    """Records without what depends on the clock or the process (times, memory, bytes moved, remote
+    calls) and the weight syncs' figures (a resumed run sends the loaded weights once more)."""
+    return [{k: v for k, v in r.items()
+             if not k.startswith(("time/", "mem/", "move/", "sync/", "calls/", "rollout/generate_s"))}
             for r in records]
 
 
