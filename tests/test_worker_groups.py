@@ -549,3 +549,18 @@ class Niceness:
     def nice(self) -> int:
         import os
         return os.nice(0)
+
+
+def test_tensors_cross_as_arrays_and_arrive_whole(ray_groups):
+    """CPU tensors travel as numpy arrays both ways: dtype (bfloat16 too), shape, values, a
+    non-contiguous layout and requires_grad survive, and what arrives is writable."""
+    g = ray_groups["train"]
+    for t in [torch.randn(3, 4), torch.randn(3, 4).to(torch.bfloat16), torch.arange(6).view(2, 3).t(),
+              torch.ones(2, requires_grad=True), torch.tensor(3.0), torch.zeros(0, 5), torch.tensor([True, False])]:
+        back = g.call("echo", t, execute="first")
+        assert (back.dtype, back.shape, back.requires_grad) == (t.dtype, t.shape, t.requires_grad)
+        assert torch.equal(back.detach(), t.detach())
+    big = torch.randn(256, 1024)  # over Ray's inline size: read from the object store
+    back = g.call("echo", big, execute="first")
+    back.mul_(2)  # its own memory, not the store's read-only buffer
+    assert torch.equal(back, big * 2)
