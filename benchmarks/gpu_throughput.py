@@ -3,6 +3,7 @@
     python benchmarks/gpu_throughput.py generate                  # HF generate, torch Rollout, vLLM Rollout
     python benchmarks/gpu_throughput.py generate --rows 64 512 --new-tokens 256 --profile
     python benchmarks/gpu_throughput.py cycle --engine torch --rollout-engine vllm
+    python benchmarks/gpu_throughput.py train --train-shape 512x320 8x1024 --train-variant '{"compile": true}'
 
 generate  the same token-id prompts (`--rows` completions each, `--samples` per prompt,
           exactly `--new-tokens` new tokens: end-of-sequence is ignored) through plain HF
@@ -21,6 +22,13 @@ cycle     one process holds a Trainer and a Rollout (torch or vLLM) on the GPU a
           colocated GRPO cycle (wake + generate + sleep, onload + train + sync + offload);
           per phase wall time and peak memory, MFU of the train step
           (6 * parameters * trained tokens / train time / peak bf16 FLOP/s).
+train     train steps on random tokens at each --train-shape ROWSxTOKENS (`--ragged`: row
+          lengths uniform in [TOKENS/4, TOKENS], right-padded), in one process: a plain eager
+          step (fp32 master weights under bf16 autocast, a full float32 log-softmax, AdamW,
+          the same micro-batches) beside the project's torch Trainer, plain and with each
+          --train-variant (JSON of train_kernels.TrainKernelOptions fields). Per variant and
+          shape: trained (real) tokens/s (median of --steps after --warmup-steps), MFU, peak
+          GiB, the ratio to the plain eager step and the loss of the last step.
 Each mode writes its figures as JSON to --out and prints a table (the drivers themselves:
 benchmarks/gpu_drivers.py). Needs a CUDA GPU (generate
 also runs on CPU with --device cpu, for a smoke test of the script).
@@ -43,7 +51,8 @@ from pathlib import Path
 import torch
 
 from algorithms.tasks import arithmetic_examples
-from roles.batch import SamplingParams, batch_from_completions
+from roles.batch import Batch, SamplingParams, batch_from_completions
+from roles.engines.train_kernels import TrainKernelOptions
 from roles.models import build_model
 from roles.rollout import Rollout
 from roles.trainer import Trainer, TrainerConfig
@@ -396,9 +405,105 @@ def cycle(args) -> dict:
     return {"summary": summary, "steps": rows}
 
 
+# ----------------------------------------------------------------------------- train
+
+def train_batch(rows: int, tokens: int, vocab: int, ragged: bool, seed: int) -> Batch:
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, vocab, (rows, tokens), generator=gen)
+    lengths = torch.randint(tokens // 4, tokens + 1, (rows,), generator=gen) if ragged else torch.full((rows,), tokens)
+    mask = (torch.arange(tokens)[None] < lengths[:, None]).long()
+    return Batch(input_ids=ids * mask, attention_mask=mask, loss_mask=mask.float())
+
+
+class PlainStep:
+    """The baseline: plain eager torch, no project code in the step."""
+
+    def __init__(self, model: str, micro_batch: int, device: str):
+        self.model = build_model(model).to(device, torch.float32).train()
+        self.device = device
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
+        self.micro_batch = micro_batch
+
+    def train_step(self, batch: Batch) -> dict:
+        total, loss_sum = float(batch.loss_mask.sum()), 0.0
+        for s in range(0, len(batch), self.micro_batch):
+            ids = batch.input_ids[s:s + self.micro_batch].to(self.device)
+            mask = batch.attention_mask[s:s + self.micro_batch].to(self.device)
+            with torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16):
+                logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+            logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+            loss = -(logp * batch.loss_mask[s:s + self.micro_batch, 1:].to(self.device)).sum() / total
+            loss.backward()
+            loss_sum += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"loss": loss_sum}
+
+
+def train(args) -> dict:
+    params = sum(t.numel() for t in build_model(args.model).parameters())
+    vocab = build_model(args.model).config.vocab_size
+    variants = [("plain", None), ("trainer", "{}")] + [("trainer", v) for v in args.train_variant or []]
+    results = []
+    for rows, tokens in [map(int, shape.split("x")) for shape in args.train_shape]:
+        micro = min(rows, args.micro_batch * 320 // tokens or 1)  # about the same tokens per micro-batch
+        batches = [train_batch(rows, tokens, vocab, args.ragged, seed) for seed in range(args.warmup_steps + args.steps)]
+        for kind, variant in variants:
+            cuda = args.device.startswith("cuda")
+            if cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            if kind == "plain":
+                runner = PlainStep(args.model, micro, args.device)
+            else:
+                runner = Trainer(args.model, TrainerConfig(lr=1e-5, warmup_steps=0, schedule="constant", device=args.device,
+                                                           dtype="bfloat16", micro_batch_per_device=micro))
+                runner.engine.set_options(TrainKernelOptions(**json.loads(variant)))
+            walls, t0, warmup_s = [], time.perf_counter(), 0.0
+            try:
+                for i, batch in enumerate(batches):
+                    sync(args.device)
+                    start = time.perf_counter()
+                    out = runner.train_step(batch)
+                    sync(args.device)
+                    if i >= args.warmup_steps:
+                        walls.append(time.perf_counter() - start)
+                    elif i == args.warmup_steps - 1:
+                        warmup_s = time.perf_counter() - t0
+                wall = statistics.median(walls)
+                real = int(batches[-1].attention_mask.sum())
+                row = {"variant": kind if variant is None else f"trainer {variant}", "rows": rows, "tokens": tokens,
+                       "micro_batch": micro, "ragged": args.ragged, "step_s": wall, "walls_s": walls,
+                       "warmup_s": warmup_s, "tokens_per_s": real / wall,
+                       "mfu": 6 * params * real / wall / (peak_flops() if cuda else float("nan")),
+                       "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0, "loss": out["loss"]}
+            except Exception as exc:  # one variant failing leaves the others' figures
+                row = {"variant": kind if variant is None else f"trainer {variant}", "rows": rows, "tokens": tokens,
+                       "error": f"{type(exc).__name__}: {exc}"[:500]}
+            del runner
+            results.append(row)
+            print(json.dumps(row), flush=True)
+            Path(args.out).write_text(json.dumps({"runs": results}, indent=1))
+    for row in results:
+        base = next((r for r in results if r["variant"] == "plain" and r["rows"] == row["rows"]
+                     and r["tokens"] == row["tokens"] and "error" not in r), None)
+        if base and "error" not in row:
+            row["x_plain"] = row["tokens_per_s"] / base["tokens_per_s"]
+    print("\n| variant | rows x tokens | tokens/s | x plain | MFU | peak GiB | step s | loss |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        if "error" in r:
+            print(f"| {r['variant']} | {r['rows']}x{r['tokens']} | failed: {r['error'][:120]} | | | | | |")
+            continue
+        print(f"| {r['variant']} | {r['rows']}x{r['tokens']} | {r['tokens_per_s']:,.0f} | {r.get('x_plain', 0):.2f} | "
+              f"{r['mfu']:.1%} | {r['peak_gib']:.1f} | {r['step_s']:.3f} | {r['loss']:.4f} |")
+    return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "model": args.model, "parameters": params, "runs": results}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("mode", nargs="?", default="cycle", choices=["generate", "generate-one", "cycle"])
+    p.add_argument("mode", nargs="?", default="cycle", choices=["generate", "generate-one", "cycle", "train"])
     p.add_argument("--model", default="qwen2_0p5b")
     p.add_argument("--out", default="gpu_throughput.json")
     p.add_argument("--timeout-s", type=float, default=900, help="generate: limit per engine's subprocess")
@@ -424,9 +529,14 @@ def main() -> None:
     c.add_argument("--steps", type=int, default=4, help="timed steps (cycle: after one warm-up step)")
     c.add_argument("--fixed-length", action=argparse.BooleanOptionalAction, default=True,
                    help="generate exactly --new-tokens per completion (eos does not stop)")
+    t = p.add_argument_group("train")
+    t.add_argument("--train-shape", nargs="+", default=["512x320", "8x1024"], help="ROWSxTOKENS per train step")
+    t.add_argument("--train-variant", action="append", help="JSON dict of TrainKernelOptions; repeat for several")
+    t.add_argument("--ragged", action="store_true", help="row lengths uniform in [TOKENS/4, TOKENS]")
+    t.add_argument("--warmup-steps", type=int, default=2)
     args = p.parse_args()
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    run = {"generate": generate_all, "generate-one": generate_one, "cycle": cycle}[args.mode]
+    run = {"generate": generate_all, "generate-one": generate_one, "cycle": cycle, "train": train}[args.mode]
     result = run(args)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

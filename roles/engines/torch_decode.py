@@ -22,6 +22,7 @@ head act as that head's queries, so grouped-query K/V are read once, not repeate
 from __future__ import annotations
 
 import logging
+import time
 from typing import Optional, Sequence
 
 import torch
@@ -40,8 +41,9 @@ CUDA_GRAPHS = True
 ROW_ALIGN, CACHE_ALIGN = 8, 64
 # How often (in steps) the host reads whether every row has stopped (a device sync).
 DONE_CHECK_EVERY = 16
-# Calls that decoded with a captured graph / eagerly on this path (read by tests and benchmarks).
-COUNTS = {"graph": 0, "eager": 0}
+# Calls that decoded with a captured graph / eagerly on this path, and the host seconds spent
+# capturing (its eager first step included); read by tests and benchmarks.
+COUNTS = {"graph": 0, "eager": 0, "capture_s": 0.0}
 ATTENTION = "rollout_static"
 _MASK64 = (1 << 64) - 1
 
@@ -228,7 +230,9 @@ def generate_static(model, prompts: Sequence[Sequence[int]], *, temperature: flo
 
         taken, graph = 1, None
         if graphs and max_new_tokens > 2:
+            start = time.perf_counter()
             graph = _capture(decode)  # its eager run is decode step 1
+            COUNTS["capture_s"] += time.perf_counter() - start
             taken += 1
         COUNTS["graph" if graph is not None else "eager"] += 1
         while taken < max_new_tokens:

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from roles.engines.torch_engine import pick_device
+from roles.engines.train_kernels import TrainKernelOptions, chunked_token_logprobs, packed_forward, use_packing
 
 # Gradients are all-reduced in flat buckets of about this size.
 GRAD_BUCKET_BYTES = 32 * 2**20
@@ -187,12 +188,43 @@ class TorchTrainEngine(DataParallelCollectives):
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device.type, dtype=self.autocast_dtype)
 
+    # Packing, compilation and activation checkpointing of the forward (set_options; all off).
+    kernels = TrainKernelOptions()
+    _compiled: Optional[torch.nn.Module] = None
+
+    def set_options(self, options: TrainKernelOptions) -> None:
+        """Turn the forward's options (train_kernels) on or off."""
+        self.kernels = options
+        use_packing(self.model, options.packing)
+        if options.activation_checkpointing:
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        elif self.model.is_gradient_checkpointing:
+            self.model.gradient_checkpointing_disable()
+        self._compiled = torch.compile(self.model) if options.compile else None
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Logits [B, T, V] of the model (HF layout: row t predicts token t + 1)."""
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
         with self.autocast():
-            out = self.model(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-                             use_cache=False)
+            if self.kernels.packing and bool(attention_mask.any()):
+                return packed_forward(self.model, input_ids, attention_mask, run=self._compiled)
+            run = self.model if self._compiled is None else self._compiled
+            out = run(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         return out.logits
+
+    def token_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                       temperature: float) -> torch.Tensor:
+        """`torch_engine.token_logprobs` of the model's logits (0 on padding) without the
+        [B, T, V] float32 logits: last hidden states, then the output head chunk by chunk."""
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+        with self.autocast():
+            if self.kernels.packing and bool(attention_mask.any()):
+                hidden = packed_forward(self.model, input_ids, attention_mask, base=True)
+            else:
+                hidden = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask,
+                                               use_cache=False).last_hidden_state
+        return chunked_token_logprobs(hidden, self.model.get_output_embeddings(), input_ids, attention_mask,
+                                      temperature)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Accumulate this micro-batch's gradients (engines with their own hooks override it)."""

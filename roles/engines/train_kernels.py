@@ -1,0 +1,161 @@
+"""Options of the torch training engine's forward past eager torch, all off by default.
+
+* packing: the real tokens of a micro-batch as one [1, N] sequence (no padding computed),
+  position ids restarting per row and attention kept inside each row by FlashAttention's
+  variable-length kernel (`torch.nn.attention.varlen`; on CPU one SDPA call per row). The
+  logits come back in the padded [B, T, V] layout, zero on padding.
+* compile: the model's forward through `torch.compile` (the module itself, its parameters
+  and state dict stay as they are: offload, weight sync and checkpoints see no wrapper).
+* activation_checkpointing: each decoder layer recomputed in the backward (transformers'
+  gradient checkpointing, non-reentrant): less activation memory for longer sequences.
+
+`chunked_token_logprobs` computes aligned token logprobs from the last hidden states and
+the output head a chunk of positions at a time, forward and backward, so that no [B, T, V]
+float32 logits tensor is ever held.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+PACKED_ATTENTION = "packed_varlen"
+# Positions per chunk of the chunked log-softmax (times the vocabulary: the float32 block held).
+LOGPROB_CHUNK = 4096
+
+
+@dataclass
+class TrainKernelOptions:
+    packing: bool = False
+    compile: bool = False
+    activation_checkpointing: bool = False
+
+
+def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
+            scale: Optional[float]) -> torch.Tensor:
+    """Causal attention of [N, H, D] queries over [N, Hkv, D] keys within each cu-delimited
+    row: FlashAttention's varlen kernel on CUDA in 16-bit, else one SDPA call per row."""
+    if k.shape[1] != q.shape[1]:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    if q.is_cuda and torch.is_autocast_enabled("cuda"):  # as autocast does for SDPA (rotary made q, k float32)
+        q, k, v = (t.to(torch.get_autocast_dtype("cuda")) for t in (q, k, v))
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
+        from torch.nn.attention.varlen import varlen_attn
+
+        params = inspect.signature(varlen_attn).parameters
+        causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+        return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale, **causal)
+    return rows_attention(q, k, v, cu, scale)
+
+
+def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
+                   scale: Optional[float]) -> torch.Tensor:
+    """`_varlen` as one causal SDPA call per row (the reference; CPU and float32)."""
+    out = torch.empty_like(q)
+    bounds = cu.tolist()
+    for start, stop in zip(bounds[:-1], bounds[1:]):
+        if stop > start:
+            rows = [t[start:stop].transpose(0, 1)[None] for t in (q, k, v)]  # [1, H, n, D]
+            out[start:stop] = F.scaled_dot_product_attention(*rows, is_causal=True, scale=scale)[0].transpose(0, 1)
+    return out
+
+
+def _packed_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, cu_seq_lens_q=None,
+                      max_length_q=None, **kwargs):
+    """transformers attention interface for a packed [1, N] batch (queries [1, H, N, D])."""
+    out = _varlen(query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu_seq_lens_q,
+                  max_length_q, scaling)
+    return out[None], None  # [1, N, H, D]
+
+
+AttentionInterface.register(PACKED_ATTENTION, _packed_attention)
+
+
+def use_packing(model, on: bool) -> None:
+    """Attention of `model` through the packed kernel (on), or the implementation it had before.
+    Set for as long as packing is on, so that checkpointed layers recompute the same way."""
+    config = model.config  # the previous one is kept on the module: the config is saved with checkpoints
+    if on and config._attn_implementation != PACKED_ATTENTION:
+        model.unpacked_attention = config._attn_implementation
+        config._attn_implementation = PACKED_ATTENTION
+    elif not on and config._attn_implementation == PACKED_ATTENTION:
+        config._attn_implementation = model.unpacked_attention
+
+
+def packed_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, run=None,
+                   base: bool = False) -> torch.Tensor:
+    """The model's output for the real tokens packed into one sequence, scattered back to
+    [B, T, ...] (zero on padding): logits, or with `base` the last hidden states of
+    `model.base_model`. `run` calls the module (a compiled forward); default: the module."""
+    valid = attention_mask.bool()
+    lengths = valid.sum(1)
+    ids = input_ids[valid][None]
+    positions = (valid.long().cumsum(1) - 1)[valid][None]
+    cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    target = model.base_model if base else model
+    if model.config._attn_implementation != PACKED_ATTENTION:
+        raise RuntimeError(f"packed_forward needs model.config._attn_implementation = '{PACKED_ATTENTION}' "
+                           "(use_packing sets it)")
+    out = (target if run is None else run)(input_ids=ids, position_ids=positions, cu_seq_lens_q=cu,
+                                           cu_seq_lens_k=cu, max_length_q=int(lengths.max()),
+                                           max_length_k=int(lengths.max()), use_cache=False)
+    packed = (out.last_hidden_state if base else out.logits)[0]
+    full = packed.new_zeros(*input_ids.shape, packed.shape[-1])
+    full[valid] = packed
+    return full
+
+
+class _ChunkedLogprobs(torch.autograd.Function):
+    """log softmax(hidden @ weight.T / temperature)[target], LOGPROB_CHUNK rows at a time;
+    the backward recomputes each chunk's softmax instead of keeping it."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, target, temperature, chunk):
+        w = weight.to(hidden.dtype)
+        out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        for s in range(0, hidden.shape[0], chunk):
+            logits = (hidden[s:s + chunk] @ w.T).float() / temperature
+            out[s:s + chunk] = logits.gather(-1, target[s:s + chunk, None])[:, 0] - logits.logsumexp(-1)
+        ctx.save_for_backward(hidden, weight, target)
+        ctx.temperature, ctx.chunk = temperature, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, target = ctx.saved_tensors
+        w = weight.to(hidden.dtype)
+        grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
+        for s in range(0, hidden.shape[0], ctx.chunk):
+            h = hidden[s:s + ctx.chunk]
+            probs = ((h @ w.T).float() / ctx.temperature).softmax(-1)
+            # d logp[target] / d logits = onehot(target) - softmax, scaled by 1 / temperature.
+            g = -probs * grad_out[s:s + ctx.chunk, None]
+            g.scatter_add_(-1, target[s:s + ctx.chunk, None], grad_out[s:s + ctx.chunk, None].float())
+            g = (g / ctx.temperature).to(hidden.dtype)
+            if grad_hidden is not None:
+                grad_hidden[s:s + ctx.chunk] = g @ w
+            if grad_weight is not None:
+                grad_weight += (g.T @ h).float()
+        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None
+
+
+def chunked_token_logprobs(hidden: torch.Tensor, head: torch.nn.Module, input_ids: torch.Tensor,
+                           attention_mask: torch.Tensor, temperature: float,
+                           chunk: int = LOGPROB_CHUNK) -> torch.Tensor:
+    """[B, T] logprobs aligned like `torch_engine.token_logprobs` (out[:, t] = log p(ids[t] |
+    ids[:t]), 0 at t = 0 and wherever ids[t] is padding) from last hidden states [B, T, H] and
+    an output head without bias, never holding more than `chunk` rows of logits."""
+    if getattr(head, "bias", None) is not None:
+        raise ValueError("chunked_token_logprobs needs an output head without bias")
+    target_valid = attention_mask[:, 1:].bool()
+    picked = _ChunkedLogprobs.apply(hidden[:, :-1][target_valid], head.weight, input_ids[:, 1:][target_valid],
+                                    float(temperature), chunk)
+    out = torch.zeros(input_ids.shape, dtype=torch.float32, device=hidden.device)
+    out[:, 1:] = out[:, 1:].masked_scatter(target_valid, picked)
+    return out

@@ -1,0 +1,110 @@
+"""The torch training engine's forward options on CPU (roles/engines/train_kernels.py):
+packing, activation checkpointing and the chunked log-softmax give the logprobs, losses and
+gradients of the plain forward, and logprobs still match the rollout's. (torch.compile: on
+the GPU, tests/test_gpu.py.)"""
+import copy
+
+import pytest
+import torch
+
+from roles.batch import SamplingParams, batch_from_completions
+from roles.engines import train_kernels
+from roles.engines.torch_engine import token_logprobs
+from roles.engines.train_kernels import TrainKernelOptions
+from roles.rollout import Rollout
+from roles.trainer import Trainer, TrainerConfig
+from tests.test_trainer import sft_batch
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+CFG = TrainerConfig(device="cpu", dtype="float32", lr=1e-3, warmup_steps=0, total_steps=10)
+
+
+def ragged(rows=5, width=14, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(3, 60, (rows, width), generator=gen)
+    mask = torch.zeros(rows, width, dtype=torch.long)
+    for i, n in enumerate(torch.randint(2, width + 1, (rows,), generator=gen).tolist()):
+        mask[i, :n] = 1
+    mask[0] = 1
+    return ids * mask, mask
+
+
+def weighted_logprob_sum(lp, mask):
+    return (lp * mask * torch.arange(1, mask.shape[1] + 1)).sum()
+
+
+def grads(engine, fn):
+    engine.model.zero_grad(set_to_none=True)
+    fn().backward()
+    return {n: p.grad.clone() for n, p in engine.model.named_parameters()}
+
+
+@pytest.mark.parametrize("preset", ["tiny_qwen2", "tiny_llama"])
+def test_packing_and_checkpointing_give_the_plain_forward_and_gradients(preset):
+    engine = Trainer(preset, CFG).engine
+    engine.model.train()
+    ids, mask = ragged()
+    plain = lambda: weighted_logprob_sum(token_logprobs(engine.forward(ids, mask), ids, 0.7), mask)  # noqa: E731
+    want_logits = engine.forward(ids, mask).detach()
+    want = grads(engine, plain)
+    engine.set_options(TrainKernelOptions(packing=True, activation_checkpointing=True))
+    assert engine.model.is_gradient_checkpointing
+    got_logits = engine.forward(ids, mask).detach()
+    torch.testing.assert_close(got_logits[mask.bool()], want_logits[mask.bool()], atol=2e-5, rtol=1e-5)
+    assert (got_logits[~mask.bool()] == 0).all()
+    got = grads(engine, plain)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-4, rtol=1e-4)
+    engine.set_options(TrainKernelOptions())  # off again: the model's own attention and no checkpointing
+    assert engine.model.config._attn_implementation == "sdpa" and not engine.model.is_gradient_checkpointing
+    torch.testing.assert_close(engine.forward(ids, mask).detach(), want_logits)
+
+
+@pytest.mark.parametrize("packing", [False, True])
+def test_chunked_logprobs_equal_the_full_log_softmax_with_gradients(monkeypatch, packing):
+    monkeypatch.setattr(train_kernels, "LOGPROB_CHUNK", 7)  # several chunks, the last one partial
+    engine = Trainer("tiny_qwen2", CFG).engine
+    ids, mask = ragged(seed=1)
+    full = lambda: torch.where(mask.bool(), token_logprobs(engine.forward(ids, mask), ids, 0.7), 0.0)  # noqa: E731
+    want_lp = full().detach()
+    want = grads(engine, lambda: weighted_logprob_sum(full(), mask))
+    engine.set_options(TrainKernelOptions(packing=packing))
+    got_lp = engine.token_logprobs(ids, mask, 0.7)
+    torch.testing.assert_close(got_lp.detach(), want_lp, atol=2e-5, rtol=0)
+    got = grads(engine, lambda: weighted_logprob_sum(engine.token_logprobs(ids, mask, 0.7), mask))
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-4, rtol=1e-4)
+
+
+def test_train_steps_with_packing_and_checkpointing_follow_the_plain_ones():
+    plain, packed = Trainer("tiny_qwen2", CFG), Trainer("tiny_qwen2", CFG)
+    packed.engine.set_options(TrainKernelOptions(packing=True, activation_checkpointing=True))
+    for step in range(3):
+        batch = sft_batch(12, seed=step)
+        a, b = plain.train_step(batch), packed.train_step(batch)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"],
+                                                                                                   rel=1e-4)
+    for (name, p), q in zip(plain.model.named_parameters(), packed.model.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4, msg=name)
+    torch.testing.assert_close(packed.logprobs(batch), plain.logprobs(batch), atol=1e-5, rtol=0)
+
+
+def test_packed_chunked_logprobs_match_the_rollouts():
+    rollout = Rollout("tiny_qwen2", config={"device": "cpu"})
+    c = rollout.generate(["1+2", "(3+4)*5", "9"], SamplingParams(temperature=0.8, max_new_tokens=10, n=2, seed=0))
+    batch = batch_from_completions(c, rollout.pad_id)
+    engine = Trainer("tiny_qwen2", CFG).engine
+    engine.set_options(TrainKernelOptions(packing=True))
+    with torch.no_grad():
+        lp = engine.token_logprobs(batch.input_ids, batch.attention_mask, 0.8)
+    mask = batch.loss_mask.bool()
+    torch.testing.assert_close(lp[mask], batch.old_logprobs[mask], atol=1e-4, rtol=0)
+
+
+def test_packing_leaves_the_saved_config_alone(tmp_path):
+    trainer = Trainer("tiny_qwen2", CFG)
+    trainer.engine.set_options(TrainKernelOptions(packing=True))
+    trainer.save(tmp_path / "ckpt")
+    text = (tmp_path / "ckpt" / "config.json").read_text()
+    assert train_kernels.PACKED_ATTENTION not in text and "unpacked" not in text
+    copy.deepcopy(trainer.model.config)  # still an ordinary config
