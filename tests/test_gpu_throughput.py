@@ -30,3 +30,20 @@ def test_generate_mode_runs_every_engine_on_the_same_fixed_size_work(tmp_path):
     assert runs[0]["sizes"]["8"]["x_hf"] == 1.0
     assert runs[1]["settings"]["engine"] == "vllm" and runs[1]["settings"]["enforce_eager"] is True
     assert "| vllm |" in done.stdout and "| torch |" in done.stdout
+
+
+def test_train_mode_runs_the_plain_step_beside_the_trainer_variants(tmp_path):
+    out = tmp_path / "train.json"
+    cmd = [sys.executable, "benchmarks/gpu_throughput.py", "train", "--device", "cpu", "--model", "tiny_qwen2",
+           "--train-shape", "8x24", "--micro-batch", "40", "--ragged", "--steps", "1", "--warmup-steps", "1",
+           "--train-variant", '{"packing": true, "activation_checkpointing": true}', "--out", str(out)]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["variant"] for r in runs] == ["plain", "trainer {}",
+                                            'trainer {"packing": true, "activation_checkpointing": true}']
+    assert all("error" not in r and r["micro_batch"] == 8 and r["tokens_per_s"] > 0 for r in runs)
+    assert runs[0]["x_plain"] == 1.0
+    # Same initial weights and batches: every variant trains the same losses.
+    assert max(r["loss"] for r in runs) - min(r["loss"] for r in runs) < 1e-2
+    assert "| plain | 8x24 |" in done.stdout
