@@ -448,7 +448,8 @@ def train(args) -> dict:
     results = []
     for rows, tokens in [map(int, shape.split("x")) for shape in args.train_shape]:
         micro = min(rows, args.micro_batch * 320 // tokens or 1)  # about the same tokens per micro-batch
-        batches = [train_batch(rows, tokens, vocab, args.ragged, seed) for seed in range(args.warmup_steps + args.steps)]
+        batches = [train_batch(rows, tokens, vocab, args.ragged, seed)
+                   for seed in range(args.warmup_steps + args.steps)]
         for kind, variant in variants:
             cuda = args.device.startswith("cuda")
             if cuda:
@@ -457,8 +458,9 @@ def train(args) -> dict:
             if kind == "plain":
                 runner = PlainStep(args.model, micro, args.device)
             else:
-                runner = Trainer(args.model, TrainerConfig(lr=1e-5, warmup_steps=0, schedule="constant", device=args.device,
-                                                           dtype="bfloat16", micro_batch_per_device=micro))
+                runner = Trainer(args.model, TrainerConfig(lr=1e-5, warmup_steps=0, schedule="constant",
+                                                           device=args.device, dtype="bfloat16",
+                                                           micro_batch_per_device=micro))
                 runner.engine.set_options(TrainKernelOptions(**json.loads(variant)))
             walls, t0, warmup_s = [], time.perf_counter(), 0.0
             try:
@@ -498,7 +500,8 @@ def train(args) -> dict:
             continue
         print(f"| {r['variant']} | {r['rows']}x{r['tokens']} | {r['tokens_per_s']:,.0f} | {r.get('x_plain', 0):.2f} | "
               f"{r['mfu']:.1%} | {r['peak_gib']:.1f} | {r['step_s']:.3f} | {r['loss']:.4f} |")
-    return {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "model": args.model, "parameters": params, "runs": results}
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return {"device": device, "model": args.model, "parameters": params, "runs": results}
 
 
 def main() -> None:
