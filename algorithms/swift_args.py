@@ -21,8 +21,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import yaml
 
-from orchestration.config import PLACEMENT_KEYS, ConfigError
-from orchestration.planner import MEGATRON_ROLES, ROLE_ENTRY_KEYS
+from orchestration.config import PLACEMENT_KEYS, ConfigError, split_config_file
 
 # (the key's value, the whole file, the composed config) -> {our dotted key: value}
 Mapper = Callable[[Any, Mapping, Any], dict]
@@ -422,28 +421,12 @@ def known_keys(driver: str) -> dict[str, Mapper]:
     return {**MAPPED, **DRIVER_KEYS[driver]}
 
 
-def file_items(file: Mapping) -> tuple[dict, list[tuple[str, str, Any]]]:
-    """(placement keys, [(where, key, value)] training keys) of a file. The Megatron form's role
-    sections (train:, rollout:, teacher:) hold a role's devices (gpus, model,
-    vllm_tensor_parallel_size: placement) and that role's training keys (where: 'train.lr')."""
-    placement, items = {}, []
-    for key, value in file.items():
-        if key in MEGATRON_ROLES and isinstance(value, Mapping):
-            placement[key] = {k: v for k, v in value.items() if k in ROLE_ENTRY_KEYS}
-            items += [(f"{key}.{k}", k, v) for k, v in value.items() if k not in ROLE_ENTRY_KEYS]
-        elif key in PLACEMENT_KEYS:
-            placement[key] = value
-        else:
-            items.append((key, key, value))
-    return placement, items
-
-
 def translate(file: Mapping, driver: str, cfg: Any) -> tuple[dict, dict, list[str]]:
     """(placement keys, our dotted key -> value, keys without effect) of an ms-swift file for
     `driver`. `cfg`: the composed config (the defaults of keys the file leaves out). Raises
     one ConfigError listing every key that cannot be honoured."""
     keys = known_keys(driver)
-    placement, items = file_items(file)
+    placement, items = split_config_file(file)
     flat = {key: value for _, key, value in items}  # what a mapper may look up
     out: dict[str, Any] = {}
     source: dict[str, str] = {}

@@ -15,7 +15,7 @@ import yaml
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from orchestration.planner import MEGATRON_KEYS, SWIFT_KEYS
+from orchestration.planner import MEGATRON_KEYS, MEGATRON_ROLES, ROLE_ENTRY_KEYS, SWIFT_KEYS
 
 
 class ConfigError(ValueError):
@@ -223,10 +223,26 @@ def read_config_file(path: str) -> dict:
     return data
 
 
-def apply_placement(cfg: DictConfig, data: Mapping) -> bool:
-    """Replace cfg.placement with the placement keys of a config_file's `data` (when it has
-    any: either form, orchestration/planner.py). Returns whether it had any."""
-    placement = {k: v for k, v in data.items() if k in PLACEMENT_KEYS}
+def split_config_file(data: Mapping) -> tuple[dict, list[tuple[str, str, Any]]]:
+    """(placement keys, [(where, key, value)] training keys) of a config_file's keys. The
+    Megatron form's role sections (train:, rollout:, teacher:) hold a role's devices (gpus,
+    model, vllm_tensor_parallel_size: placement) and that role's training keys (where:
+    'train.lr'); the drivers translate the training keys (algorithms/swift_args.py)."""
+    placement, items = {}, []
+    for key, value in data.items():
+        if key in MEGATRON_ROLES and isinstance(value, Mapping):
+            placement[key] = {k: v for k, v in value.items() if k in ROLE_ENTRY_KEYS}
+            items += [(f"{key}.{k}", k, v) for k, v in value.items() if k not in ROLE_ENTRY_KEYS]
+        elif key in PLACEMENT_KEYS:
+            placement[key] = value
+        else:
+            items.append((key, key, value))
+    return placement, items
+
+
+def apply_placement(cfg: DictConfig, placement: Mapping) -> bool:
+    """Replace cfg.placement with a config_file's placement keys (`split_config_file`; either
+    form, orchestration/planner.py) when there are any. Returns whether there were."""
     if not placement:
         return False
     try:

@@ -13,8 +13,8 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from orchestration.config import (PLACEMENT_KEYS, ConfigError, PlanConfig, apply_placement, placement_dict,
-                                  read_config_file, register_schema, validate)
+from orchestration.config import (ConfigError, PlanConfig, apply_placement, placement_dict, read_config_file,
+                                  register_schema, split_config_file, validate)
 from orchestration.planner import Plan, PlanError, make_plan
 
 COLUMNS = ("role", "device", "ranks", "nodes", "group", "colocated_with", "offload", "sleep", "tp", "model")
@@ -67,9 +67,9 @@ def plan_from_config(cfg: DictConfig) -> tuple[DictConfig, Plan, list[str]]:
     typed = validate(cfg, PlanConfig, sections=["placement", "cluster", "backend", "config_file", "plan"])
     unused = []
     if typed.config_file:
-        data = read_config_file(typed.config_file)
-        apply_placement(typed, data)
-        unused = sorted(k for k in data if k not in PLACEMENT_KEYS)
+        placement, items = split_config_file(read_config_file(typed.config_file))
+        apply_placement(typed, placement)
+        unused = sorted(where for where, _, _ in items)
     return typed, make_plan(placement_dict(typed)), unused
 
 

@@ -10,7 +10,7 @@ from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from orchestration.config import (ConfigError, PlanConfig, apply_placement, placement_dict, read_config_file,
-                                  register_schema, validate)
+                                  register_schema, split_config_file, validate)
 from orchestration.planner import make_plan
 
 CONF = Path(__file__).resolve().parent.parent / "conf"
@@ -130,7 +130,7 @@ def _with_file(tmp_path, text):
 
 def test_ms_swift_megatron_file_gives_its_placement(tmp_path):
     cfg = _with_file(tmp_path, MS_SWIFT_MEGATRON)
-    assert apply_placement(cfg, read_config_file(cfg.config_file))
+    assert apply_placement(cfg, split_config_file(read_config_file(cfg.config_file))[0])
     plan = make_plan(placement_dict(cfg))
     assert plan["teacher"].colocated_with == ("train", "rollout") and plan.gkd_logits_topk == 64
 
@@ -140,7 +140,7 @@ def test_ms_swift_file_replaces_the_composed_placement(tmp_path):
     cfg = validate(cfg, PlanConfig)
     cfg.config_file = str(tmp_path / "swift.yaml")
     Path(cfg.config_file).write_text(MS_SWIFT_SAMPLING)
-    assert apply_placement(cfg, read_config_file(cfg.config_file))
+    assert apply_placement(cfg, split_config_file(read_config_file(cfg.config_file))[0])
     plan = make_plan(placement_dict(cfg))
     assert set(plan.roles) == {"sampler", "prm", "orm"} and plan["prm"].device == "CPU"
 

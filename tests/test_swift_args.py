@@ -262,3 +262,11 @@ def test_a_system_prompt_goes_before_rows_without_one(tmp_path):
     assert held[-1].prompt_messages()[0] == {"role": "system", "content": "own"}  # a row's own system turn wins
     with pytest.raises(ConfigError, match="data.system"):
         load_task(DataConfig(task="files", paths=[str(data)], eval_size=2, system=str(tmp_path / "none.txt")))
+
+
+def test_the_planner_reads_an_example_with_role_section_keys(example):
+    """`rayroles plan config_file=X` takes the placement and names the keys it does not read."""
+    out = rayroles("plan", f"config_file={example / 'gkd_teacher_group.yaml'}", "hydra.run.dir=.",
+                   "hydra.output_subdir=null", cwd=example, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "teacher  GPU     1" in out.stdout and "'train.tuner_type'" in out.stderr
