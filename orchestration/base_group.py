@@ -151,7 +151,11 @@ class BaseWorkerGroup:
         users: dict[int, int] = {}  # id of a share -> ranks receiving that very share
         for i in indices:
             users[id(per_worker[i])] = users.get(id(per_worker[i]), 0) + 1
-        shared = {id(per_worker[i]): self._shared(*per_worker[i]) for i in indices if users[id(per_worker[i])] > 1}
+        shared: dict[int, tuple] = {}  # one _shared per share that several ranks receive
+        for i in indices:
+            key = id(per_worker[i])
+            if users[key] > 1 and key not in shared:
+                shared[key] = self._shared(*per_worker[i])
         handles = [self._submit(i, method, *shared.get(id(per_worker[i]), per_worker[i])) for i in indices]
 
         def finish(timeout: float | None) -> Any:

@@ -506,8 +506,15 @@ def test_shared_arguments_go_into_the_object_store_once(ray_groups):
     args, kwargs = g._shared((big, 3), {"opts": small, "more": [big]})
     assert isinstance(args[0], ray.ObjectRef) and args[1] == 3
     assert kwargs["opts"] is small and isinstance(kwargs["more"], ray.ObjectRef)
-    echoed = g.call("echo", big)
+    puts = []
+    shared = g._shared
+    g._shared = lambda a, k: puts.append(1) or shared(a, k)  # count the shares put, then put them
+    try:
+        echoed = g.call("echo", big)
+    finally:
+        del g._shared
     assert len(echoed) == 4 and all(np.array_equal(e, big) for e in echoed)
+    assert len(puts) == 1  # one share for the 4 ranks
     shares = dsp.split("slice", 4, ([1, 2],), {}, keep_empty=True)
     assert shares[2] is shares[3] and shares[2][0] == ([],)
 
