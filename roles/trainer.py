@@ -38,6 +38,7 @@ from roles.batch import Batch
 from roles.engines.options import TRAIN_ENGINES, check_engine
 from roles.engines.torch_engine import process_memory, token_entropy, token_logprobs
 from roles.engines.torch_trainer import OPTIMIZERS, TorchTrainEngine, rank_device, rng_state, set_rng_state
+from roles.engines.train_kernels import TrainKernelOptions
 from roles.models import ModelConfig, ModelSpec, build_model, load_tokenizer, resolve_config, save_checkpoint
 from roles.weight_transfer import WeightSender
 
@@ -45,6 +46,8 @@ LossFn = Callable[[torch.Tensor, Batch, dict], Tuple[torch.Tensor, dict]]
 SCHEDULES = ("cosine", "linear", "constant")
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOSS_INPUTS = ("logits", "entropy")
+# TrainerConfig fields only the torch engine honours.
+KERNEL_OPTIONS = ("packing", "compile", "activation_checkpointing", "chunked_logprobs")
 STATE_FILE = "trainer_state.pt"
 
 
@@ -87,6 +90,16 @@ class TrainerConfig:
     # Compute precision over fp32 master weights: 'float32', 'bfloat16', 'float16' (autocast),
     # or 'auto' (bfloat16 on CUDA, float32 on CPU).
     dtype: str = "auto"
+    # Forward options of the torch engine (KERNEL_OPTIONS; docs/gpu.md measures them), all off:
+    # pack a micro-batch's real tokens into one sequence (FlashAttention varlen on CUDA).
+    packing: bool = False
+    # torch.compile the model's forward (about a minute of compilation per new shape).
+    compile: bool = False
+    # Recompute each layer's activations in the backward pass: less memory, more compute.
+    activation_checkpointing: bool = False
+    # Token logprobs from the last hidden states chunk by chunk, without the [B, T, V] float32
+    # logits (a loss that reads logits or entropy still gets the full logits).
+    chunked_logprobs: bool = False
 
 
 def resolve_trainer_config(config: Union[TrainerConfig, Mapping[str, Any], None]) -> TrainerConfig:
@@ -173,6 +186,9 @@ class Trainer(WeightSender):
         self.config = resolve_trainer_config(config)
         check_engine("train", engine, TRAIN_ENGINES)
         self.engine_name = engine
+        on = [k for k in KERNEL_OPTIONS if getattr(self.config, k)]
+        if on and engine != "torch":
+            raise ValueError(f"trainer {on} need the torch engine, not {engine}")
         unknown = sorted(set(loss_inputs) - set(LOSS_INPUTS))
         if unknown:
             raise ValueError(f"loss_inputs {unknown} unknown; choose from {LOSS_INPUTS}")
@@ -197,6 +213,8 @@ class Trainer(WeightSender):
             self.engine = DeepSpeedTrainEngine(build_model(self.model_config), options=engine_options or {}, **optim)
         else:
             self.engine = TorchTrainEngine(build_model(self.model_config), **optim)
+            self.engine.set_options(TrainKernelOptions(packing=c.packing, compile=c.compile,
+                                                       activation_checkpointing=c.activation_checkpointing))
         self.model, self.device = self.engine.model, device
         self.rank, self.world_size = self.engine.rank, self.engine.world_size
 
@@ -226,9 +244,12 @@ class Trainer(WeightSender):
 
     def _forward(self, mb: Batch, temperature: float, inputs: Sequence[str]) -> tuple[torch.Tensor, dict]:
         """Aligned logprobs [b, t] (0 at position 0 and on padding) and the requested extras."""
-        logits = self.engine.forward(mb.input_ids, mb.attention_mask)
         ids, valid = mb.input_ids.to(self.device), mb.attention_mask.to(self.device).bool()
         zero = torch.zeros((), device=self.device)
+        if self.config.chunked_logprobs and not set(inputs) & set(LOSS_INPUTS):
+            logprobs = self.engine.token_logprobs(mb.input_ids, mb.attention_mask, temperature)
+            return torch.where(valid, logprobs, zero), {}
+        logits = self.engine.forward(mb.input_ids, mb.attention_mask)
         out = {}
         logprobs = torch.where(valid, token_logprobs(logits, ids, temperature), zero)
         if "entropy" in inputs:

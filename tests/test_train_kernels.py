@@ -108,3 +108,20 @@ def test_packing_leaves_the_saved_config_alone(tmp_path):
     text = (tmp_path / "ckpt" / "config.json").read_text()
     assert train_kernels.PACKED_ATTENTION not in text and "unpacked" not in text
     copy.deepcopy(trainer.model.config)  # still an ordinary config
+
+
+def test_trainer_config_switches_the_options_on_and_chunked_logprobs_match():
+    """trainer.packing / activation_checkpointing / chunked_logprobs reach the torch engine; a
+    step and the logprobs with them equal the plain trainer's; other engines refuse them."""
+    import dataclasses
+
+    plain = Trainer("tiny_qwen2", CFG)
+    fast = Trainer("tiny_qwen2", dataclasses.replace(CFG, packing=True, activation_checkpointing=True,
+                                                    chunked_logprobs=True))
+    assert fast.engine.kernels == TrainKernelOptions(packing=True, activation_checkpointing=True)
+    batch = sft_batch(12, seed=3)
+    torch.testing.assert_close(fast.logprobs(batch), plain.logprobs(batch), atol=1e-5, rtol=0)
+    a, b = plain.train_step(batch), fast.train_step(batch)
+    assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+    with pytest.raises(ValueError, match=r"trainer \['packing'\] need the torch engine, not deepspeed"):
+        Trainer("tiny_qwen2", dataclasses.replace(CFG, packing=True), engine="deepspeed")
