@@ -318,7 +318,12 @@ def file_format(path: str) -> str:
                                    "dataset_dict.json in it)", "give the data files themselves, or a folder "
                                    "written by Dataset.save_to_disk / DatasetDict.save_to_disk")
     if not os.path.exists(path):
-        raise UnreadableData(path, "does not exist", "give an existing file or save_to_disk folder")
+        hub = path.count("/") == 1 and not path.startswith((".", "/", "~")) and not os.path.splitext(path)[1]
+        raise UnreadableData(path, "does not exist" + (" (a hub dataset id? datasets are never downloaded here)"
+                                                       if hub else ""),
+                             "give an existing file or save_to_disk folder" + (
+                                 f" (where a network is: datasets.load_dataset({path!r}).save_to_disk(DIR), then "
+                                 "copy DIR here)" if hub else ""))
     ext = os.path.splitext(path)[1].lower()
     if ext not in FILE_FORMATS:
         raise UnreadableData(path, f"has an unknown extension {ext or '(none)'!r}",

@@ -183,6 +183,7 @@ BAD_FILES = [
                                 "the local Hugging Face cache"),
     ({"teacher_model": "./no_teacher"}, "config key 'placement.teacher_model'"),
     ({"dataset": "./data/missing.jsonl"}, "data.paths"),
+    ({"dataset": "AI-ModelScope/alpaca-gpt4-data-en#2000"}, "(a hub dataset id? datasets are never downloaded here)"),
     ({"rollout": {"gpus": 1, "vllm_gpu_memory_utilisation": 0.4}}, "rollout.vllm_gpu_memory_utilisation: unknown"),
 ]
 
