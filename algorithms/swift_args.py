@@ -235,6 +235,23 @@ def _no_key(value: Any, file: Mapping, cfg: Any) -> dict:
     return {}
 
 
+def _beta(index: int) -> Mapper:
+    """adam_beta1 / adam_beta2: one of trainer.betas (the other from the file or the config)."""
+    def convert(value: Any, file: Mapping, cfg: Any) -> dict:
+        betas = [float(file.get(f"adam_beta{i + 1}", cfg.trainer.betas[i])) for i in (0, 1)]
+        betas[index] = float(value)
+        return {"trainer.betas": betas}
+    return convert
+
+
+def _optim(value: Any, file: Mapping, cfg: Any) -> dict:
+    kernels = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw_fused", "adamw": "adamw", "adam": "adamw"}
+    if value not in kernels:
+        raise Unsupported(f"{value!r}: the optimizer here is AdamW (adamw_torch, adamw_torch_fused; "
+                          "trainer.optimizer picks its kernel)")
+    return {"trainer.optimizer": kernels[value]}
+
+
 def _warmup_fraction(value: Any, file: Mapping, cfg: Any) -> dict:
     return {"trainer.warmup_ratio": float(value)}
 
@@ -260,6 +277,11 @@ MAPPED: dict[str, Mapper] = {
     "lr_decay_style": to("trainer.schedule"),
     "lr_scheduler_type": to("trainer.schedule"),
     "weight_decay": to("trainer.weight_decay", convert=float),
+    "adam_epsilon": to("trainer.adam_eps", convert=float),
+    "adam_eps": to("trainer.adam_eps", convert=float),
+    "adam_beta1": _beta(0),
+    "adam_beta2": _beta(1),
+    "optim": _optim,
     "clip_grad": to("trainer.grad_clip", convert=float),
     "max_grad_norm": to("trainer.grad_clip", convert=float),
     "micro_batch_size": to("trainer.micro_batch_per_device", convert=int),

@@ -27,7 +27,7 @@ from roles.engines.options import ROLLOUT_ENGINES, TEACHER_ENGINES, TRAIN_ENGINE
 from roles.models import (TOKENIZER_FILES, check_config, has_tokenizer_files, hub_cache_root, load_tokenizer,
                           resolve_config)
 from roles.engines.torch_trainer import OPTIMIZERS
-from roles.trainer import COMPUTE_DTYPES, SCHEDULES
+from roles.trainer import COMPUTE_DTYPES, KERNEL_OPTIONS, SCHEDULES
 
 DATA_TASKS = ("arithmetic", "gsm", "files")
 MODEL_DTYPES = (None, "float32", "bfloat16", "float16")
@@ -76,6 +76,10 @@ def check_run(cfg: Any, plan: Plan, updates: Optional[int] = None) -> None:
     require(cfg.run.prompts_per_step >= ranks, "run.prompts_per_step", cfg.run.prompts_per_step,
             f"is below the {ranks} trainer ranks", f"raise it to at least {ranks}")
     check_trainer(cfg.trainer, "trainer", updates or cfg.run.steps, "run.steps")
+    for key in KERNEL_OPTIONS:
+        require(cfg.backend.train == "torch" or not getattr(cfg.trainer, key), f"trainer.{key}", True,
+                f"needs the torch engine (backend.train={cfg.backend.train})",
+                f"set backend.train=torch, or trainer.{key}=false")
     check_model("model", cfg.model)
     for role, entry in plan.roles.items():
         if entry.model is not None:

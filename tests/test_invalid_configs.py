@@ -45,6 +45,7 @@ CASES = [
     ("grpo", "trainer.adam_eps=0", "trainer.adam_eps"),
     ("sft", "trainer.schedule=step", "trainer.schedule"),
     ("sft", "trainer.min_lr=1.0", "trainer.min_lr"),
+    ("sft", "backend.train=deepspeed trainer.packing=true", "trainer.packing"),
     ("gkd", "trainer.warmup_ratio=1.5", "trainer.warmup_ratio"),
     ("grpo", "run.log_level=LOUD", "run.log_level"),
     ("sft", "data.system=/no/such/system.txt", "data.system"),
