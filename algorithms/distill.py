@@ -241,7 +241,7 @@ def run_sft(cfg: DistillRunConfig, plan: Plan, model: Any, data: DataConfig, ste
 
 
 def write_heldout(examples: list[Example], path: Path) -> Path:
-    """Held-out examples as JSONL rows, appended after the kept rows for SFT's eval."""
+    """Held-out examples as JSONL rows, the held-out file (data.val_paths) of the SFT phase."""
     with open(path, "w") as f:
         # A prompt-only row (no reference reply) stays one: its messages end with the user.
         f.writelines(json.dumps({"messages": ex.messages() if ex.solution else ex.prompt_messages(),
@@ -272,10 +272,11 @@ def run(cfg: DistillRunConfig, plan: Plan, out_dir: Path) -> dict:
     if algo.sft_steps and not record.get("total/kept"):
         logger.info("distill: no rows kept, so no SFT on them")
     elif algo.sft_steps:
-        # SFT on the kept rows; held-out task examples go last so that SFT evaluates on them.
-        data = DataConfig(task="files", paths=[str(path), str(write_heldout(eval_set, Path(out_dir) / "heldout.jsonl"))],
-                          train_size=record["total/kept"], eval_size=len(eval_set), cache_dir=cfg.data.cache_dir,
-                          check=cfg.data.check, check_pattern=cfg.data.check_pattern, chat=cfg.data.chat)
+        # SFT on the kept rows, evaluated on the task's held-out examples.
+        heldout = write_heldout(eval_set, Path(out_dir) / "heldout.jsonl")
+        data = DataConfig(task="files", paths=[str(path)], val_paths=[str(heldout)], eval_size=len(eval_set),
+                          cache_dir=cfg.data.cache_dir, check=cfg.data.check, check_pattern=cfg.data.check_pattern,
+                          chat=cfg.data.chat)
         tuned = run_sft(cfg, plan, policy, data, algo.sft_steps, cfg.trainer.lr, out_dir / "sft")
         record.update({"sft/eval_accuracy": tuned["eval/accuracy"], "sft/checkpoint": tuned.get("checkpoint")})
     return record
