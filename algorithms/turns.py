@@ -9,7 +9,8 @@ without a sync). A strictly on-policy run (max_staleness 0) syncs after a traini
 when the rollout works before the next one (its next step generates, or eval is due): GKD's
 off-policy steps skip it. It also closes each step (eval when due, the periodic save, memory
 figures as they came back with the roles' calls, the metrics record, with `calls/remote`: the
-remote calls the step made, and `time/driver`: the step's wall time outside role calls) and
+remote calls the step made, `time/driver`: the step's wall time outside role calls, and
+`time/call_overhead`: the time role calls took beyond their methods' run on the ranks) and
 the run (the final save), and owns the run's weight-sync channel,
 whose shared-memory files and process groups live from the first sync to the end of the
 `with Turns(...)` block.
@@ -73,7 +74,7 @@ class Turns:
         self.sleep_level = plan["rollout"].sleep_level if "rollout" in plan.roles else 0
         self.behind = rollout_behind  # the rollout lacks the trainer's current weights
         self._sync: Optional[WeightSync] = None
-        self._mark = (time.perf_counter(), CALLS.remote, CALLS.role_s)  # start of the step's accounting
+        self._mark = (time.perf_counter(), CALLS.remote, CALLS.role_s, CALLS.rank_s)  # start of the step's accounting
         # Resume: the trainer continues from the checkpoint; the driver reads `resumed`.
         self.resumed_from = find_resume(log.dir, run.resume)
         self.resumed: dict = driver_state(self.resumed_from) if self.resumed_from else {}
@@ -181,11 +182,12 @@ class Turns:
         for name, group in self.roles.items():  # Ray groups answer from what their calls brought back
             self.log.memory(name, group.memory() if isinstance(group, BaseWorkerGroup) else group.call("memory"))
         now = time.perf_counter()
-        start, calls, role_s = self._mark
+        start, calls, role_s, rank_s = self._mark
         metrics["calls/remote"] = CALLS.remote - calls
         metrics["time/driver"] = round(max(now - start - (CALLS.role_s - role_s), 0.0), 4)
+        metrics["time/call_overhead"] = round(max((CALLS.role_s - role_s) - (CALLS.rank_s - rank_s), 0.0), 4)
         self._last = self.log.step(step, metrics)
-        self._mark = (time.perf_counter(), CALLS.remote, CALLS.role_s)
+        self._mark = (time.perf_counter(), CALLS.remote, CALLS.role_s, CALLS.rank_s)
         return self._last
 
     def save(self, step: int, state: dict) -> Path:

@@ -11,8 +11,8 @@ Parts, each measured interleaved (A, B, B, A, ...) so that both sides see the ma
             on a local Ray cluster. Timed steps are 2..steps-1 (step 1 warms up, the last one
             evaluates). Per workload: the median step wall time of each backend and the ratio
             Ray/local, with the per-step breakdown from metrics.jsonl: time/driver (the driver's
-            own time outside role calls), calls/remote, time/sync_weights, and the torch threads
-            of the Ray ranks. Final eval accuracy shows both backends computed the same run.
+            own time outside role calls), calls/remote, time/call_overhead (what the remote calls
+            took beyond their methods' run on the ranks), time/sync_weights. Final eval accuracy shows both backends computed the same run.
   dispatch  a group.call(..., dispatch='all') of a --dispatch-mb MB array to --workers CPU ranks
             against a single ray.put and one .remote(ref) per rank (the floor), and against
             the argument pickled into every rank's call (what dispatch='all' did before).
@@ -71,7 +71,7 @@ def step_figures(records: list[dict]) -> dict:
         return statistics.mean(r.get(key, 0.0) for r in timed)
     return {"step_s": statistics.median(r["time/step_wall"] for r in timed),
             "step_min_s": min(r["time/step_wall"] for r in timed), "driver_s": mean("time/driver"),
-            "calls": mean("calls/remote"), "sync_s": mean("time/sync_weights"),
+            "calls": mean("calls/remote"), "sync_s": mean("time/sync_weights"), "overhead_s": mean("time/call_overhead"),
             "eval_accuracy": records[-1].get("eval/accuracy")}
 
 
@@ -88,7 +88,8 @@ def bench_drivers(args: argparse.Namespace, out: Path) -> list[dict]:
 
 def drivers_table(rows: list[dict], algos: list[str]) -> str:
     lines = ["| workload | local step ms | ray step ms | ray/local | ray/local, fastest steps | driver ms local/ray | "
-             "remote calls/step ray | sync ms local/ray | eval acc local/ray |", "|---|---|---|---|---|---|---|---|---|"]
+             "remote calls/step ray | call overhead ms ray | sync ms local/ray | eval acc local/ray |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for algo in algos:
         by = {b: [r for r in rows if r["algo"] == algo and r["backend"] == b] for b in ("local", "ray")}
 
@@ -98,7 +99,7 @@ def drivers_table(rows: list[dict], algos: list[str]) -> str:
                      f"{med('ray', 'step_s') / med('local', 'step_s'):.2f}x | "
                      f"{med('ray', 'step_min_s') / med('local', 'step_min_s'):.2f}x | "
                      f"{med('local', 'driver_s') * 1e3:.1f} / {med('ray', 'driver_s') * 1e3:.1f} | "
-                     f"{med('ray', 'calls'):.1f} | {med('local', 'sync_s') * 1e3:.1f} / {med('ray', 'sync_s') * 1e3:.1f} | "
+                     f"{med('ray', 'calls'):.1f} | {med('ray', 'overhead_s') * 1e3:.1f} | {med('local', 'sync_s') * 1e3:.1f} / {med('ray', 'sync_s') * 1e3:.1f} | "
                      f"{by['local'][-1]['eval_accuracy']} / {by['ray'][-1]['eval_accuracy']} |")
     return "\n".join(lines)
 

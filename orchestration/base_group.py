@@ -5,9 +5,10 @@ A subclass supplies `_submit(index, method, args, kwargs) -> handle` and
 collect lives here once, so both backends give identical results. Arguments that several
 ranks get unchanged (dispatch='all', a tensor-parallel engine's ranks, lockstep empty
 slices) pass through `_shared` once per call, where the Ray group puts them into the object
-store once. `CALLS` counts, over every group of this process, the remote calls made and the
-seconds the driver spent waiting for (or, in-process, running) role methods, so a driver
-can report its own time per step apart from its roles'.
+store once. `CALLS` counts, over every group of this process, the remote calls made, the
+seconds the driver spent waiting for (or, in-process, running) role methods and the seconds
+those methods ran on their ranks, so a driver can report its own time per step apart from its
+roles', and what the remote calls cost beyond their work.
 """
 from __future__ import annotations
 
@@ -95,6 +96,9 @@ class CallStats:
     remote: int = 0
     # Seconds spent inside role calls: waiting for remote ranks, or running in-process ranks.
     role_s: float = 0.0
+    # Of role_s, the seconds the ranks' methods ran (per call, its slowest rank's, as it reported
+    # back); role_s - rank_s is what the calls cost around the work (transfer, scheduling).
+    rank_s: float = 0.0
 
 
 CALLS = CallStats()

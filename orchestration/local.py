@@ -75,7 +75,9 @@ class LocalWorkerGroup(BaseWorkerGroup):
         except Exception as e:
             return ("error", WorkerError.raised(self.role, index, method, e, traceback.format_exc()))
         finally:
-            CALLS.role_s += time.perf_counter() - start
+            spent = time.perf_counter() - start
+            CALLS.role_s += spent
+            CALLS.rank_s += spent
 
     def _wait(self, handles: list, method: str, indices: list[int], timeout: float | None) -> list:
         for status, value in handles:

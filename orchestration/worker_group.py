@@ -24,7 +24,7 @@ Threads: each rank sets torch's intra-op threads (and OMP_NUM_THREADS/MKL_NUM_TH
 it starts) to its role's `num_cpus` in the plan, or, unset, to its share of its node's cores:
 the cores it may use divided by the processes planned on that node (colocated roles share a
 process slot and take turns, so they count once). Ray itself would leave every actor one thread.
-A rank's memory() figures come back with each call it answers, so the driver reads them
+A rank's memory() figures and the seconds its method ran come back with each call it answers, so the driver reads them
 (`memory()`) without a call of its own. Arguments several ranks share go into the object store
 once (`_shared`), as an ObjectRef per argument of at least SHARE_MIN_BYTES. `start_roles`
 starts the groups of a run together: every actor is created before any is waited for, so
@@ -128,11 +128,14 @@ class _RoleHost:
         self.memory = memory if callable(memory) else None
         return n
 
-    def call(self, method: str, /, *args: Any, **kwargs: Any) -> tuple[Any, Any]:
-        """The method's value and this rank's memory() figures after it (None: the role has none)."""
+    def call(self, method: str, /, *args: Any, **kwargs: Any) -> tuple[Any, Any, float]:
+        """The method's value, this rank's memory() figures after it (None: the role has none) and
+        the seconds the method ran."""
         # Arguments arrive top-level, so Ray resolves an ObjectRef passed as one (nested ones stay refs).
+        start = time.perf_counter()
         value = getattr(self.instance, method)(*args, **kwargs)
-        return value, (value if method == "memory" else self.memory() if self.memory else None)
+        spent = time.perf_counter() - start
+        return value, (value if method == "memory" else self.memory() if self.memory else None), spent
 
     def __repr__(self) -> str:
         # Ray prefixes each line a worker prints with this: "(train rank 1 pid=...)".
@@ -334,12 +337,13 @@ class WorkerGroup(BaseWorkerGroup):
     def _wait(self, handles: list, method: str, indices: list[int], timeout: float | None) -> list:
         start = time.perf_counter()
         try:
-            pairs = self._wait_calls(handles, method, indices, timeout)
+            answers = self._wait_calls(handles, method, indices, timeout)
         finally:
             CALLS.role_s += time.perf_counter() - start
-        for index, (_, memory) in zip(indices, pairs):
+        for index, (_, memory, _) in zip(indices, answers):
             self._memory[index] = memory
-        return [value for value, _ in pairs]
+        CALLS.rank_s += max((spent for _, _, spent in answers), default=0.0)
+        return [value for value, _, _ in answers]
 
     def _wait_calls(self, handles: list, method: str, indices: list[int], timeout: float | None) -> list:
         while True:

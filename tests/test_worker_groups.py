@@ -437,6 +437,10 @@ class Counter:
     def lengths(self, items):
         return [len(items)]
 
+    def nap(self, seconds: list):
+        import time
+        time.sleep(sum(seconds))
+
     def memory(self) -> dict:
         return {"rss_bytes": 1000 + self.calls}
 
@@ -490,6 +494,30 @@ def test_memory_figures_ride_back_on_calls(ray_cluster):
         local.call("bump")
         assert local.memory() == [{"rss_bytes": 1001}] * 2
         g.shutdown()
+    finally:
+        placement.remove()
+
+
+def test_rank_seconds_ride_back_on_calls(ray_cluster):
+    """Each call brings back the seconds its method ran on the rank (the slowest rank's per call),
+    so role_s - rank_s is what the calls cost around the work; in-process ranks count both alike."""
+    from orchestration.base_group import CALLS
+    from orchestration.placement import create_placement
+    from orchestration.worker_group import WorkerGroup
+
+    plan = make_plan({"device_groups": {"nproc_per_node": 1, "c": {"device": "CPU", "ranks": 2, "workers": ["orm"]}}})
+    placement = create_placement(plan, timeout_s=30)
+    try:
+        g = WorkerGroup(Counter, plan["orm"], placement=placement)
+        role0, rank0 = CALLS.role_s, CALLS.rank_s
+        g.call("nap", [0.3, 0.1], dispatch="slice")  # the slowest rank counts: 0.3 s, not 0.4 s
+        ran, waited = CALLS.rank_s - rank0, CALLS.role_s - role0
+        assert 0.3 <= ran < 0.39 and waited >= ran
+        g.shutdown()
+        local = LocalWorkerGroup(Counter, plan["orm"])
+        role0, rank0 = CALLS.role_s, CALLS.rank_s
+        local.call("nap", [0.05, 0.05], dispatch="slice")
+        assert CALLS.rank_s - rank0 == pytest.approx(CALLS.role_s - role0) and CALLS.rank_s - rank0 >= 0.1
     finally:
         placement.remove()
 
