@@ -74,6 +74,7 @@ class Turns:
         self.sleep_level = plan["rollout"].sleep_level if "rollout" in plan.roles else 0
         self.behind = rollout_behind  # the rollout lacks the trainer's current weights
         self._sync: Optional[WeightSync] = None
+        self._pending: list = []  # (role, method, future) of offloads and sleeps not yet waited for
         self._mark = (time.perf_counter(), CALLS.remote, CALLS.role_s, CALLS.rank_s)  # start of the step's accounting
         # Resume: the trainer continues from the checkpoint; the driver reads `resumed`.
         self.resumed_from = find_resume(log.dir, run.resume)
@@ -99,30 +100,50 @@ class Turns:
     def turn(self, role: str, phase: Optional[str] = None) -> Iterator[Any]:
         """`role` on its devices for the block (onload/offload when it offloads between turns),
         timed as `phase` when given. The trainer's turn leaves the rollout behind its weights
-        until a sync."""
+        until a sync. The onload rides on the role's first call of the block; the offload is
+        sent at its end and waited for before any role's next turn (`_settle`), so the driver's
+        own work meanwhile hides its round trip."""
         group, offload = self.roles[role], self.offload[role]
         if role == "train":
             self.behind = True
+        self._settle()
         if offload is not None:
-            timed_call(self.log, role, group, "onload")
+            group.defer("onload")
         with self.log.phase(phase, role) if phase else contextlib.nullcontext():
             yield group
         if offload is not None:
-            timed_call(self.log, role, group, "offload", *offload)
+            self._put_back(role, group, "onload", "offload", *offload)
 
     @contextlib.contextmanager
     def rollout_turn(self, version: int, metrics: dict) -> Iterator[Any]:
         """The rollout awake for the block (woken and put back to sleep at sleep_level > 0),
         first given the trainer's weights (as `version`) when it is behind them; sync
-        figures go into `metrics`."""
+        figures go into `metrics`. The wake-up rides on the first call after the weights,
+        the sleep is waited for as an offload is."""
+        self._settle()
         if self.behind:
             metrics.update(self._send(version))
         if self.sleep_level:
-            timed_call(self.log, "rollout", self.rollout, "wake_up")
+            self.rollout.defer("wake_up")
         yield self.rollout
         if self.sleep_level:
-            timed_call(self.log, "rollout", self.rollout, "sleep", self.sleep_level)
+            self._put_back("rollout", self.rollout, "wake_up", "sleep", self.sleep_level)
             self.behind = self.behind or self.sleep_level == 2
+
+    def _put_back(self, role: str, group: Any, came: str, method: str, *args: Any) -> None:
+        """End of a turn: the role's devices freed (`method`: offload or sleep) by a call sent now
+        and waited for by `_settle`. A block that made no call leaves the role where it was."""
+        if group.drop_deferred():
+            return
+        self.log.moved(role, came, [r.get(came) for r in group.deferred_results()])
+        self._pending.append((role, method, group.async_call(method, *args)))
+
+    def _settle(self) -> None:
+        """Wait for the offloads and sleeps still under way (timed as their phase, the wait only)."""
+        pending, self._pending = self._pending, []
+        for role, method, future in pending:
+            with self.log.phase(method, role):
+                self.log.moved(role, method, future.get())
 
     def sync(self, version: int, prefetch: Any, max_staleness: int) -> dict[str, Any]:
         """The trainer's weights into the rollout after training step `version`; generations
@@ -179,6 +200,7 @@ class Turns:
         if due(step, self.run.save_every) and not (step == self.run.steps and self.run.save_final):
             with self.log.phase("save", "train"):
                 self.save(step, state or {})
+        self._settle()
         for name, group in self.roles.items():  # Ray groups answer from what their calls brought back
             self.log.memory(name, group.memory() if isinstance(group, BaseWorkerGroup) else group.call("memory"))
         now = time.perf_counter()
@@ -216,6 +238,10 @@ class Turns:
     def __exit__(self, *exc: Any) -> None:
         """Close the weight-sync channel; after an error, also delete the shared-memory files a
         killed trainer rank could not (from this process, calling no actor)."""
+        if exc[0] is None:
+            self._settle()
+        else:
+            self._pending = []  # the error is what the caller hears; a role's own failure there is not
         if self._sync is not None:
             if exc[0] is not None:
                 self._sync.remove_scratch()

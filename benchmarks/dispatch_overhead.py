@@ -61,7 +61,9 @@ def main() -> None:
 
     def via_raw():
         chunks = np.array_split(batch, len(group.workers))
-        return np.concatenate(ray.get([w.call.remote("echo", (c,), {}) for w, c in zip(group.workers, chunks)]))
+        # A rank's answer is (value, memory figures, seconds, deferred results): the value is first.
+        answers = ray.get([w.call.remote("echo", (), c) for w, c in zip(group.workers, chunks)])
+        return np.concatenate([a[0] for a in answers])
 
     np.testing.assert_array_equal(via_group(), batch)
     np.testing.assert_array_equal(via_raw(), batch)

@@ -1,6 +1,6 @@
 """What the Ray and the local worker groups share: the call API, futures and errors.
 
-A subclass supplies `_submit(index, method, args, kwargs) -> handle` and
+A subclass supplies `_submit(index, method, args, kwargs, before) -> handle` and
 `_wait(handles, method, indices) -> results`; everything about dispatch, execute and
 collect lives here once, so both backends give identical results. Arguments that several
 ranks get unchanged (dispatch='all', a tensor-parallel engine's ranks, lockstep empty
@@ -132,6 +132,10 @@ class BaseWorkerGroup:
     # rank is called, an empty slice included, since a skipped rank would leave the others
     # waiting.
     lockstep: frozenset = frozenset()
+    # (method, args) to run on every rank first thing in the next call (`defer`).
+    _deferred: tuple = ()
+    # rank -> {method: result} of the deferred methods its latest call carried.
+    _carried: dict = {}
 
     def call(self, method: str, *args: Any, dispatch: dsp.Dispatch = "all", execute: dsp.Execute = "all",
              collect: dsp.Collect = "none", **kwargs: Any) -> Any:
@@ -142,10 +146,13 @@ class BaseWorkerGroup:
                    collect: dsp.Collect = "none", **kwargs: Any) -> GroupFuture:
         dsp.check_execute(execute)
         tp = self.tensor_parallel
+        before, self._deferred = self._deferred, ()
+        label = "+".join([m for m, _ in before] + [method])  # how an error names the call
         if execute == "first":  # the first engine: rank 0 and its tensor-parallel peers
             shared = self._shared(args, kwargs) if tp > 1 else (args, kwargs)
-            handles = [self._submit(i, method, *shared) for i in range(tp)]
-            return GroupFuture(lambda timeout: self._wait(handles, method, list(range(tp)), timeout)[0])
+            handles = [self._submit(i, method, *shared, before) for i in range(tp)]
+            rest = self._submit_deferred(before, set(range(tp)))
+            return GroupFuture(lambda timeout: self._finish(handles, label, list(range(tp)), timeout, rest)[0])
         if callable(dispatch):  # a custom dispatch is asked for every rank
             per_worker = dsp.split(dispatch, self.world_size, args, kwargs)
         else:  # one share per engine, the same for each of its ranks
@@ -160,16 +167,50 @@ class BaseWorkerGroup:
             key = id(per_worker[i])
             if users[key] > 1 and key not in shared:
                 shared[key] = self._shared(*per_worker[i])
-        handles = [self._submit(i, method, *shared.get(id(per_worker[i]), per_worker[i])) for i in indices]
+        handles = [self._submit(i, method, *shared.get(id(per_worker[i]), per_worker[i]), before) for i in indices]
+        rest = self._submit_deferred(before, set(indices))
 
         def finish(timeout: float | None) -> Any:
-            results = self._wait(handles, method, indices, timeout)
+            results = self._finish(handles, label, indices, timeout, rest)
             return dsp.collect(collect, [r for i, r in zip(indices, results) if i % tp == 0])
         return GroupFuture(finish)
 
+    def defer(self, method: str, *args: Any) -> None:
+        """Run `method(*args)` on every rank first thing in the group's next call, inside that
+        call's own round trip (a colocated role's onload rides on its first work of the turn).
+        A rank the next call does not reach gets it as a call of its own, sent alongside."""
+        self._deferred = (*self._deferred, (method, args))
+
+    def drop_deferred(self) -> bool:
+        """Forget what `defer` queued; True if something was queued (no call has carried it)."""
+        queued, self._deferred = bool(self._deferred), ()
+        return queued
+
+    def deferred_results(self) -> list:
+        """Each rank's results of the deferred methods its latest call carried, as
+        [{method: result}] in rank order (ranks never called: {})."""
+        return [self._carried.get(i, {}) for i in range(self.world_size)]
+
+    def _submit_deferred(self, before: tuple, reached: set[int]) -> tuple[list, list[int]]:
+        """The deferred methods for the ranks a call does not reach, as calls of their own."""
+        if not before:
+            return [], []
+        others = [i for i in range(self.world_size) if i not in reached]
+        method, args = before[-1]
+        return [self._submit(i, method, args, {}, before[:-1]) for i in others], others
+
+    def _finish(self, handles: list, label: str, indices: list[int], timeout: float | None,
+                rest: tuple[list, list[int]]) -> list:
+        results = self._wait(handles, label, indices, timeout)
+        if rest[0]:
+            last = label.split("+")[-2]  # the deferred method the ranks not reached ran last
+            for index, value in zip(rest[1], self._wait(rest[0], label.rsplit("+", 1)[0], rest[1], timeout)):
+                self._carried[index] = {**self._carried.get(index, {}), last: value}
+        return results
+
     def call_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run `method` on rank `rank` alone and wait (e.g. weights for a rank just restarted)."""
-        return self._wait([self._submit(rank, method, args, kwargs)], method, [rank], None)[0]
+        return self._wait([self._submit(rank, method, args, kwargs, ())], method, [rank], None)[0]
 
     def alias(self, role: str) -> "BaseWorkerGroup":
         """These workers under another role name: calls reach the same instances, errors name
@@ -189,7 +230,8 @@ class BaseWorkerGroup:
         """The arguments of one share sent to several ranks, as each rank receives them."""
         return args, kwargs
 
-    def _submit(self, index: int, method: str, args: tuple, kwargs: dict) -> Any:
+    def _submit(self, index: int, method: str, args: tuple, kwargs: dict, before: tuple) -> Any:
+        """Start `method` on rank `index`, after the `before` methods ((method, args) pairs) there."""
         raise NotImplementedError
 
     def _wait(self, handles: list, method: str, indices: list[int], timeout: float | None) -> list:

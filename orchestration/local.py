@@ -59,6 +59,7 @@ class LocalWorkerGroup(BaseWorkerGroup):
                        "LOCAL_RANK": str(plan_entry.local_devices[i] if gpu else i)}
                       for i in range(self.world_size)]
         self.workers = []
+        self._carried: dict[int, dict] = {}  # rank -> results of the deferred methods its latest call ran
         for i in range(self.world_size):
             try:
                 with _environ(self._envs[i]):
@@ -66,14 +67,17 @@ class LocalWorkerGroup(BaseWorkerGroup):
             except Exception as e:
                 raise WorkerError.raised(self.role, i, "__init__", e, traceback.format_exc()) from e
 
-    def _submit(self, index: int, method: str, args: tuple, kwargs: dict) -> Any:
+    def _submit(self, index: int, method: str, args: tuple, kwargs: dict, before: tuple = ()) -> Any:
         start = time.perf_counter()
         try:
             args, kwargs = _resolved(args, kwargs)
             with _environ(self._envs[index]):
+                if before:
+                    self._carried[index] = {m: getattr(self.workers[index], m)(*a) for m, a in before}
                 return ("ok", getattr(self.workers[index], method)(*args, **kwargs))
         except Exception as e:
-            return ("error", WorkerError.raised(self.role, index, method, e, traceback.format_exc()))
+            label = "+".join([m for m, _ in before] + [method])  # as the Ray group names a call
+            return ("error", WorkerError.raised(self.role, index, label, e, traceback.format_exc()))
         finally:
             spent = time.perf_counter() - start
             CALLS.role_s += spent

@@ -128,14 +128,16 @@ class _RoleHost:
         self.memory = memory if callable(memory) else None
         return n
 
-    def call(self, method: str, /, *args: Any, **kwargs: Any) -> tuple[Any, Any, float]:
-        """The method's value, this rank's memory() figures after it (None: the role has none) and
-        the seconds the method ran."""
+    def call(self, method: str, before: tuple, /, *args: Any, **kwargs: Any) -> tuple[Any, Any, float, dict]:
+        """The `before` methods ((method, args) pairs, e.g. a turn's onload), then `method`; returns
+        its value, this rank's memory() figures after it (None: the role has none), the seconds
+        all of it ran, and {method: result} of the `before` ones."""
         # Arguments arrive top-level, so Ray resolves an ObjectRef passed as one (nested ones stay refs).
         start = time.perf_counter()
+        carried = {name: getattr(self.instance, name)(*margs) for name, margs in before}
         value = getattr(self.instance, method)(*args, **kwargs)
         spent = time.perf_counter() - start
-        return value, (value if method == "memory" else self.memory() if self.memory else None), spent
+        return value, (value if method == "memory" else self.memory() if self.memory else None), spent, carried
 
     def __repr__(self) -> str:
         # Ray prefixes each line a worker prints with this: "(train rank 1 pid=...)".
@@ -245,8 +247,9 @@ class WorkerGroup(BaseWorkerGroup):
         self.timeout_s = timeout_s or None  # 0 or None: no bound
         self.restarts_left = restarts
         self.on_restart: Optional[Callable[["WorkerGroup", int], None]] = None
-        self._calls: dict[Any, tuple[int, str, tuple, dict]] = {}  # pending ref -> (rank, method, args, kwargs)
+        self._calls: dict[Any, tuple] = {}  # pending ref -> (rank, method, args, kwargs, before)
         self._memory: dict[int, Any] = {}  # rank -> its memory() figures after its latest call
+        self._carried: dict[int, dict] = {}  # rank -> results of the deferred methods its latest call ran
         self._init = (role_cls, init_args, init_kwargs or {}, env)
         self.workers = [
             _RemoteHost.options(name=None, max_concurrency=1, **placement.slot(plan_entry, i).actor_options())
@@ -318,11 +321,13 @@ class WorkerGroup(BaseWorkerGroup):
         return {"ENGINE_TP_SIZE": str(tp), "ENGINE_TP_RANK": str(rank % tp),
                 "ENGINE_TP_MASTER_ADDR": leader["ip"], "ENGINE_TP_MASTER_PORT": str(leader["tp_port"])}
 
-    def _submit(self, index: int, method: str, args: tuple, kwargs: dict) -> Any:
-        ref = self.workers[index].call.remote(method, *args, **kwargs)
+    def _submit(self, index: int, method: str, args: tuple, kwargs: dict, before: tuple = ()) -> Any:
+        start = time.perf_counter()
+        ref = self.workers[index].call.remote(method, before, *args, **kwargs)
         CALLS.remote += 1
+        CALLS.role_s += time.perf_counter() - start  # serializing the arguments is part of the call
         if self.restarts_left > 0:
-            self._calls[ref] = (index, method, args, kwargs)
+            self._calls[ref] = (index, method, args, kwargs, before)
         return ref
 
     def _shared(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -340,10 +345,12 @@ class WorkerGroup(BaseWorkerGroup):
             answers = self._wait_calls(handles, method, indices, timeout)
         finally:
             CALLS.role_s += time.perf_counter() - start
-        for index, (_, memory, _) in zip(indices, answers):
+        for index, (_, memory, _, carried) in zip(indices, answers):
             self._memory[index] = memory
-        CALLS.rank_s += max((spent for _, _, spent in answers), default=0.0)
-        return [value for value, _, _ in answers]
+            if carried:
+                self._carried[index] = carried
+        CALLS.rank_s += max((spent for _, _, spent, _ in answers), default=0.0)
+        return [value for value, _, _, _ in answers]
 
     def _wait_calls(self, handles: list, method: str, indices: list[int], timeout: float | None) -> list:
         while True:
@@ -368,10 +375,10 @@ class WorkerGroup(BaseWorkerGroup):
             self.on_restart(self, error.rank)
         out = []
         for h in handles:
-            index, method, args, kwargs = self._calls[h]
+            index, method, args, kwargs, before = self._calls[h]
             if index == error.rank:
                 self._calls.pop(h)
-                h = self._submit(index, method, args, kwargs)
+                h = self._submit(index, method, args, kwargs, before)
             out.append(h)
         return out
 

@@ -149,17 +149,21 @@ def summary(method, args):
 
 class FakeGroup(BaseWorkerGroup):
     """The real dispatch/collect over in-process fake ranks; records (role, method, summary)
-    once per group call into a list shared by all groups."""
+    once per group call into a list shared by all groups, a deferred method (an onload riding
+    on the turn's first call) just before the call that carries it."""
 
     def __init__(self, role, ranks, calls):
         self.role, self.ranks, self.calls, self.world_size = role, ranks, calls, len(ranks)
+        self._carried = {}
 
     def async_call(self, method, *args, **kwargs):
         if method != "memory":  # per-step figures, not part of the call order under test
+            self.calls.extend((self.role, m, summary(m, a)) for m, a in self._deferred)
             self.calls.append((self.role, method, summary(method, args)))
         return super().async_call(method, *args, **kwargs)
 
-    def _submit(self, index, method, args, kwargs):
+    def _submit(self, index, method, args, kwargs, before=()):
+        self._carried[index] = {m: getattr(self.ranks[index], m)(*a) for m, a in before}
         return getattr(self.ranks[index], method)(*args, **kwargs)
 
     def _wait(self, handles, method, indices, timeout):

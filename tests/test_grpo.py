@@ -30,6 +30,18 @@ class FakeGroup:
         # correct(question, position in the request, training round) -> right samples of its group
         self.role, self.log, self.correct, self.rounds, self.version = role, log, correct, 0, 0
 
+    deferred = ()  # (method, args) that ride on the next call, as a real group's `defer` queues them
+
+    def defer(self, method, *args):
+        self.deferred = (*self.deferred, (method, args))
+
+    def drop_deferred(self):
+        queued, self.deferred = bool(self.deferred), ()
+        return queued
+
+    def deferred_results(self):
+        return []
+
     def async_call(self, method, *args, **kwargs):
         value = self.call(method, *args, **kwargs)
         return type("Done", (), {"get": lambda self, timeout=None: value})()
@@ -37,6 +49,8 @@ class FakeGroup:
     def call(self, method, *args, **kwargs):
         if method == "memory":  # per-step figures; not part of the call order under test
             return {"rss_bytes": 1}
+        self.log.extend((self.role, m, a) for m, a in self.deferred)
+        self.deferred = ()
         self.log.append((self.role, method, args))
         if method == "update_weights":
             self.version = args[1]

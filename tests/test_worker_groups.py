@@ -522,6 +522,38 @@ def test_rank_seconds_ride_back_on_calls(ray_cluster):
         placement.remove()
 
 
+@pytest.mark.parametrize("backend", ["ray", "local"])
+def test_a_deferred_method_rides_on_the_next_call(ray_cluster, backend):
+    """defer() runs a method first thing in the group's next call, inside that call's round trip;
+    a rank the call does not reach gets it as a call of its own; each rank's result is kept;
+    drop_deferred() forgets it; a failure names both methods."""
+    from orchestration.base_group import CALLS
+    from orchestration.placement import create_placement
+    from orchestration.worker_group import WorkerGroup
+
+    plan = make_plan({"device_groups": {"nproc_per_node": 1, "c": {"device": "CPU", "ranks": 2, "workers": ["orm"]}}})
+    placement = create_placement(plan, timeout_s=30)
+    try:
+        g = WorkerGroup(Counter, plan["orm"], placement=placement) if backend == "ray" else \
+            LocalWorkerGroup(Counter, plan["orm"])
+        g.defer("bump")
+        before = CALLS.remote
+        assert g.call("bump", [7], dispatch="slice") == [2]  # rank 0 only has an item: bumped twice
+        assert CALLS.remote - before == (2 if backend == "ray" else 0)  # rank 0's call carried it; rank 1's own
+        assert g.deferred_results() == [{"bump": 1}, {"bump": 1}]
+        assert g.call("bump") == [3, 2]  # ran once per rank, not again
+        g.defer("bump")
+        assert g.drop_deferred() and not g.drop_deferred()
+        assert g.call("bump") == [4, 3]
+        g.defer("bump")
+        with pytest.raises(WorkerError, match=r"bump\+nap\(\)"):
+            g.call("nap", "x")  # sum("x") fails after the deferred bump ran
+        if backend == "ray":
+            g.shutdown()
+    finally:
+        placement.remove()
+
+
 def test_shared_arguments_go_into_the_object_store_once(ray_groups):
     """dispatch='all' puts a large argument once (every rank gets the same ObjectRef, resolved on
     arrival); small ones travel inline; lockstep ranks without items share one empty share."""
