@@ -97,7 +97,8 @@ def check_run(cfg: Any, plan: Plan, updates: Optional[int] = None) -> None:
     require_all(cfg.rollout, "rollout", {"max_batch_size": AT_LEAST_1})
     require(cfg.rollout.dtype in MODEL_DTYPES, "rollout.dtype", cfg.rollout.dtype, "is not a weight dtype",
             f"use one of {list(MODEL_DTYPES)}")
-    require_all(cfg.cluster, "cluster", {"placement_timeout_s": POSITIVE, "call_timeout_s": NON_NEGATIVE})
+    require_all(cfg.cluster, "cluster", {"placement_timeout_s": POSITIVE, "call_timeout_s": NON_NEGATIVE,
+                                             "inline_object_mb": NON_NEGATIVE})
     for key in ("simulate_gpus", "num_cpus", "object_store_mb"):
         value = getattr(cfg.cluster, key)
         require(value is None or value >= 1, f"cluster.{key}", value, "must be >= 1 (or null)",

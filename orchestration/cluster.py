@@ -182,6 +182,7 @@ def init_cluster(cfg: ClusterConfig, demand: dict[str, float] | None = None):
     context = ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=cfg.dashboard,
                        object_store_memory=cfg.object_store_mb * 2**20 if cfg.object_store_mb else None,
                        _node_ip_address=cfg.node_ip, log_to_driver=cfg.log_to_driver,
+                       _system_config={"max_direct_call_object_size": int(cfg.inline_object_mb * 2**20)},
                        configure_logging=True, logging_level="WARNING")
     # Whoever finds this process gone removes the cluster's leftovers (orchestration.cleanup).
     cleanup.record_session(context.address_info["session_dir"])

@@ -85,6 +85,10 @@ class ClusterConfig:
     dashboard: bool = False
     # Object store size of a local cluster in MiB; None: Ray's default (30% of memory).
     object_store_mb: Optional[int] = None
+    # Call arguments and results up to this size (MiB) travel inside the call's message of a
+    # local cluster instead of through the object store (Ray's max_direct_call_object_size,
+    # 0.1 by default): a small step's batch then costs one copy, not a store write and read.
+    inline_object_mb: float = 4.0
     # Address a local cluster binds to; loopback keeps it private to this machine.
     node_ip: str = "127.0.0.1"
     # Show worker logs in the driver's output.
