@@ -7,7 +7,10 @@ rollout is woken for its work and put back to sleep; the rollout gets the traine
 before it works whenever it is behind them (sleep level 2 dropped them, or training moved on
 without a sync). A strictly on-policy run (max_staleness 0) syncs after a training step only
 when the rollout works before the next one (its next step generates, or eval is due): GKD's
-off-policy steps skip it. It also closes each step (eval when due, the periodic save, memory
+off-policy steps skip it. Turn-taking costs the driver no round trip of its own: an onload or
+wake-up rides on the role's first call of its turn, and an offload or sleep is sent at the end
+of the turn and waited for by the next turn's first call where that runs, not by the driver
+(orchestration/base_group.py: `defer`, `after`). It also closes each step (eval when due, the periodic save, memory
 figures as they came back with the roles' calls, the metrics record, with `calls/remote`: the
 remote calls the step made, `time/driver`: the step's wall time outside role calls, and
 `time/call_overhead`: the time role calls took beyond their methods' run on the ranks) and
@@ -101,15 +104,15 @@ class Turns:
         """`role` on its devices for the block (onload/offload when it offloads between turns),
         timed as `phase` when given. The trainer's turn leaves the rollout behind its weights
         until a sync. The onload rides on the role's first call of the block; the offload is
-        sent at its end and waited for before any role's next turn (`_settle`), so the driver's
-        own work meanwhile hides its round trip."""
+        sent at its end, and the next turn's first call waits for it where it runs, so no
+        round trip of either is the driver's to wait for."""
         group, offload = self.roles[role], self.offload[role]
         if role == "train":
             self.behind = True
-        self._settle()
+        self._follow(group)
         if offload is not None:
             group.defer("onload")
-        with self.log.phase(phase, role) if phase else contextlib.nullcontext():
+        with self._surfacing(), self.log.phase(phase, role) if phase else contextlib.nullcontext():
             yield group
         if offload is not None:
             self._put_back(role, group, "onload", "offload", *offload)
@@ -120,30 +123,51 @@ class Turns:
         first given the trainer's weights (as `version`) when it is behind them; sync
         figures go into `metrics`. The wake-up rides on the first call after the weights,
         the sleep is waited for as an offload is."""
-        self._settle()
+        self._follow(self.rollout)
         if self.behind:
             metrics.update(self._send(version))
         if self.sleep_level:
             self.rollout.defer("wake_up")
-        yield self.rollout
+        with self._surfacing():
+            yield self.rollout
         if self.sleep_level:
             self._put_back("rollout", self.rollout, "wake_up", "sleep", self.sleep_level)
             self.behind = self.behind or self.sleep_level == 2
 
     def _put_back(self, role: str, group: Any, came: str, method: str, *args: Any) -> None:
-        """End of a turn: the role's devices freed (`method`: offload or sleep) by a call sent now
-        and waited for by `_settle`. A block that made no call leaves the role where it was."""
+        """End of a turn: the role's devices freed (`method`: offload or sleep) by a call sent now;
+        the next turn's first call waits for it where it runs (`_follow`), the driver does not.
+        A block that made no call leaves the role where it was."""
         if group.drop_deferred():
             return
         self.log.moved(role, came, [r.get(came) for r in group.deferred_results()])
         self._pending.append((role, method, group.async_call(method, *args)))
 
-    def _settle(self) -> None:
-        """Wait for the offloads and sleeps still under way (timed as their phase, the wait only)."""
+    def _follow(self, group: Any) -> None:
+        """`group`'s next call starts once the offloads and sleeps sent before it have finished."""
+        group.after([future for _, _, future in self._pending])
+
+    def _settle(self, wait: bool = True) -> None:
+        """Collect the offloads and sleeps sent (their moved bytes, errors, memory figures); with
+        `wait` False only those already finished. A wait is timed as the call's phase."""
         pending, self._pending = self._pending, []
-        for role, method, future in pending:
+        for entry in pending:
+            role, method, future = entry
+            if not wait and not future.ready():
+                self._pending.append(entry)
+                continue
             with self.log.phase(method, role):
                 self.log.moved(role, method, future.get())
+
+    @contextlib.contextmanager
+    def _surfacing(self) -> Iterator[None]:
+        """A failed call in a turn may be one that waited for a failed offload: that offload's own
+        error (naming its role) is raised first."""
+        try:
+            yield
+        except Exception:
+            self._settle()
+            raise
 
     def sync(self, version: int, prefetch: Any, max_staleness: int) -> dict[str, Any]:
         """The trainer's weights into the rollout after training step `version`; generations
@@ -200,7 +224,7 @@ class Turns:
         if due(step, self.run.save_every) and not (step == self.run.steps and self.run.save_final):
             with self.log.phase("save", "train"):
                 self.save(step, state or {})
-        self._settle()
+        self._settle()  # the step's offloads and sleeps, their figures in its record
         for name, group in self.roles.items():  # Ray groups answer from what their calls brought back
             self.log.memory(name, group.memory() if isinstance(group, BaseWorkerGroup) else group.call("memory"))
         now = time.perf_counter()
@@ -226,6 +250,7 @@ class Turns:
         """The end of the run: the final checkpoint (run.save_final) into the last record, which
         is returned. A resumed run that had already finished only reports its checkpoint."""
         record = dict(self._last)
+        self._settle()
         if self.first_step > self.run.steps:
             record["checkpoint"] = str(self.resumed_from)
         elif self.run.save_final:

@@ -1,6 +1,6 @@
 """What the Ray and the local worker groups share: the call API, futures and errors.
 
-A subclass supplies `_submit(index, method, args, kwargs, before) -> handle` and
+A subclass supplies `_submit(index, method, args, kwargs, before, deps) -> handle` and
 `_wait(handles, method, indices) -> results`; everything about dispatch, execute and
 collect lives here once, so both backends give identical results. Arguments that several
 ranks get unchanged (dispatch='all', a tensor-parallel engine's ranks, lockstep empty
@@ -105,12 +105,20 @@ CALLS = CallStats()
 
 
 class GroupFuture:
-    """Result of `async_call`: `get()` waits, collects and returns like `call` would."""
+    """Result of `async_call`: `get()` waits, collects and returns like `call` would. `handles`:
+    the ranks' calls as the backend knows them (ObjectRefs on Ray), for another group's `after`
+    and for `ready`."""
 
-    def __init__(self, finish: Callable[[float | None], Any]):
+    def __init__(self, finish: Callable[[float | None], Any], handles: tuple = (), ready: Callable[[], bool] | None = None):
         self._finish = finish
         self._done = False
         self._value: Any = None
+        self.handles = handles
+        self._ready = ready
+
+    def ready(self) -> bool:
+        """Whether `get()` would return without waiting."""
+        return self._done or self._ready is None or self._ready()
 
     def get(self, timeout: float | None = None) -> Any:
         if not self._done:
@@ -136,6 +144,8 @@ class BaseWorkerGroup:
     _deferred: tuple = ()
     # rank -> {method: result} of the deferred methods its latest call carried.
     _carried: dict = {}
+    # Handles of other groups' calls the next call waits for (`after`).
+    _waits_for: tuple = ()
 
     def call(self, method: str, *args: Any, dispatch: dsp.Dispatch = "all", execute: dsp.Execute = "all",
              collect: dsp.Collect = "none", **kwargs: Any) -> Any:
@@ -147,12 +157,14 @@ class BaseWorkerGroup:
         dsp.check_execute(execute)
         tp = self.tensor_parallel
         before, self._deferred = self._deferred, ()
+        deps, self._waits_for = self._waits_for, ()
         label = "+".join([m for m, _ in before] + [method])  # how an error names the call
         if execute == "first":  # the first engine: rank 0 and its tensor-parallel peers
             shared = self._shared(args, kwargs) if tp > 1 else (args, kwargs)
-            handles = [self._submit(i, method, *shared, before) for i in range(tp)]
-            rest = self._submit_deferred(before, set(range(tp)))
-            return GroupFuture(lambda timeout: self._finish(handles, label, list(range(tp)), timeout, rest)[0])
+            handles = [self._submit(i, method, *shared, before, deps) for i in range(tp)]
+            rest = self._submit_deferred(before, set(range(tp)), deps)
+            return GroupFuture(lambda timeout: self._finish(handles, label, list(range(tp)), timeout, rest)[0],
+                               (*handles, *rest[0]), lambda: self._ready([*handles, *rest[0]]))
         if callable(dispatch):  # a custom dispatch is asked for every rank
             per_worker = dsp.split(dispatch, self.world_size, args, kwargs)
         else:  # one share per engine, the same for each of its ranks
@@ -167,19 +179,28 @@ class BaseWorkerGroup:
             key = id(per_worker[i])
             if users[key] > 1 and key not in shared:
                 shared[key] = self._shared(*per_worker[i])
-        handles = [self._submit(i, method, *shared.get(id(per_worker[i]), per_worker[i]), before) for i in indices]
-        rest = self._submit_deferred(before, set(indices))
+        handles = [self._submit(i, method, *shared.get(id(per_worker[i]), per_worker[i]), before, deps)
+                   for i in indices]
+        rest = self._submit_deferred(before, set(indices), deps)
 
         def finish(timeout: float | None) -> Any:
             results = self._finish(handles, label, indices, timeout, rest)
             return dsp.collect(collect, [r for i, r in zip(indices, results) if i % tp == 0])
-        return GroupFuture(finish)
+        return GroupFuture(finish, (*handles, *rest[0]), lambda: self._ready([*handles, *rest[0]]))
 
     def defer(self, method: str, *args: Any) -> None:
         """Run `method(*args)` on every rank first thing in the group's next call, inside that
         call's own round trip (a colocated role's onload rides on its first work of the turn).
         A rank the next call does not reach gets it as a call of its own, sent alongside."""
         self._deferred = (*self._deferred, (method, args))
+
+    def after(self, futures: list[GroupFuture]) -> None:
+        """The group's next call starts on its ranks only once `futures` (calls of other groups,
+        e.g. an offload freeing the devices this group is about to use) have finished. Their
+        handles go along with the call, and the cluster holds it until they are done: the driver
+        does not wait. In-process calls have finished already. The caller still `get()`s those
+        futures for their results and errors."""
+        self._waits_for = (*self._waits_for, *(h for f in futures for h in f.handles))
 
     def drop_deferred(self) -> bool:
         """Forget what `defer` queued; True if something was queued (no call has carried it)."""
@@ -191,13 +212,13 @@ class BaseWorkerGroup:
         [{method: result}] in rank order (ranks never called: {})."""
         return [self._carried.get(i, {}) for i in range(self.world_size)]
 
-    def _submit_deferred(self, before: tuple, reached: set[int]) -> tuple[list, list[int]]:
+    def _submit_deferred(self, before: tuple, reached: set[int], deps: tuple) -> tuple[list, list[int]]:
         """The deferred methods for the ranks a call does not reach, as calls of their own."""
         if not before:
             return [], []
         others = [i for i in range(self.world_size) if i not in reached]
         method, args = before[-1]
-        return [self._submit(i, method, args, {}, before[:-1]) for i in others], others
+        return [self._submit(i, method, args, {}, before[:-1], deps) for i in others], others
 
     def _finish(self, handles: list, label: str, indices: list[int], timeout: float | None,
                 rest: tuple[list, list[int]]) -> list:
@@ -210,7 +231,7 @@ class BaseWorkerGroup:
 
     def call_rank(self, rank: int, method: str, *args: Any, **kwargs: Any) -> Any:
         """Run `method` on rank `rank` alone and wait (e.g. weights for a rank just restarted)."""
-        return self._wait([self._submit(rank, method, args, kwargs, ())], method, [rank], None)[0]
+        return self._wait([self._submit(rank, method, args, kwargs, (), ())], method, [rank], None)[0]
 
     def alias(self, role: str) -> "BaseWorkerGroup":
         """These workers under another role name: calls reach the same instances, errors name
@@ -230,9 +251,14 @@ class BaseWorkerGroup:
         """The arguments of one share sent to several ranks, as each rank receives them."""
         return args, kwargs
 
-    def _submit(self, index: int, method: str, args: tuple, kwargs: dict, before: tuple) -> Any:
-        """Start `method` on rank `index`, after the `before` methods ((method, args) pairs) there."""
+    def _submit(self, index: int, method: str, args: tuple, kwargs: dict, before: tuple, deps: tuple) -> Any:
+        """Start `method` on rank `index`, after the `before` methods ((method, args) pairs) there,
+        once the calls `deps` (handles, see `after`) finished."""
         raise NotImplementedError
+
+    def _ready(self, handles: list) -> bool:
+        """Whether these calls have finished (in-process ones always have)."""
+        return True
 
     def _wait(self, handles: list, method: str, indices: list[int], timeout: float | None) -> list:
         raise NotImplementedError

@@ -67,7 +67,7 @@ class LocalWorkerGroup(BaseWorkerGroup):
             except Exception as e:
                 raise WorkerError.raised(self.role, i, "__init__", e, traceback.format_exc()) from e
 
-    def _submit(self, index: int, method: str, args: tuple, kwargs: dict, before: tuple = ()) -> Any:
+    def _submit(self, index: int, method: str, args: tuple, kwargs: dict, before: tuple = (), deps: tuple = ()) -> Any:
         start = time.perf_counter()
         try:
             args, kwargs = _resolved(args, kwargs)

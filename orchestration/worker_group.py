@@ -89,6 +89,10 @@ def send_tensors_as_arrays() -> None:
     ray.util.register_serializer(torch.Tensor, serializer=_array_of, deserializer=_tensor_of)
 
 
+# Keyword arguments of a rank's call that carry the calls it waits for (BaseWorkerGroup.after).
+AFTER_PREFIX = "_after_call_"
+
+
 class _RoleHost:
     """Actor body: holds one instance of a plain role class."""
 
@@ -134,6 +138,8 @@ class _RoleHost:
         all of it ran, and {method: result} of the `before` ones."""
         # Arguments arrive top-level, so Ray resolves an ObjectRef passed as one (nested ones stay refs).
         start = time.perf_counter()
+        for key in [k for k in kwargs if k.startswith(AFTER_PREFIX)]:  # calls waited for (`after`), done
+            del kwargs[key]
         carried = {name: getattr(self.instance, name)(*margs) for name, margs in before}
         value = getattr(self.instance, method)(*args, **kwargs)
         spent = time.perf_counter() - start
@@ -247,7 +253,7 @@ class WorkerGroup(BaseWorkerGroup):
         self.timeout_s = timeout_s or None  # 0 or None: no bound
         self.restarts_left = restarts
         self.on_restart: Optional[Callable[["WorkerGroup", int], None]] = None
-        self._calls: dict[Any, tuple] = {}  # pending ref -> (rank, method, args, kwargs, before)
+        self._calls: dict[Any, tuple] = {}  # pending ref -> (rank, method, args, kwargs, before, deps)
         self._memory: dict[int, Any] = {}  # rank -> its memory() figures after its latest call
         self._carried: dict[int, dict] = {}  # rank -> results of the deferred methods its latest call ran
         self._init = (role_cls, init_args, init_kwargs or {}, env)
@@ -321,14 +327,19 @@ class WorkerGroup(BaseWorkerGroup):
         return {"ENGINE_TP_SIZE": str(tp), "ENGINE_TP_RANK": str(rank % tp),
                 "ENGINE_TP_MASTER_ADDR": leader["ip"], "ENGINE_TP_MASTER_PORT": str(leader["tp_port"])}
 
-    def _submit(self, index: int, method: str, args: tuple, kwargs: dict, before: tuple = ()) -> Any:
+    def _submit(self, index: int, method: str, args: tuple, kwargs: dict, before: tuple = (), deps: tuple = ()) -> Any:
         start = time.perf_counter()
-        ref = self.workers[index].call.remote(method, before, *args, **kwargs)
+        # Calls to wait for go as top-level keyword arguments, which Ray resolves before the call runs.
+        waits = {f"{AFTER_PREFIX}{j}": ref for j, ref in enumerate(deps)}
+        ref = self.workers[index].call.remote(method, before, *args, **kwargs, **waits)
         CALLS.remote += 1
         CALLS.role_s += time.perf_counter() - start  # serializing the arguments is part of the call
         if self.restarts_left > 0:
-            self._calls[ref] = (index, method, args, kwargs, before)
+            self._calls[ref] = (index, method, args, kwargs, before, deps)
         return ref
+
+    def _ready(self, handles: list) -> bool:
+        return not handles or len(ray.wait(handles, num_returns=len(handles), timeout=0)[0]) == len(handles)
 
     def _shared(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return tuple(_put_large(a) for a in args), {k: _put_large(v) for k, v in kwargs.items()}
@@ -375,10 +386,10 @@ class WorkerGroup(BaseWorkerGroup):
             self.on_restart(self, error.rank)
         out = []
         for h in handles:
-            index, method, args, kwargs, before = self._calls[h]
+            index, method, args, kwargs, before, deps = self._calls[h]
             if index == error.rank:
                 self._calls.pop(h)
-                h = self._submit(index, method, args, kwargs, before)
+                h = self._submit(index, method, args, kwargs, before, deps)
             out.append(h)
         return out
 

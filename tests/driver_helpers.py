@@ -162,7 +162,7 @@ class FakeGroup(BaseWorkerGroup):
             self.calls.append((self.role, method, summary(method, args)))
         return super().async_call(method, *args, **kwargs)
 
-    def _submit(self, index, method, args, kwargs, before=()):
+    def _submit(self, index, method, args, kwargs, before=(), deps=()):
         self._carried[index] = {m: getattr(self.ranks[index], m)(*a) for m, a in before}
         return getattr(self.ranks[index], method)(*args, **kwargs)
 

@@ -303,3 +303,33 @@ def test_two_sleeping_vllm_engines_in_one_gpu_process_are_refused_before_start(m
     monkeypatch.setattr("torch.cuda.is_available", lambda: False)
     _, typed, plan = prepared(GKDRunConfig, base)
     gkd.validate(typed, plan)  # on CPU vLLM has no sleep mode: nothing is shared
+
+
+def test_a_failed_offload_is_the_error_raised_when_the_next_turn_fails_for_it(tmp_path):
+    """On Ray the next turn's first call waits for the previous turn's offload where it runs; when
+    that offload failed, the call fails too, and Turns raises the offload's own error (naming its
+    role and method), not the waiting call's."""
+    from algorithms.turns import Turns
+    from orchestration.base_group import GroupFuture, WorkerError
+    from orchestration.config import WeightSyncConfig
+
+    def failed_offload(timeout):
+        raise WorkerError("teacher", 0, "offload", "RuntimeError: device lost")
+
+    class Group:
+        def after(self, futures):
+            self.waits = futures
+
+        def defer(self, *a):
+            pass
+
+        def call(self, method, *args, **kwargs):
+            raise WorkerError("train", 0, "onload+train_step", "a call it waited for failed")
+
+    typed, plan = prepared(GKDRunConfig, TINY_GKD)[1:]
+    turns = Turns(plan, {"train": Group()}, typed.run, WeightSyncConfig(), MarkedLog(tmp_path, 3, []), [])
+    turns._pending = [("teacher", "offload", GroupFuture(failed_offload))]
+    with pytest.raises(WorkerError, match=r"teacher rank 0 failed in offload\(\): RuntimeError: device lost"):
+        with turns.turn("train"):
+            turns.roles["train"].call("train_step")
+    assert turns.roles["train"].waits  # the train call was sent to wait for the offload

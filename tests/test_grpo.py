@@ -42,9 +42,12 @@ class FakeGroup:
     def deferred_results(self):
         return []
 
+    def after(self, futures):  # calls here finish at once: nothing to wait for
+        pass
+
     def async_call(self, method, *args, **kwargs):
         value = self.call(method, *args, **kwargs)
-        return type("Done", (), {"get": lambda self, timeout=None: value})()
+        return type("Done", (), {"get": lambda self, timeout=None: value, "ready": lambda self: True})()
 
     def call(self, method, *args, **kwargs):
         if method == "memory":  # per-step figures; not part of the call order under test

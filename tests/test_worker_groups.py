@@ -437,9 +437,15 @@ class Counter:
     def lengths(self, items):
         return [len(items)]
 
-    def nap(self, seconds: list):
+    def nap(self, seconds: list) -> float:
+        """Sleeps; returns when it woke (wall clock)."""
         import time
         time.sleep(sum(seconds))
+        return time.time()
+
+    def now(self) -> float:
+        import time
+        return time.time()
 
     def memory(self) -> dict:
         return {"rss_bytes": 1000 + self.calls}
@@ -550,6 +556,37 @@ def test_a_deferred_method_rides_on_the_next_call(ray_cluster, backend):
             g.call("nap", "x")  # sum("x") fails after the deferred bump ran
         if backend == "ray":
             g.shutdown()
+    finally:
+        placement.remove()
+
+
+def test_a_call_after_another_groups_call_starts_once_that_one_finished(ray_cluster):
+    """after(): the next call of a group waits, where it runs, for other groups' calls (an offload
+    freeing devices), without the driver waiting; its result stays the caller's to collect."""
+    import time
+
+    from orchestration.placement import create_placement
+    from orchestration.worker_group import WorkerGroup
+
+    plan = make_plan({"device_groups": {"nproc_per_node": 1, "a": {"device": "CPU", "ranks": 1, "workers": ["orm"]},
+                                        "b": {"device": "CPU", "ranks": 2, "workers": ["prm"]}}})
+    placement = create_placement(plan, timeout_s=30)
+    try:
+        a = WorkerGroup(Counter, plan["orm"], placement=placement)
+        b = WorkerGroup(Counter, plan["prm"], placement=placement)
+        b.call("now")  # warm
+        napping = a.async_call("nap", [0.5], dispatch="slice")
+        b.after([napping])
+        sent = time.perf_counter()
+        started = b.async_call("now")
+        assert time.perf_counter() - sent < 0.3  # the driver did not wait for the nap
+        assert not napping.ready()
+        woke = napping.get()[0]
+        assert min(started.get()) >= woke  # both ranks of b ran after a's nap ended
+        assert napping.ready()
+        assert b.call("now")  # the wait applied to one call only
+        a.shutdown()
+        b.shutdown()
     finally:
         placement.remove()
 
