@@ -26,9 +26,11 @@ train     train steps on random tokens at each --train-shape ROWSxTOKENS (`--rag
           lengths uniform in [TOKENS/4, TOKENS], right-padded), in one process: a plain eager
           step (fp32 master weights under bf16 autocast, a full float32 log-softmax, AdamW,
           the same micro-batches) beside the project's torch Trainer, plain and with each
-          --train-variant (JSON of train_kernels.TrainKernelOptions fields). Per variant and
-          shape: trained (real) tokens/s (median of --steps after --warmup-steps), MFU, peak
-          GiB, the ratio to the plain eager step and the loss of the last step.
+          --train-variant (JSON of trainer keys: the kernel options, optimizer, ...). Per
+          variant and shape: trained (real) tokens/s (median of --steps after
+          --warmup-steps), model TFLOP/s (6 x parameters + causal attention per token), MFU
+          against the peak bf16 rate and the same against the sustained matmul rate, peak GiB,
+          the ratio to the plain eager step and the loss of the last step.
 Each mode writes its figures as JSON to --out and prints a table (the drivers themselves:
 benchmarks/gpu_drivers.py). Needs a CUDA GPU (generate
 also runs on CPU with --device cpu, for a smoke test of the script).
@@ -52,7 +54,6 @@ import torch
 
 from algorithms.tasks import arithmetic_examples
 from roles.batch import Batch, SamplingParams, batch_from_completions
-from roles.engines.train_kernels import TrainKernelOptions
 from roles.models import build_model
 from roles.rollout import Rollout
 from roles.trainer import Trainer, TrainerConfig
@@ -441,9 +442,16 @@ class PlainStep:
         return {"loss": loss_sum}
 
 
+def train_flops_per_token(params: int, config, tokens: int) -> float:
+    """Forward + backward FLOPs per trained token of rows `tokens` long: 6 x parameters (every
+    weight is a matmul operand, a tied output head once) plus causal attention's scores and
+    weighted sums (2 matmuls x 2 FLOPs x 3 passes x layers x hidden x the mean key count, tokens / 2)."""
+    return 6 * params + 12 * config.num_hidden_layers * config.hidden_size * tokens / 2
+
+
 def train(args) -> dict:
-    params = sum(t.numel() for t in build_model(args.model).parameters())
-    vocab = build_model(args.model).config.vocab_size
+    model = build_model(args.model)
+    params, vocab = sum(t.numel() for t in model.parameters()), model.config.vocab_size
     variants = [("plain", None), ("trainer", "{}")] + [("trainer", v) for v in args.train_variant or []]
     results = []
     for rows, tokens in [map(int, shape.split("x")) for shape in args.train_shape]:
@@ -457,11 +465,10 @@ def train(args) -> dict:
                 torch.cuda.reset_peak_memory_stats()
             if kind == "plain":
                 runner = PlainStep(args.model, micro, args.device)
-            else:
+            else:  # the variant's keys are TrainerConfig fields (kernel options, optimizer, ...)
                 runner = Trainer(args.model, TrainerConfig(lr=1e-5, warmup_steps=0, schedule="constant",
                                                            device=args.device, dtype="bfloat16",
-                                                           micro_batch_per_device=micro))
-                runner.engine.set_options(TrainKernelOptions(**json.loads(variant)))
+                                                           micro_batch_per_device=micro, **json.loads(variant)))
             walls, t0, warmup_s = [], time.perf_counter(), 0.0
             try:
                 for i, batch in enumerate(batches):
@@ -475,10 +482,12 @@ def train(args) -> dict:
                         warmup_s = time.perf_counter() - t0
                 wall = statistics.median(walls)
                 real = int(batches[-1].attention_mask.sum())
+                flops = train_flops_per_token(params, model.config, tokens) * real / wall
                 row = {"variant": kind if variant is None else f"trainer {variant}", "rows": rows, "tokens": tokens,
                        "micro_batch": micro, "ragged": args.ragged, "step_s": wall, "walls_s": walls,
                        "warmup_s": warmup_s, "tokens_per_s": real / wall,
-                       "mfu": 6 * params * real / wall / (peak_flops() if cuda else float("nan")),
+                       "tflops": flops / 1e12, "mfu": flops / (peak_flops() if cuda else float("nan")),
+                       "of_sustained": flops / (sustained()[0] if cuda else float("nan")),
                        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0, "loss": out["loss"]}
             except Exception as exc:  # one variant failing leaves the others' figures
                 row = {"variant": kind if variant is None else f"trainer {variant}", "rows": rows, "tokens": tokens,
@@ -492,14 +501,16 @@ def train(args) -> dict:
                      and r["tokens"] == row["tokens"] and "error" not in r), None)
         if base and "error" not in row:
             row["x_plain"] = row["tokens_per_s"] / base["tokens_per_s"]
-    print("\n| variant | rows x tokens | tokens/s | x plain | MFU | peak GiB | step s | loss |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| variant | rows x tokens | tokens/s | x plain | TFLOP/s | MFU (peak) | of sustained matmul | peak GiB | "
+          "step s | loss |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         if "error" in r:
-            print(f"| {r['variant']} | {r['rows']}x{r['tokens']} | failed: {r['error'][:120]} | | | | | |")
+            print(f"| {r['variant']} | {r['rows']}x{r['tokens']} | failed: {r['error'][:120]} | | | | | | | |")
             continue
         print(f"| {r['variant']} | {r['rows']}x{r['tokens']} | {r['tokens_per_s']:,.0f} | {r.get('x_plain', 0):.2f} | "
-              f"{r['mfu']:.1%} | {r['peak_gib']:.1f} | {r['step_s']:.3f} | {r['loss']:.4f} |")
+              f"{r['tflops']:.0f} | {r['mfu']:.1%} | {r['of_sustained']:.1%} | {r['peak_gib']:.1f} | {r['step_s']:.3f} | "
+              f"{r['loss']:.4f} |")
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return {"device": device, "model": args.model, "parameters": params, "runs": results}
 
@@ -534,7 +545,8 @@ def main() -> None:
                    help="generate exactly --new-tokens per completion (eos does not stop)")
     t = p.add_argument_group("train")
     t.add_argument("--train-shape", nargs="+", default=["512x320", "8x1024"], help="ROWSxTOKENS per train step")
-    t.add_argument("--train-variant", action="append", help="JSON dict of TrainKernelOptions; repeat for several")
+    t.add_argument("--train-variant", action="append", help="JSON dict of trainer keys (packing, compile, "
+                   "activation_checkpointing, chunked_logprobs, optimizer, ...); repeat for several")
     t.add_argument("--ragged", action="store_true", help="row lengths uniform in [TOKENS/4, TOKENS]")
     t.add_argument("--warmup-steps", type=int, default=2)
     args = p.parse_args()

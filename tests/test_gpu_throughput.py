@@ -36,14 +36,28 @@ def test_train_mode_runs_the_plain_step_beside_the_trainer_variants(tmp_path):
     out = tmp_path / "train.json"
     cmd = [sys.executable, "benchmarks/gpu_throughput.py", "train", "--device", "cpu", "--model", "tiny_qwen2",
            "--train-shape", "8x24", "--micro-batch", "40", "--ragged", "--steps", "1", "--warmup-steps", "1",
-           "--train-variant", '{"packing": true, "activation_checkpointing": true}', "--out", str(out)]
+           "--train-variant", '{"packing": true, "activation_checkpointing": true, "optimizer": "adamw_foreach"}',
+           "--out", str(out)]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     runs = json.loads(out.read_text())["runs"]
-    assert [r["variant"] for r in runs] == ["plain", "trainer {}",
-                                            'trainer {"packing": true, "activation_checkpointing": true}']
+    assert [r["variant"] for r in runs] == [
+        "plain", "trainer {}", 'trainer {"packing": true, "activation_checkpointing": true, "optimizer": "adamw_foreach"}']
     assert all("error" not in r and r["micro_batch"] == 8 and r["tokens_per_s"] > 0 for r in runs)
     assert runs[0]["x_plain"] == 1.0
     # Same initial weights and batches: every variant trains the same losses.
     assert max(r["loss"] for r in runs) - min(r["loss"] for r in runs) < 1e-2
     assert "| plain | 8x24 |" in done.stdout
+    assert all(r["tflops"] > 0 for r in runs)  # the model FLOPs of the real tokens (MFU needs a GPU's peak)
+
+
+def test_train_flops_count_every_weight_and_causal_attention():
+    """qwen2_0p5b shape with the char vocabulary: 6 x parameters per token, plus attention over half
+    the row on average (12 x layers x hidden x tokens / 2)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_throughput", REPO / "benchmarks" / "gpu_throughput.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    config = type("C", (), {"num_hidden_layers": 24, "hidden_size": 896})()
+    assert bench.train_flops_per_token(100, config, 1024) == 600 + 12 * 24 * 896 * 512
