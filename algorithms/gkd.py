@@ -51,7 +51,7 @@ from orchestration.planner import Plan, make_plan
 from roles.batch import SamplingParams
 from roles.models import load_tokenizer, resolve_config
 from roles.rollout import Rollout
-from roles.teacher import Teacher
+from roles.teacher import KERNEL_OPTIONS as TEACHER_KERNEL_OPTIONS, Teacher
 from roles.trainer import Trainer, TrainerConfig
 
 logger = logging.getLogger("algorithms.gkd")  # not __name__: python -m runs this module as __main__
@@ -205,6 +205,10 @@ def validate(cfg: GKDRunConfig, plan: Plan) -> None:
             f"use one of {list(TOPK_MODES)}")
     require_all(t, "teacher", {"warmup_steps": NON_NEGATIVE, "warmup_lr": POSITIVE, "warmup_batch": AT_LEAST_1})
     require_all(t.engine, "teacher.engine", {"micro_batch_per_device": NON_NEGATIVE, "micro_batch_memory_mb": POSITIVE})
+    for key in TEACHER_KERNEL_OPTIONS:
+        require(cfg.backend.teacher == "torch" or not getattr(t.engine, key), f"teacher.engine.{key}", True,
+                f"needs the torch engine (backend.teacher={cfg.backend.teacher})",
+                f"set backend.teacher=torch, or teacher.engine.{key}=false")
     teacher_key = "placement.teacher_model" if plan["teacher"].model else "teacher.model"
     teacher_model = plan["teacher"].model or t.model
     check_model(teacher_key, teacher_model)

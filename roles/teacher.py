@@ -27,9 +27,13 @@ from roles.batch import Batch
 from roles.engines.options import TEACHER_ENGINES, MegatronOptions, check_engine
 from roles.engines.torch_engine import process_memory
 from roles.engines.torch_trainer import host_bytes, module_tensors, rank_device, to_device, to_host
+from roles.engines.train_kernels import chunked_vocab_logprobs, packed_forward, use_packing
 from roles.models import DTYPES, ModelSpec, build_model, load_tokenizer, resolve_config
 from roles.trainer import fitting_rows, token_bytes
 from roles.weight_transfer import WeightReceiver, load_named_weights
+
+# TeacherConfig fields only the torch engine honours.
+KERNEL_OPTIONS = ("packing", "compile", "chunked_logprobs")
 
 
 @dataclass
@@ -45,6 +49,15 @@ class TeacherConfig:
     # Weight dtype of the forward ("float32", "bfloat16", "float16"); None keeps the model's
     # (a preset's is float32). vLLM's GPU attention kernels need bfloat16 or float16.
     dtype: Optional[str] = None
+    # Forward options of the torch engine (KERNEL_OPTIONS; the trainer's options of the same names,
+    # docs/gpu.md measures them), all off: pack a micro-batch's real tokens into one sequence
+    # (FlashAttention varlen on CUDA; rows right-padded, as the drivers' batches are).
+    packing: bool = False
+    # torch.compile the model's forward (about a minute of compilation per new shape).
+    compile: bool = False
+    # Log-softmax and top-k from the last hidden states a chunk of positions at a time, without
+    # the [micro-batch, T, V] float32 logits (automatic micro-batches are then sized without them).
+    chunked_logprobs: bool = False
 
 
 class Teacher(WeightReceiver):
@@ -68,6 +81,9 @@ class Teacher(WeightReceiver):
             raise ValueError(f"teacher micro_batch_memory_mb={config.micro_batch_memory_mb} must be > 0")
         if config.dtype is not None and config.dtype not in DTYPES:
             raise ValueError(f"teacher dtype='{config.dtype}'; choose one of {sorted(DTYPES)} or null")
+        on = [k for k in KERNEL_OPTIONS if getattr(config, k)]
+        if on and engine != "torch":
+            raise ValueError(f"teacher {on} need the torch engine, not {engine}")
         self.config = config
         self.model_config = resolve_config(model)
         self.tokenizer = load_tokenizer(self.model_config)
@@ -92,12 +108,38 @@ class Teacher(WeightReceiver):
             self.model = mt.to_megatron(self.model, mt.tp_info()[1], self.device, next(self.model.parameters()).dtype)
         self.model = self.model.to(self.device).eval()
         self.model.requires_grad_(False)
+        if engine == "torch":
+            self._set_options()
         self._host: Optional[list] = None
         self.weight_version = 0
 
     @property
     def vocab_size(self) -> int:
         return self._vocab_size
+
+    _run: Optional[torch.nn.Module] = None  # the compiled forward (compile), else None
+
+    def _set_options(self) -> None:
+        """Packing and compilation of the torch engine's forward (KERNEL_OPTIONS)."""
+        c = self.config
+        head = self.model.get_output_embeddings()
+        if c.chunked_logprobs and (getattr(self.model.config, "final_logit_softcapping", None)
+                                   or not isinstance(head, torch.nn.Linear)):
+            raise ValueError("teacher chunked_logprobs needs logits that are the output head's projection of the "
+                             f"last hidden states ({type(self.model).__name__} transforms them further)")
+        use_packing(self.model, c.packing)
+        if c.compile:  # the module itself stays what offload and weight loads see
+            self._run = torch.compile(self.model.base_model if c.chunked_logprobs else self.model)
+
+    def _torch_forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """Logits [b, T, V] (HF layout), or with chunked_logprobs the last hidden states [b, T, H];
+        packed: zero on padding."""
+        base = self.config.chunked_logprobs
+        if self.config.packing:
+            return packed_forward(self.model, ids, mask, run=self._run, base=base)
+        run = self._run or (self.model.base_model if base else self.model)
+        out = run(input_ids=ids, attention_mask=mask, use_cache=False)
+        return out.last_hidden_state if base else out.logits
 
     @torch.no_grad()
     def logits(self, batch: Batch, topk: Optional[int] = None, tail: bool = False, temperature: float = 1.0):
@@ -124,8 +166,8 @@ class Teacher(WeightReceiver):
         values = torch.zeros(B, T, width)
         indices = torch.zeros(B, T, width, dtype=torch.long) if topk is not None else None
         tails = torch.zeros(B, T) if tail else None
-        size = self.config.micro_batch_per_device or fitting_rows(B, T, token_bytes(self.model, backward=False),
-                                                                  self.config.micro_batch_memory_mb)
+        per_token = token_bytes(self.model, backward=False, logits=not self.config.chunked_logprobs)
+        size = self.config.micro_batch_per_device or fitting_rows(B, T, per_token, self.config.micro_batch_memory_mb)
         for start in range(0, B, size):
             rows = slice(start, min(start + size, B))
             ids = batch.input_ids[rows].to(self.device)
@@ -141,8 +183,21 @@ class Teacher(WeightReceiver):
                         tails[rows, 1:] = torch.where(keep.squeeze(-1), top[2], 0.0).cpu()
                     continue
                 out = mt.gather_vocab(local, V)
+            elif not bool(mask.any()):
+                continue  # padding only: every output stays 0
+            elif self.config.chunked_logprobs:  # only the kept positions, a chunk at a time
+                hidden = self._torch_forward(ids, mask)[:, :-1][keep[..., 0]]
+                flat = chunked_vocab_logprobs(hidden, self.model.get_output_embeddings(), topk, tail, temperature,
+                                              values.device)
+                kept = keep[..., 0].cpu()
+                values[rows, 1:][kept] = flat[0]
+                if topk is not None:
+                    indices[rows, 1:][kept] = flat[1]
+                if tail:
+                    tails[rows, 1:][kept] = flat[2]
+                continue
             else:
-                out = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits[:, :-1]
+                out = self._torch_forward(ids, mask)[:, :-1]
             # Row t of the output predicts token t + 1: it becomes aligned position t + 1.
             logprobs = torch.log_softmax(out.float() / temperature, dim=-1)
             if topk is None:

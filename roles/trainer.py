@@ -136,11 +136,12 @@ def resolve_trainer_config(config: Union[TrainerConfig, Mapping[str, Any], None]
     return cfg
 
 
-def token_bytes(model: torch.nn.Module, backward: bool) -> float:
+def token_bytes(model: torch.nn.Module, backward: bool, logits: bool = True) -> float:
     """Rough activation bytes per token of a forward (with `backward`, also what it keeps for the
-    backward): the fp32 logits and their softmax, plus a few hidden-size tensors per layer."""
+    backward): the fp32 logits and their softmax (unless `logits` is False: a chunked
+    log-softmax), plus a few hidden-size tensors per layer."""
     c = getattr(model, "config", None)
-    vocab = getattr(c, "vocab_size", 32_000)
+    vocab = getattr(c, "vocab_size", 32_000) if logits else 0
     hidden, layers = getattr(c, "hidden_size", 1024), getattr(c, "num_hidden_layers", 24)
     return 4.0 * ((3 if backward else 2) * vocab + (16 if backward else 4) * hidden * layers)
 

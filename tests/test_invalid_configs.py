@@ -138,6 +138,8 @@ CASES = [
     ("gkd", "teacher.warmup_steps=-1", "teacher.warmup_steps"),
     ("gkd", "teacher.engine.micro_batch_per_device=-1", "teacher.engine.micro_batch_per_device"),
     ("gkd", "teacher.engine.micro_batch_memory_mb=0", "teacher.engine.micro_batch_memory_mb"),
+    ("gkd", "backend.teacher=vllm placement.gkd_logits_topk=8 teacher.engine.chunked_logprobs=true",
+     "teacher.engine.chunked_logprobs"),
     # Only vLLM engines span several ranks, each rank its own process, heads split evenly.
     ("gkd", VLLM_TP + "2", "placement.rollout.vllm_tensor_parallel_size"),
     ("gkd", "backend.rollout=vllm backend.workers=local " + VLLM_TP + "2",

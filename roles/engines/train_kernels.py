@@ -11,7 +11,8 @@
 
 `chunked_token_logprobs` computes aligned token logprobs from the last hidden states and
 the output head a chunk of positions at a time, forward and backward, so that no [B, T, V]
-float32 logits tensor is ever held.
+float32 logits tensor is ever held. `chunked_vocab_logprobs` does the same for the teacher's
+top-k (or full-vocabulary) logprobs and tail mass, forward only.
 """
 from __future__ import annotations
 
@@ -147,15 +148,45 @@ class _ChunkedLogprobs(torch.autograd.Function):
 
 def chunked_token_logprobs(hidden: torch.Tensor, head: torch.nn.Module, input_ids: torch.Tensor,
                            attention_mask: torch.Tensor, temperature: float,
-                           chunk: int = LOGPROB_CHUNK) -> torch.Tensor:
+                           chunk: Optional[int] = None) -> torch.Tensor:
     """[B, T] logprobs aligned like `torch_engine.token_logprobs` (out[:, t] = log p(ids[t] |
     ids[:t]), 0 at t = 0 and wherever ids[t] is padding) from last hidden states [B, T, H] and
-    an output head without bias, never holding more than `chunk` rows of logits."""
+    an output head without bias, never holding more than `chunk` (default LOGPROB_CHUNK, read at
+    call time) rows of logits."""
     if getattr(head, "bias", None) is not None:
         raise ValueError("chunked_token_logprobs needs an output head without bias")
     target_valid = attention_mask[:, 1:].bool()
     picked = _ChunkedLogprobs.apply(hidden[:, :-1][target_valid], head.weight, input_ids[:, 1:][target_valid],
-                                    float(temperature), chunk)
+                                    float(temperature), chunk or LOGPROB_CHUNK)
     out = torch.zeros(input_ids.shape, dtype=torch.float32, device=hidden.device)
     out[:, 1:] = out[:, 1:].masked_scatter(target_valid, picked)
     return out
+
+
+@torch.no_grad()
+def chunked_vocab_logprobs(hidden: torch.Tensor, head: torch.nn.Module, topk: Optional[int], tail: bool,
+                           temperature: float, out_device: torch.device,
+                           chunk: Optional[int] = None) -> tuple[torch.Tensor, ...]:
+    """log softmax(head(hidden) / temperature) of [N, H] hidden states, `chunk` rows at a time:
+    (values [N, k], indices [N, k]) and with `tail` the log mass outside the top k [N]; with
+    `topk` None (values [N, V],). Outputs land on `out_device` chunk by chunk, so the device
+    holds one chunk's float32 logits at most. The same operations, row for row, as the
+    teacher's plain forward (logits of the output head, float32, scaled, log-softmax, top-k).
+    `chunk`: rows per chunk, default LOGPROB_CHUNK."""
+    n, chunk = hidden.shape[0], chunk or LOGPROB_CHUNK
+    width = head.out_features if topk is None else topk
+    values = torch.empty(n, width, dtype=torch.float32, device=out_device)
+    indices = torch.empty(n, width, dtype=torch.long, device=out_device) if topk is not None else None
+    tails = torch.empty(n, dtype=torch.float32, device=out_device) if tail else None
+    for s in range(0, n, chunk):
+        logprobs = torch.log_softmax(head(hidden[s:s + chunk]).float() / temperature, dim=-1)
+        if topk is None:
+            values[s:s + chunk] = logprobs.to(out_device)
+            continue
+        top_values, top_indices = torch.topk(logprobs, topk, dim=-1)
+        values[s:s + chunk], indices[s:s + chunk] = top_values.to(out_device), top_indices.to(out_device)
+        if tail:  # log-sum-exp of the tokens outside the top k: exact where 1 - sum(p) would cancel
+            tails[s:s + chunk] = logprobs.scatter(-1, top_indices, float("-inf")).logsumexp(-1).to(out_device)
+    if topk is None:
+        return (values,)
+    return (values, indices, tails) if tail else (values, indices)
