@@ -11,7 +11,9 @@ colocated rollout hands its memory back between generations with `sleep(level)`:
 * level 2: weights are discarded; after `wake_up()` they must be loaded again with
   `update_weights` before the rollout generates.
 
-The KV cache lives only for one `generate` call. The engine behind this role is
+On CUDA the torch engine keeps its static KV cache and the decode step's CUDA graph from one
+`generate` call (or chunk) to the next when the next one fits them
+(`torch_decode.StaticDecoder`); `sleep` drops them with the weights. The engine behind this role is
 `roles.engines.torch_generate`, or with engine="vllm" `roles.engines.vllm_engine` behind
 the same methods (its sleep differs on CPU: see there).
 No Ray here: orchestration hosts this class in its worker groups.
@@ -29,6 +31,7 @@ from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 import torch
 from omegaconf import OmegaConf
 
+from roles.engines import torch_decode
 from roles.engines.options import ROLLOUT_ENGINES, check_engine
 from roles.batch import Completions, SamplingParams
 from roles.engines.torch_engine import pick_device, process_memory
@@ -187,6 +190,8 @@ class Rollout(WeightReceiver):
         self._sleep_level = 0  # 0: awake
         self._host: Optional[dict[str, torch.Tensor]] = None  # weights held in host memory while asleep
         self._weights_valid = True  # False from sleep(2) until the next update_weights
+        # The static decode path's KV cache and CUDA graph, kept across calls until sleep (CUDA only).
+        self._decoder = torch_decode.StaticDecoder()
 
     # ---- generation -------------------------------------------------------------------
 
@@ -225,7 +230,7 @@ class Rollout(WeightReceiver):
                 generators = None if seeds is None else [
                     torch.Generator(self.device).manual_seed(seeds[start + j]) for j in range(len(chunk))]
                 result = generate_batch(self.model, [prompt_ids[i] for i in chunk], **kwargs, pad_id=self.pad_id,
-                                        generators=generators)
+                                        generators=generators, decoder=self._decoder)
             out.prompt_index.extend(chunk)
             out.prompt_ids.extend(list(prompt_ids[i]) for i in chunk)
             out.completion_ids.extend(result.tokens)
@@ -322,7 +327,7 @@ class Rollout(WeightReceiver):
         return self._vllm.sleep_level if self._vllm else self._sleep_level
 
     def sleep(self, level: int = 1) -> dict[str, float]:
-        """Release the device memory of the weights (the KV cache never outlives a generate call).
+        """Release the device memory of the weights and of the decode buffers kept between calls.
         1: keep the weights in host memory; 2: discard them. Returns the weight bytes released
         from the device and the seconds it took."""
         if self._vllm:
@@ -330,6 +335,7 @@ class Rollout(WeightReceiver):
         if level not in (1, 2):
             raise ValueError(f"sleep level must be 1 (weights to host memory) or 2 (weights discarded), got {level}")
         start = time.perf_counter()
+        self._decoder.release()  # its graph holds the weights' addresses, which wake_up changes
         if self._sleep_level:
             if level == 2:  # deeper sleep: drop what level 1 kept
                 self._host, self._weights_valid = None, False

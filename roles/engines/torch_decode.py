@@ -2,12 +2,15 @@
 
 The dynamic loop of `torch_generate` launches every kernel of every layer from Python at
 every token: on a GPU a decode step then costs the same ~20 ms at 64 rows as at 512. Here
-the K/V of every layer live in tensors allocated once per call ([rows, kv_heads, length,
-head_dim]); a decode step writes its keys at a slot held in a device tensor, attends over
-the whole cache under a boolean mask of the slots filled so far, samples, and advances its
-own counters in place. Nothing in a step depends on the host, so on CUDA the step is
-captured once per call and replayed per token (one launch instead of hundreds); the host
-only looks at the device every `DONE_CHECK_EVERY` steps to stop when every row has stopped.
+the K/V of every layer live in preallocated tensors ([rows, kv_heads, length, head_dim]); a
+decode step writes its keys at a slot held in a device tensor, attends over the whole cache
+under a boolean mask of the slots filled so far, samples, and advances its own counters in
+place. Nothing in a step depends on the host, so on CUDA the step is
+captured once and replayed per token (one launch instead of hundreds); the host only looks
+at the device every `DONE_CHECK_EVERY` steps to stop when every row has stopped. A
+`StaticDecoder` keeps the buffers and the graph for later calls whose rows and length fit
+them (`fits`: not more than REUSE_SLACK times the work) and whose sampling settings are the
+same; without one (or after `release()`) they live for one call.
 
 Sampling is batched and seeded per row without a generator per row: a row's uniform at a
 step is a hash of (row seed, step), and the token is where it falls in the cumulative
@@ -23,7 +26,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -41,9 +44,13 @@ CUDA_GRAPHS = True
 ROW_ALIGN, CACHE_ALIGN = 8, 64
 # How often (in steps) the host reads whether every row has stopped (a device sync).
 DONE_CHECK_EVERY = 16
-# Calls that decoded with a captured graph / eagerly on this path, and the host seconds spent
-# capturing (its eager first step included); read by tests and benchmarks.
-COUNTS = {"graph": 0, "eager": 0, "capture_s": 0.0}
+# A StaticDecoder's buffers serve a later call whose bucket they hold, unless they hold more than
+# this many times its rows x slots (each decode step attends over all of them).
+REUSE_SLACK = 2.0
+# Calls that decoded with a graph / eagerly on this path, calls that replayed a graph captured by
+# an earlier call / reused its buffers, and the host seconds spent capturing (the eager first
+# step included); read by tests and benchmarks.
+COUNTS = {"graph": 0, "eager": 0, "reused": 0, "buffers_reused": 0, "capture_s": 0.0}
 ATTENTION = "rollout_static"
 _MASK64 = (1 << 64) - 1
 
@@ -158,12 +165,100 @@ def _capture(step) -> Optional["torch.cuda.CUDAGraph"]:
     return graph
 
 
+class Bucket(NamedTuple):
+    """Sizes of a call's decode buffers: rows (filler rows included), cache slots, output tokens."""
+    rows: int
+    length: int
+    new_tokens: int
+
+
+def bucket(count: int, width: int, max_new_tokens: int, graphs: bool) -> Bucket:
+    """The buffers a call of `count` prompts of `width` tokens needs: rows aligned to ROW_ALIGN
+    when a graph replays them (graphs are captured per shape), slots to CACHE_ALIGN."""
+    rows = _round_up(count, ROW_ALIGN) if graphs else count
+    return Bucket(rows, _round_up(width + max_new_tokens, CACHE_ALIGN), max_new_tokens)
+
+
+def fits(held: Optional[Bucket], want: Bucket) -> bool:
+    """Whether buffers (and their graph) of bucket `held` serve a call needing `want`: as many
+    rows, slots and output tokens or more, and at most REUSE_SLACK times its rows x slots
+    (every decode step attends over all the rows and slots held)."""
+    return held is not None and held.rows >= want.rows and held.length >= want.length \
+        and held.new_tokens >= want.new_tokens and held.rows * held.length <= REUSE_SLACK * want.rows * want.length
+
+
+class _Buffers:
+    """Every tensor a decode step reads or writes; a captured graph holds their addresses."""
+
+    def __init__(self, model, size: Bucket, device: torch.device):
+        cfg = model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        dtype = next(model.parameters()).dtype
+        rows, length = size.rows, size.length
+        self.size = size
+        self.cache = SlotCache(cfg.num_hidden_layers, rows, cfg.num_key_value_heads, length, head_dim, dtype, device)
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)  # the slot a decode step writes
+        self.valid = torch.zeros(rows, length, dtype=torch.bool, device=device)
+        self.seeds = torch.zeros(rows, dtype=torch.long, device=device)
+        self.step = torch.zeros(1, dtype=torch.long, device=device)
+        self.token = torch.zeros(rows, dtype=torch.long, device=device)
+        self.position = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.done = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.stopped_at = torch.zeros(rows, dtype=torch.long, device=device)
+        self.out_tokens = torch.zeros(rows, size.new_tokens, dtype=torch.long, device=device)
+        self.out_logprobs = torch.zeros(rows, size.new_tokens, dtype=torch.float32, device=device)
+
+    def nbytes(self) -> int:
+        tensors = self.cache.keys + self.cache.values + [v for v in vars(self).values() if isinstance(v, torch.Tensor)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+class StaticDecoder:
+    """Decode buffers and the decode step's CUDA graph kept from one `generate_static` call to
+    the next: a call whose bucket `fits` them reuses the buffers, and replays the graph when its
+    sampling settings and the model's tensors (addresses) are those it was captured with. A
+    call that does not fit drops them first. `release()` frees them (Rollout.sleep)."""
+
+    def __init__(self):
+        self.buffers: Optional[_Buffers] = None
+        self.graph: Optional["torch.cuda.CUDAGraph"] = None
+        self.graph_key: Optional[tuple] = None
+        self.stops: Optional[torch.Tensor] = None
+
+    def release(self) -> int:
+        """Drop the buffers and the graph (its memory pool with it); returns the buffers' bytes."""
+        freed = self.buffers.nbytes() if self.buffers is not None else 0
+        if self.graph is not None:
+            self.graph.reset()
+        self.buffers = self.graph = self.graph_key = self.stops = None
+        return freed
+
+    def take(self, model, want: Bucket, device: torch.device) -> _Buffers:
+        """Buffers for a call of bucket `want`: the held ones when they fit, else new ones."""
+        if fits(self.buffers.size if self.buffers is not None else None, want):
+            COUNTS["buffers_reused"] += 1
+            return self.buffers
+        self.release()  # before allocating: never both at once
+        self.buffers = _Buffers(model, want, device)
+        return self.buffers
+
+
+def _graph_key(model, temperature: float, top_k: int, top_p: float, pad_id: int, stops: Sequence[int]) -> tuple:
+    """What a captured decode step depends on besides its buffers: the sampling settings and
+    stop tokens it was traced with and the addresses of the model's tensors (a sleep and wake
+    moves them; loading weights in place does not)."""
+    tensors = [t.data_ptr() for t in (*model.parameters(), *model.buffers())]
+    return temperature, top_k, top_p, pad_id, tuple(stops), hash(tuple(tensors))
+
+
 @torch.inference_mode()
 def generate_static(model, prompts: Sequence[Sequence[int]], *, temperature: float, top_k: int, top_p: float,
                     max_new_tokens: int, stop_ids: Sequence[int], pad_id: int,
-                    seeds: Optional[Sequence[int]] = None, graphs: Optional[bool] = None):
+                    seeds: Optional[Sequence[int]] = None, graphs: Optional[bool] = None,
+                    decoder: Optional[StaticDecoder] = None):
     """`torch_generate.generate_batch`'s contract; `seeds`: one per row (sampling), None draws
-    them from torch's global generator. `graphs` None: CUDA_GRAPHS on CUDA."""
+    them from torch's global generator. `graphs` None: CUDA_GRAPHS on CUDA. `decoder` keeps the
+    buffers and graph for later calls; None: both live for this call only."""
     from roles.engines.torch_generate import Generated, collect, left_pad
 
     device = next(model.parameters()).device
@@ -171,76 +266,86 @@ def generate_static(model, prompts: Sequence[Sequence[int]], *, temperature: flo
     if max_new_tokens <= 0 or not count:
         return Generated([[] for _ in prompts], [[] for _ in prompts], ["length"] * count)
     graphs = (CUDA_GRAPHS if graphs is None else graphs) and device.type == "cuda"
-    rows = _round_up(count, ROW_ALIGN) if graphs else count
-    # Filler rows (one pad token each) keep the batch at an aligned size; their output is dropped.
+    decoder = decoder if decoder is not None else StaticDecoder()
+    width = max(len(p) for p in prompts)
+    b = decoder.take(model, bucket(count, width, max_new_tokens, graphs), device)
+    rows, length = b.size.rows, b.size.length
+    # Filler rows (one pad token each) keep the batch at the buffers' size; their output is dropped.
     ids, mask, positions = left_pad(list(prompts) + [[pad_id]] * (rows - count), pad_id, device)
-    width = ids.shape[1]
-    length = _round_up(width + max_new_tokens, CACHE_ALIGN)
-    cfg = model.config
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    dtype = next(model.parameters()).dtype
-    cache = SlotCache(cfg.num_hidden_layers, rows, cfg.num_key_value_heads, length, head_dim, dtype, device)
-    valid = torch.zeros(rows, length, dtype=torch.bool, device=device)
-    valid[:, :width] = mask.bool()
+    stop_list = sorted(set(stop_ids))
+    key = _graph_key(model, temperature, top_k, top_p, pad_id, stop_list)
+    replay = graphs and decoder.graph is not None and decoder.graph_key == key
+    if not replay:
+        if decoder.graph is not None:
+            decoder.graph.reset()
+        decoder.graph = decoder.graph_key = None
+        decoder.stops = torch.tensor(stop_list, dtype=torch.long, device=device)
+    stops, cache = decoder.stops, b.cache
+    # Every counter back to the start of a call; K/V left from an earlier call sit behind `valid`.
+    b.valid.zero_()
+    b.valid[:, :width] = mask.bool()
     if seeds is None:
         seeds = torch.randint(0, 2**62, (count,)).tolist()
-    seed_t = torch.tensor(list(seeds) + [0] * (rows - count), dtype=torch.long, device=device)
-    stops = torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device)
-    step = torch.zeros(1, dtype=torch.long, device=device)
-    token = torch.zeros(rows, dtype=torch.long, device=device)
-    done = torch.zeros(rows, dtype=torch.bool, device=device)
-    stopped_at = torch.full((rows,), -1, dtype=torch.long, device=device)
-    out_tokens = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)
-    out_logprobs = torch.zeros(rows, max_new_tokens, dtype=torch.float32, device=device)
+    b.seeds.copy_(torch.tensor(list(seeds) + [0] * (rows - count), dtype=torch.long))
+    b.step.zero_()
+    b.done.zero_()
+    b.stopped_at.fill_(-1)
+    b.out_tokens.fill_(pad_id)
+    b.out_logprobs.zero_()
 
     def record(logits: torch.Tensor) -> None:
-        nonlocal done
-        tok, logprob = sample_rows(logits.float(), temperature, top_k, top_p, seed_t, step)
-        tok = tok.masked_fill(done, pad_id)
-        out_tokens.index_copy_(1, step, tok[:, None])
-        out_logprobs.index_copy_(1, step, logprob[:, None].float())
-        hit = ~done & (tok[:, None] == stops).any(-1)
-        stopped_at.copy_(torch.where(hit, step, stopped_at))
-        done |= hit
-        token.copy_(tok)
-        step.add_(1)
+        tok, logprob = sample_rows(logits.float(), temperature, top_k, top_p, b.seeds, b.step)
+        tok = tok.masked_fill(b.done, pad_id)
+        b.out_tokens.index_copy_(1, b.step, tok[:, None])
+        b.out_logprobs.index_copy_(1, b.step, logprob[:, None].float())
+        hit = ~b.done & (tok[:, None] == stops).any(-1)
+        b.stopped_at.copy_(torch.where(hit, b.step, b.stopped_at))
+        b.done.logical_or_(hit)
+        b.token.copy_(tok)
+        b.step.add_(1)
 
+    cfg = model.config
     saved_attention = cfg._attn_implementation
     cfg._attn_implementation = ATTENTION
     try:  # 4-d boolean masks (True: attend) reach the attention as they are
         # Prefill: causal over the prompt, padding masked; a padding query sees itself (no empty rows).
         causal = torch.ones(width, width, dtype=torch.bool, device=device).tril()
-        prefill_mask = (causal & valid[:, None, :width]) | torch.eye(width, dtype=torch.bool, device=device)
+        prefill_mask = (causal & b.valid[:, None, :width]) | torch.eye(width, dtype=torch.bool, device=device)
         cache.slots, cache.visible = torch.arange(width, device=device), width
         out = model(input_ids=ids, attention_mask=prefill_mask[:, None], position_ids=positions,
                     past_key_values=cache, use_cache=True, logits_to_keep=1)
         record(out.logits[:, -1])
         del out
-        cache.slots, cache.visible = torch.full((1,), width, dtype=torch.long, device=device), length
-        position = positions[:, -1:] + 1
-        decode_mask = valid[:, None, None, :]
+        cache.slots, cache.visible = b.slot, length
+        b.slot.fill_(width)
+        b.position.copy_(positions[:, -1:] + 1)
+        decode_mask = b.valid[:, None, None, :]
 
-        def decode() -> None:  # feeds the last sampled token at slot `cache.slots`
-            valid.index_fill_(1, cache.slots, True)
-            logits = model(input_ids=token[:, None], attention_mask=decode_mask, position_ids=position,
+        def decode() -> None:  # feeds the last sampled token at slot `b.slot`
+            b.valid.index_fill_(1, b.slot, True)
+            logits = model(input_ids=b.token[:, None], attention_mask=decode_mask, position_ids=b.position,
                            past_key_values=cache, use_cache=True).logits
             record(logits[:, -1])
-            position.add_(1)
-            cache.slots.add_(1)
+            b.position.add_(1)
+            b.slot.add_(1)
 
-        taken, graph = 1, None
-        if graphs and max_new_tokens > 2:
+        taken = 1
+        if replay:
+            COUNTS["reused"] += 1
+        elif graphs and max_new_tokens > 2:
             start = time.perf_counter()
-            graph = _capture(decode)  # its eager run is decode step 1
+            decoder.graph = _capture(decode)  # its eager run is decode step 1
+            decoder.graph_key = key if decoder.graph is not None else None
             COUNTS["capture_s"] += time.perf_counter() - start
             taken += 1
+        graph = decoder.graph
         COUNTS["graph" if graph is not None else "eager"] += 1
         while taken < max_new_tokens:
-            if taken % DONE_CHECK_EVERY == 0 and bool(done[:count].all()):
+            if taken % DONE_CHECK_EVERY == 0 and bool(b.done[:count].all()):
                 break
             graph.replay() if graph is not None else decode()
             taken += 1
     finally:
         cfg._attn_implementation = saved_attention
-    return collect(out_tokens[:count, :taken].tolist(), out_logprobs[:count, :taken].tolist(),
-                   stopped_at[:count].tolist())
+    return collect(b.out_tokens[:count, :taken].tolist(), b.out_logprobs[:count, :taken].tolist(),
+                   b.stopped_at[:count].tolist())

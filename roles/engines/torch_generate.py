@@ -13,8 +13,9 @@ temperature. Per-row `torch.Generator`s make a sample depend only on its own see
 which other rows share its batch.
 
 On CUDA (`torch_decode.STATIC_DEVICES`) `generate_batch` hands the batch to
-`torch_decode.generate_static`: a static KV cache and the decode step as a CUDA graph,
-sampling seeded by each row's generator seed. CPU keeps this loop.
+`torch_decode.generate_static`: a static KV cache and the decode step as a CUDA graph
+(both kept for later calls that fit them when a `decoder` holds them), sampling seeded by
+each row's generator seed. CPU keeps this loop.
 """
 from __future__ import annotations
 
@@ -96,15 +97,17 @@ def attention_kernels(device: torch.device):
 @torch.inference_mode()
 def generate_batch(model, prompts: Sequence[Sequence[int]], *, temperature: float, top_k: int, top_p: float,
                    max_new_tokens: int, stop_ids: Sequence[int], pad_id: int,
-                   generators: Optional[list[torch.Generator]] = None) -> Generated:
-    """Generate one completion per prompt (token-id lists) in a single batch."""
+                   generators: Optional[list[torch.Generator]] = None,
+                   decoder: Optional[torch_decode.StaticDecoder] = None) -> Generated:
+    """Generate one completion per prompt (token-id lists) in a single batch. `decoder`: the
+    static path's buffers and graph kept across calls (torch_decode.StaticDecoder)."""
     device = next(model.parameters()).device
     if device.type in torch_decode.STATIC_DEVICES and torch_decode.supports(model):
         seeds = None if generators is None else [g.initial_seed() for g in generators]
         with attention_kernels(device):
             return torch_decode.generate_static(model, prompts, temperature=temperature, top_k=top_k, top_p=top_p,
                                                 max_new_tokens=max_new_tokens, stop_ids=stop_ids, pad_id=pad_id,
-                                                seeds=seeds)
+                                                seeds=seeds, decoder=decoder)
     with attention_kernels(device):
         if max_new_tokens <= 0:
             return Generated([[] for _ in prompts], [[] for _ in prompts], ["length"] * len(prompts))
