@@ -4,6 +4,8 @@
     python benchmarks/gpu_throughput.py generate --rows 64 512 --new-tokens 256 --profile
     python benchmarks/gpu_throughput.py cycle --engine torch --rollout-engine vllm
     python benchmarks/gpu_throughput.py train --train-shape 512x320 8x1024 --train-variant '{"compile": true}'
+    python benchmarks/gpu_throughput.py train --train-shape 8x1024 --train-variant '{"compile": true}' \
+        --profile-dir profiles --teacher-variant '{"chunked_logprobs": true}'
 
 generate  the same token-id prompts (`--rows` completions each, `--samples` per prompt,
           exactly `--new-tokens` new tokens: end-of-sequence is ignored) through plain HF
@@ -31,6 +33,15 @@ train     train steps on random tokens at each --train-shape ROWSxTOKENS (`--rag
           --warmup-steps), model TFLOP/s (6 x parameters + causal attention per token), MFU
           against the peak bf16 rate and the same against the sustained matmul rate, peak GiB,
           the ratio to the plain eager step and the loss of the last step.
+          `--profile-dir DIR`: one more step of each variant under torch.profiler, its summary
+          written to DIR/train_<variant>_<shape>.json (top CUDA kernels by device time, the
+          shares of matmul / attention / elementwise / optimizer / copy / other kernels, device
+          busy time against the step's wall time). `--teacher-variant` (JSON of
+          TeacherConfig's packing / compile / chunked_logprobs; repeatable) adds, per shape,
+          the teacher's forward (top-`--teacher-topk` logprobs and tail mass) plain and with
+          each variant: tokens/s, MFU (a third of the train step's FLOPs per token), peak GiB,
+          rows per forward, and the largest difference from the plain teacher's values
+          (profiled too with --profile-dir: DIR/teacher_<variant>_<shape>.json).
 Each mode writes its figures as JSON to --out and prints a table (the drivers themselves:
 benchmarks/gpu_drivers.py). Needs a CUDA GPU (generate
 also runs on CPU with --device cpu, for a smoke test of the script).
@@ -43,6 +54,7 @@ import cProfile
 import json
 import os
 import pstats
+import re
 import statistics
 import subprocess
 import sys
@@ -56,7 +68,8 @@ from algorithms.tasks import arithmetic_examples
 from roles.batch import Batch, SamplingParams, batch_from_completions
 from roles.models import build_model
 from roles.rollout import Rollout
-from roles.trainer import Trainer, TrainerConfig
+from roles.teacher import Teacher, TeacherConfig
+from roles.trainer import Trainer, TrainerConfig, fitting_rows, token_bytes
 
 # Dense bf16 peak FLOP/s by device name (datasheet figures, no sparsity): MFU's denominator.
 PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
@@ -449,11 +462,120 @@ def train_flops_per_token(params: int, config, tokens: int) -> float:
     return 6 * params + 12 * config.num_hidden_layers * config.hidden_size * tokens / 2
 
 
+# Kernel (on CPU: aten op) names by what they compute; the first pattern that matches wins.
+# "optimizer" holds AdamW's and gradient clipping's multi-tensor kernels.
+KERNEL_KINDS = (
+    ("attention", r"flash|fmha|attention|attn|sdpa|scaled_dot_product|varlen"),
+    ("optimizer", r"adam|multi_tensor_apply|foreach|clip_grad"),
+    ("matmul", r"gemm|gemv|cutlass|cublas|xmma|nvjet|matmul|splitk|aten::(mm|addmm|bmm|linear)$|_mm$|_mm_"),
+    ("copy", r"memcpy|memset|aten::(copy_|to|_to_copy|clone|contiguous)$"),
+    ("elementwise", r"elementwise|vectorized|unrolled|reduce|softmax|triton|norm|index|gather|scatter|cat|fill|"
+                    r"silu|mul|add|exp|log|where|embedding|neg|rsqrt|pow|mean|sum|^aten::"),
+)
+
+
+def kernel_kind(name: str) -> str:
+    return next((kind for kind, pattern in KERNEL_KINDS if re.search(pattern, name, re.IGNORECASE)), "other")
+
+
+def profile_call(fn, path: Path, cuda: bool, top: int = 30) -> dict:
+    """Run `fn` once under torch.profiler and write a summary to `path`: the top kernels by
+    device time (CPU: aten ops by self CPU time), the time share of each KERNEL_KINDS kind, and
+    the device's busy time against the call's wall time. Returns the summary without the list."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as trace:
+        start = time.perf_counter()
+        fn()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - start
+    times: dict = {}
+    if cuda:  # every kernel, memcpy and memset the call ran on the device
+        from torch.autograd import DeviceType
+        for e in trace.events():
+            if e.device_type == DeviceType.CUDA:
+                t = times.setdefault(e.name, [0.0, 0])
+                t[0] += e.device_time_total / 1e6
+                t[1] += 1
+    else:
+        for e in trace.key_averages():
+            if e.self_cpu_time_total > 0:
+                times[e.key] = [e.self_cpu_time_total / 1e6, e.count]
+    total = sum(t for t, _ in times.values()) or float("nan")
+    shares: dict = {}
+    for name, (t, _) in times.items():
+        shares[kernel_kind(name)] = shares.get(kernel_kind(name), 0.0) + t / total
+    ranked = sorted(times.items(), key=lambda kv: kv[1][0], reverse=True)[:top]
+    summary = {"wall_s": wall, "device": "cuda" if cuda else "cpu (aten ops, self CPU time)",
+               "busy_s": total, "busy_fraction": total / wall,
+               "shares": {k: round(v, 4) for k, v in sorted(shares.items(), key=lambda kv: -kv[1])},
+               "top": [{"name": n[:200], "kind": kernel_kind(n), "s": round(t, 6), "calls": c,
+                        "share": round(t / total, 4)} for n, (t, c) in ranked]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=1))
+    return {k: v for k, v in summary.items() if k != "top"}
+
+
+def slug(text: str) -> str:
+    """A file-name part for a variant: 'trainer {"compile": true}' -> 'trainer_compile'."""
+    return "_".join(re.findall(r"[a-z_]+", text.replace("true", "").replace("false", "off"))) or "plain"
+
+
+def teacher_forward(args, rows: int, tokens: int, batches: list, flops_per_token: float, cuda: bool) -> list:
+    """The teacher's forward (top-k logprobs and tail mass) plain and with each --teacher-variant,
+    on the train batches of this shape; see the module notes."""
+    results, reference = [], None
+    for variant in ["{}"] + list(args.teacher_variant or []):
+        name = f"teacher {variant}"
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            config = TeacherConfig(device=args.device, dtype="bfloat16" if cuda else None,
+                                   micro_batch_per_device=args.teacher_micro_batch, **json.loads(variant))
+            teacher = Teacher(args.model, config)
+            per_token = token_bytes(teacher.model, backward=False, logits=not config.chunked_logprobs)
+            micro = config.micro_batch_per_device or fitting_rows(rows, tokens, per_token, config.micro_batch_memory_mb)
+            walls, warm, t0 = [], 0.0, time.perf_counter()
+            for i, batch in enumerate(batches):
+                sync(args.device)
+                start = time.perf_counter()
+                values, _, _ = teacher.logits(batch, topk=args.teacher_topk, tail=True)
+                sync(args.device)
+                if i >= args.warmup_steps:
+                    walls.append(time.perf_counter() - start)
+                elif i == args.warmup_steps - 1:
+                    warm = time.perf_counter() - t0
+            wall = statistics.median(walls)
+            real = int(batches[-1].attention_mask.sum())
+            reference = values if reference is None else reference
+            row = {"variant": name, "rows": rows, "tokens": tokens, "micro_batch": micro, "topk": args.teacher_topk,
+                   "forward_s": wall, "walls_s": walls, "warmup_s": warm, "tokens_per_s": real / wall,
+                   "mfu": flops_per_token * real / wall / (peak_flops() if cuda else float("nan")),
+                   "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+                   "max_abs_diff_vs_plain": float((values - reference).abs().max())}
+            if args.profile_dir:
+                path = Path(args.profile_dir) / f"teacher_{slug(variant)}_{rows}x{tokens}.json"
+                row["profile"] = profile_call(lambda: teacher.logits(batches[-1], topk=args.teacher_topk, tail=True),
+                                              path, cuda)
+            del teacher
+        except Exception as exc:  # one variant failing leaves the others' figures
+            row = {"variant": name, "rows": rows, "tokens": tokens, "error": f"{type(exc).__name__}: {exc}"[:500]}
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    for r in results:
+        if "error" not in r and "error" not in results[0]:
+            r["x_plain"] = r["tokens_per_s"] / results[0]["tokens_per_s"]
+    return results
+
+
 def train(args) -> dict:
     model = build_model(args.model)
     params, vocab = sum(t.numel() for t in model.parameters()), model.config.vocab_size
     variants = [("plain", None), ("trainer", "{}")] + [("trainer", v) for v in args.train_variant or []]
-    results = []
+    results, teachers = [], []
     for rows, tokens in [map(int, shape.split("x")) for shape in args.train_shape]:
         micro = min(rows, args.micro_batch * 320 // tokens or 1)  # about the same tokens per micro-batch
         batches = [train_batch(rows, tokens, vocab, args.ragged, seed)
@@ -489,6 +611,9 @@ def train(args) -> dict:
                        "tflops": flops / 1e12, "mfu": flops / (peak_flops() if cuda else float("nan")),
                        "of_sustained": flops / (sustained()[0] if cuda else float("nan")),
                        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0, "loss": out["loss"]}
+                if args.profile_dir:  # one more step, traced (after the figures above)
+                    path = Path(args.profile_dir) / f"train_{slug(row['variant'])}_{rows}x{tokens}.json"
+                    row["profile"] = profile_call(lambda: runner.train_step(batches[-1]), path, cuda)
             except Exception as exc:  # one variant failing leaves the others' figures
                 row = {"variant": kind if variant is None else f"trainer {variant}", "rows": rows, "tokens": tokens,
                        "error": f"{type(exc).__name__}: {exc}"[:500]}
@@ -496,6 +621,10 @@ def train(args) -> dict:
             results.append(row)
             print(json.dumps(row), flush=True)
             Path(args.out).write_text(json.dumps({"runs": results}, indent=1))
+        if args.teacher_variant:  # a forward is a third of a train step's FLOPs
+            flops_per_token = train_flops_per_token(params, model.config, tokens) / 3
+            teachers += teacher_forward(args, rows, tokens, batches, flops_per_token, args.device.startswith("cuda"))
+            Path(args.out).write_text(json.dumps({"runs": results, "teacher": teachers}, indent=1))
     for row in results:
         base = next((r for r in results if r["variant"] == "plain" and r["rows"] == row["rows"]
                      and r["tokens"] == row["tokens"] and "error" not in r), None)
@@ -511,8 +640,24 @@ def train(args) -> dict:
         print(f"| {r['variant']} | {r['rows']}x{r['tokens']} | {r['tokens_per_s']:,.0f} | {r.get('x_plain', 0):.2f} | "
               f"{r['tflops']:.0f} | {r['mfu']:.1%} | {r['of_sustained']:.1%} | {r['peak_gib']:.1f} | {r['step_s']:.3f} | "
               f"{r['loss']:.4f} |")
+    for r in results:
+        if "profile" in r:
+            prof = r["profile"]
+            print(f"profile {r['variant']} {r['rows']}x{r['tokens']}: device busy {prof['busy_fraction']:.0%} "
+                  f"of {prof['wall_s']:.3f} s; shares {json.dumps(prof['shares'])}")
+    if teachers:
+        print("\n| teacher variant | rows x tokens | tokens/s | x plain | MFU | peak GiB | rows per forward "
+              "| max diff |")
+        print("|---|---|---|---|---|---|---|---|")
+        for r in teachers:
+            if "error" in r:
+                print(f"| {r['variant']} | {r['rows']}x{r['tokens']} | failed: {r['error'][:120]} | | | | | |")
+                continue
+            print(f"| {r['variant']} | {r['rows']}x{r['tokens']} | {r['tokens_per_s']:,.0f} | "
+                  f"{r.get('x_plain', 0):.2f} | {r['mfu']:.1%} | {r['peak_gib']:.1f} | {r['micro_batch']} | "
+                  f"{r['max_abs_diff_vs_plain']:.2e} |")
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return {"device": device, "model": args.model, "parameters": params, "runs": results}
+    return {"device": device, "model": args.model, "parameters": params, "runs": results, "teacher": teachers}
 
 
 def main() -> None:
@@ -549,6 +694,12 @@ def main() -> None:
                    "activation_checkpointing, chunked_logprobs, optimizer, ...); repeat for several")
     t.add_argument("--ragged", action="store_true", help="row lengths uniform in [TOKENS/4, TOKENS]")
     t.add_argument("--warmup-steps", type=int, default=2)
+    t.add_argument("--profile-dir", help="write a torch.profiler summary of one more step per variant here")
+    t.add_argument("--teacher-variant", action="append", help="JSON dict of TeacherConfig forward options "
+                   "(packing, compile, chunked_logprobs); measures the plain teacher beside them; repeat for several")
+    t.add_argument("--teacher-topk", type=int, default=64, help="top-k logprobs the teacher returns")
+    t.add_argument("--teacher-micro-batch", type=int, default=0,
+                   help="teacher rows per forward; 0: sized by its micro_batch_memory_mb, as in a run")
     args = p.parse_args()
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     run = {"generate": generate_all, "generate-one": generate_one, "cycle": cycle, "train": train}[args.mode]

@@ -61,3 +61,33 @@ def test_train_flops_count_every_weight_and_causal_attention():
     spec.loader.exec_module(bench)
     config = type("C", (), {"num_hidden_layers": 24, "hidden_size": 896})()
     assert bench.train_flops_per_token(100, config, 1024) == 600 + 12 * 24 * 896 * 512
+
+
+def test_train_mode_profiles_each_step_and_measures_the_teacher_forward(tmp_path):
+    out, profiles = tmp_path / "train.json", tmp_path / "profiles"
+    cmd = [sys.executable, "benchmarks/gpu_throughput.py", "train", "--device", "cpu", "--model", "tiny_qwen2",
+           "--train-shape", "8x24", "--micro-batch", "40", "--ragged", "--steps", "1", "--warmup-steps", "1",
+           "--profile-dir", str(profiles), "--teacher-topk", "8",
+           "--teacher-variant", '{"chunked_logprobs": true}', "--teacher-variant", '{"chunked_logprobs": true, '
+           '"packing": true}', "--out", str(out)]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert sorted(p.name for p in profiles.iterdir()) == [
+        "teacher_chunked_logprobs_8x24.json", "teacher_chunked_logprobs_packing_8x24.json", "teacher_plain_8x24.json",
+        "train_plain_8x24.json", "train_trainer_8x24.json"]
+    for run in result["runs"]:
+        shares = run["profile"]["shares"]
+        assert abs(sum(shares.values()) - 1) < 1e-3 and shares["matmul"] > 0.2 and shares["optimizer"] > 0
+    summary = json.loads((profiles / "train_plain_8x24.json").read_text())
+    top = summary["top"][0]
+    assert top["kind"] == "matmul" and top["calls"] > 0 and summary["busy_s"] <= summary["wall_s"]
+    teachers = result["teacher"]
+    assert [t["variant"] for t in teachers] == ["teacher {}", 'teacher {"chunked_logprobs": true}',
+                                                'teacher {"chunked_logprobs": true, "packing": true}']
+    for t in teachers:  # the options give the plain teacher's top-k values
+        assert "error" not in t and t["tokens_per_s"] > 0 and t["max_abs_diff_vs_plain"] < 1e-4
+        assert "attention" in t["profile"]["shares"]
+    # Without the [b, T, V] float32 logits more rows go into one forward (0: sized by memory).
+    assert teachers[1]["micro_batch"] >= teachers[0]["micro_batch"]
+    assert "| teacher {} | 8x24 |" in done.stdout and "profile plain 8x24" in done.stdout
