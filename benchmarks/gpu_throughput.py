@@ -230,8 +230,9 @@ def profile_vllm(runner: RolloutGenerate, prompts, samples: int, new_tokens: int
 # timed call prompts of a new length (as a driver's batches have), "cudnn_sdp": false turns off
 # cuDNN's attention in torch (it builds a plan for every new shape), "request_form" (vLLM) one
 # of REQUEST_FORMS; torch engine: "cuda_graphs": false decodes the static-cache steps eagerly,
-# "static_decode": false runs the dynamic loop (DynamicCache, one launch per kernel).
-BENCH_OPTIONS = ("vary_prompt_len", "cudnn_sdp", "request_form", "cuda_graphs", "static_decode")
+# "static_decode": false runs the dynamic loop (DynamicCache, one launch per kernel), "reuse_decode":
+# false allocates the static cache and captures the graph in every call (as before they were kept).
+BENCH_OPTIONS = ("vary_prompt_len", "cudnn_sdp", "request_form", "cuda_graphs", "static_decode", "reuse_decode")
 
 
 def generate_one(args) -> dict:
@@ -245,6 +246,8 @@ def generate_one(args) -> dict:
         torch_decode.CUDA_GRAPHS = False
     if options.get("static_decode") is False:
         torch_decode.STATIC_DEVICES = set()
+    if options.get("reuse_decode") is False:
+        torch_decode.REUSE_SLACK = 0.0  # no held buffers fit any call
     vocab = build_model(args.model).config.vocab_size
     t0 = time.perf_counter()
     runner = HFGenerate(args.model, args.device) if args.engine == "hf" else \
@@ -672,7 +675,7 @@ def main() -> None:
     g.add_argument("--engine", default="torch", help="generate-one: hf|torch|vllm; cycle: trainer engine")
     g.add_argument("--vllm-variant", action="append", help="JSON dict of vllm options; repeat for several")
     g.add_argument("--torch-variant", action="append", help="JSON dict of benchmark options for the torch "
-                   "engine (vary_prompt_len, cudnn_sdp, cuda_graphs, static_decode); repeat for several")
+                   "engine (vary_prompt_len, cudnn_sdp, cuda_graphs, static_decode, reuse_decode); repeat for several")
     g.add_argument("--options", help="generate-one / cycle: JSON dict of vllm options")
     g.add_argument("--prompt-len", type=int, default=32)
     g.add_argument("--repeats", type=int, default=3)

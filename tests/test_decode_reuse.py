@@ -33,6 +33,12 @@ def test_bucket_and_fit_decision():
     assert not fits(None, held)
 
 
+def test_no_slack_never_reuses(monkeypatch):
+    """REUSE_SLACK 0 (the benchmark's reuse_decode=false): every call allocates and captures."""
+    monkeypatch.setattr(torch_decode, "REUSE_SLACK", 0.0)
+    assert not fits(Bucket(8, 64, 16), Bucket(8, 64, 16))
+
+
 @pytest.fixture
 def model():
     m = build_model("tiny_qwen2").eval()
