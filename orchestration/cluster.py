@@ -30,6 +30,35 @@ def quiet_ray_env() -> None:
         os.environ.setdefault(k, v)
 
 
+# NVLink SHARP (multicast) off in every process of a run: NCCL's NVLS algorithms, torch's
+# symmetric memory and NVSHMEM would otherwise set up multicast objects on multi-GPU hosts,
+# which fails where the fabric does not offer it. Harmless without a GPU; a value exported
+# before the run wins.
+NO_MULTICAST_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def no_multicast_env() -> dict[str, str]:
+    """Set NO_MULTICAST_ENV in this process (exported values kept); returns the values in force.
+    A local cluster's raylet and workers inherit them; a joined cluster's workers get them
+    through the job's runtime env (`job_runtime_env`)."""
+    for k, v in NO_MULTICAST_ENV.items():
+        os.environ.setdefault(k, v)
+    return {k: os.environ[k] for k in NO_MULTICAST_ENV}
+
+
+def job_runtime_env(env: dict[str, str]) -> dict:
+    """ray.init's runtime_env carrying `env` to every worker of a joined cluster. Keys the
+    submitted job's own runtime env sets (`ray job submit --runtime-env-json`) are left to it:
+    Ray refuses a driver that sets one of them again."""
+    import json
+
+    from ray._private.runtime_env.constants import RAY_JOB_CONFIG_JSON_ENV_VAR
+
+    job = json.loads(os.environ.get(RAY_JOB_CONFIG_JSON_ENV_VAR) or "{}")
+    taken = ((job.get("runtime_env") or {}).get("env_vars") or {}).keys()
+    return {"env_vars": {k: v for k, v in env.items() if k not in taken}}
+
+
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 # The packages whose module loggers run.log_level sets; every other logger stays at WARNING.
 PROJECT_LOGGERS = ("algorithms", "roles", "orchestration")
@@ -158,10 +187,11 @@ def init_cluster(cfg: ClusterConfig, demand: dict[str, float] | None = None):
 
     if ray.is_initialized():
         return ray
+    env = no_multicast_env()
     # RAY_ADDRESS is how `ray job submit` (and a user's shell) names the running cluster.
     address = cfg.address or os.environ.get("RAY_ADDRESS")
     if address:
-        ray.init(address=address, log_to_driver=cfg.log_to_driver)
+        ray.init(address=address, log_to_driver=cfg.log_to_driver, runtime_env=job_runtime_env(env))
         return ray
     demand = demand or {}
     num_gpus = cfg.simulate_gpus
