@@ -137,7 +137,7 @@ class Teacher(WeightReceiver):
         base = self.config.chunked_logprobs
         if self.config.packing:
             return packed_forward(self.model, ids, mask, run=self._run, base=base)
-        run = self._run or (self.model.base_model if base else self.model)
+        run = self._run if self._run is not None else (self.model.base_model if base else self.model)
         out = run(input_ids=ids, attention_mask=mask, use_cache=False)
         return out.last_hidden_state if base else out.logits
 

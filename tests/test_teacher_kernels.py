@@ -93,3 +93,28 @@ def test_compiled_teacher_on_the_gpu_equals_the_plain_forward(options):
     torch.testing.assert_close(got_t, want_t, atol=1e-4, rtol=0)
     assert (got_i == want_i).float().mean() > 0.99
     torch.testing.assert_close(fast.logits(batch, topk=None), plain.logits(batch, topk=None), atol=1e-4, rtol=0)
+
+
+class _NoTruth(torch.nn.Module):
+    """A wrapper like torch.compile's: calls go to the model, but asking whether it is truthy
+    raises (torch.compile's OptimizedModule has no len())."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.inner = model
+
+    def forward(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+    def __len__(self):
+        raise TypeError("does not support len()")
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+def test_a_compiled_forward_is_called_not_asked_for_its_truth(plain, chunked):
+    """Regression: the teacher picked its compiled forward with `run or model`, which asks the
+    compiled module for len() and raised TypeError on the GPU for compile without packing."""
+    fast = Teacher(MODEL, TeacherConfig(device="cpu", micro_batch_per_device=3, chunked_logprobs=chunked))
+    fast._run = _NoTruth(fast.model.base_model if chunked else fast.model)
+    batch = ragged_batch()
+    torch.testing.assert_close(fast.logits(batch, topk=None), plain.logits(batch, topk=None), atol=1e-5, rtol=0)
