@@ -91,7 +91,7 @@ SIMULATE_PLACEMENT = {
                "run.eval_max_new_tokens=4", "rollout.dtype=float32", "trainer.micro_batch_per_device=8",
                "rollout.max_batch_size=16"],
     "grpo": ["algorithm.num_generations=2", "algorithm.max_new_tokens=8"],
-    "gkd": ["algorithm.max_new_tokens=8", "teacher.model=tiny_qwen2", "teacher.engine.dtype=float32",
+    "gkd": ["algorithm.max_new_tokens=8", "teacher.model=nano_qwen2", "teacher.engine.dtype=float32",
             "teacher.engine.micro_batch_per_device=8", "teacher.cache_dir={out}/teachers"],
 }
 
@@ -106,10 +106,10 @@ def placement_overrides(args, algo: str, mode: str, out: Path) -> list[str]:
              f"algorithm.max_staleness={args.staleness if staleness is None else staleness}"]
     if args.simulate:
         items += SIMULATE_PLACEMENT["common"] + [s.format(out=out) for s in SIMULATE_PLACEMENT[algo]]
-        # The experiments' teacher (colocated or in its own group) shares the tiny student's vocabulary.
+        # The experiments' teacher (colocated or in its own group): a smaller preset with the tiny student's vocabulary.
         if algo == "gkd":
-            items.append("placement.teacher.model=tiny_qwen2" if "teacher_group" in mode
-                         else "placement.teacher_model=tiny_qwen2")
+            items.append("placement.teacher.model=nano_qwen2" if "teacher_group" in mode
+                         else "placement.teacher_model=nano_qwen2")
     return items + list(args.override)
 
 
@@ -241,7 +241,8 @@ def train_table(results: list[dict]) -> str:
     lines = ["| variant | GPUs | step s | tok/s | MFU | peak GiB per GPU | first / last loss | max rel. diff to torch |",
              "|---|---|---|---|---|---|---|---|"]
     for r in results:
-        mem = " / ".join(f"{g:.1f}" for g in r["device_peak_gib"])
+        device = any(r["device_peak_gib"])  # on the CPU: each rank's peak host RSS instead
+        mem = " / ".join(f"{g:.2f}" for g in r["device_peak_gib" if device else "rss_peak_gib"]) + " RSS" * (not device)
         lines.append(f"| {r['variant']} | {r['gpus']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | "
                      f"{r['mfu']:.3f} | {mem} | {r['losses'][0]:.4f} / {r['losses'][-1]:.4f} | "
                      f"{r['loss_rel_diff_max']:.1e} ({'ok' if r['losses_match'] else 'OVER'} {r['loss_tol']:.0e}) |")

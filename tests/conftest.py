@@ -20,12 +20,14 @@ HEAD_GPUS, WORKER_GPUS = 12, 4
 def pytest_collection_modifyitems(config, items):
     import torch
 
-    if torch.cuda.is_available():
-        return
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    several = pytest.mark.skip(reason=f"needs 2 or more CUDA GPUs (torch sees {gpus})")
     for item in items:
-        if "gpu" in item.keywords:
+        if "gpu" in item.keywords and not gpus:
             item.add_marker(skip)
+        if "multi_gpu" in item.keywords and gpus < 2:
+            item.add_marker(several)
 
 
 @pytest.fixture(scope="session")
