@@ -238,8 +238,8 @@ def train(args, out: Path) -> list[dict]:
 
 
 def train_table(results: list[dict]) -> str:
-    lines = ["| variant | GPUs | step s | tok/s | MFU | peak GiB per GPU | first / last loss | max rel. diff to torch |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| variant | GPUs | step s | tok/s | MFU | peak GiB per GPU | first / last loss | "
+             "max rel. diff to torch |", "|---|---|---|---|---|---|---|---|"]
     for r in results:
         device = any(r["device_peak_gib"])  # on the CPU: each rank's peak host RSS instead
         mem = " / ".join(f"{g:.2f}" for g in r["device_peak_gib" if device else "rss_peak_gib"]) + " RSS" * (not device)
