@@ -151,7 +151,7 @@ def placement_table(results: list[dict]) -> str:
     for algo in dict.fromkeys(r["algo"] for r in results):
         rows = [r for r in results if r["algo"] == algo]
         ratio = "\n".join(f"- {r['mode']}: step time {r['step_vs_colocate']:.2f}x colocate's" for r in rows
-                          if r["mode"] != "colocate")
+                          if r["mode"] != "colocate" and r["step_vs_colocate"] == r["step_vs_colocate"])
         parts.append(f"### {algo}\n\n{cvs.table(rows, algo)}\n\n{ratio}\n")
     return "\n".join(parts)
 
