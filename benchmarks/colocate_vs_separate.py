@@ -203,10 +203,10 @@ def main(cfg) -> None:
         warm = grpo_warm_start(bench, out / "grpo_warmup") if algo == "grpo" else None
         for mode in bench.modes:
             run_out = out / f"{algo}_{mode}"
-            resolved, typed, plan = composed(algo, overrides(bench, algo, mode, warm),
+            _, typed, plan = composed(algo, overrides(bench, algo, mode, warm),
                                              separate_teacher=algo == "gkd" and mode != "colocate")
             print(f"bench: {algo} {mode} (max_staleness={typed.algorithm.max_staleness}) -> {run_out}")
-            (grpo if algo == "grpo" else gkd).run(typed, plan, run_out, resolved=resolved)
+            (grpo if algo == "grpo" else gkd).run(typed, plan, run_out)
             results.append(summarize(algo, mode, run_out))
             if bench.plot:
                 timeline([(f"{algo} {mode}: busy intervals per role", run_out)], out / f"timeline_{algo}_{mode}.png",
