@@ -404,7 +404,7 @@ def main(argv: list[str] | None = None) -> dict:
         where = f"{args.simulate} simulated" if args.simulate else f"{have} (torch.cuda.device_count())"
         raise SystemExit(f"error: multi_gpu {args.part}: this host has {where} GPU(s); "
                          + ", ".join(f"{run} needs {n}" for run, n in short.items())
-                         + ". Fix: run on a host with that many GPUs (docs/multi_gpu.md: nvidia-h200-x2 / -x4), "
+                         + ". Fix: run on a host with that many GPUs (docs/multi_gpu.md: 2 or 4 GPUs), "
                            "leave those runs out (--modes, --variants, --layouts) or add --simulate N")
     out = Path(args.out or ROOT / "outputs" / "multi_gpu" / time.strftime("%Y-%m-%d_%H-%M-%S"))
     out.mkdir(parents=True, exist_ok=True)
