@@ -168,7 +168,7 @@ VARIANTS = {
 }
 
 
-def random_batch(rows: int, tokens: int, vocab: int, seed: int = 0):
+def random_batch(rows: int, tokens: int, vocab: int, seed: int):
     """Random token ids, every position trained (the same batch every step and variant)."""
     from roles.batch import Batch
 
@@ -221,7 +221,7 @@ def train(args, out: Path) -> list[dict]:
     params, vocab = sum(p.numel() for p in model.parameters()), model.config.vocab_size
     del model
     peak = float("nan") if args.simulate else _benchmark("gpu_throughput").peak_flops()
-    batch = random_batch(args.rows, args.tokens, vocab)
+    batch = random_batch(args.rows, args.tokens, vocab, seed=0)
     names = ["torch"] + [v for v in args.variants if v != "torch"]
     results = []
     for name in names:
