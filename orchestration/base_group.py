@@ -104,6 +104,19 @@ class CallStats:
 CALLS = CallStats()
 
 
+@dataclass(frozen=True)
+class ResultOf:
+    """A call argument that is the value another group's call returned on its first rank (or
+    `key` of that value, a dict): the call starts on its ranks once that value exists, and the
+    value goes from rank to rank, not through the driver, which does not wait for it (a weight
+    sync's receive takes the send's manifest so). Top-level arguments only."""
+    future: "GroupFuture"
+    key: str | None = None
+
+    def pick(self, value: Any) -> Any:
+        return value if self.key is None else value.get(self.key)
+
+
 class GroupFuture:
     """Result of `async_call`: `get()` waits, collects and returns like `call` would. `handles`:
     the ranks' calls as the backend knows them (ObjectRefs on Ray), for another group's `after`

@@ -15,7 +15,7 @@ import time
 import traceback
 from typing import Any
 
-from orchestration.base_group import CALLS, BaseWorkerGroup, WorkerError
+from orchestration.base_group import CALLS, BaseWorkerGroup, ResultOf, WorkerError
 from orchestration.planner import RolePlan
 
 
@@ -34,13 +34,16 @@ def _environ(env: dict[str, str]):
 
 
 def _resolved(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    """Top-level ObjectRefs replaced by their values, as Ray does for an actor call."""
-    if "ray" not in sys.modules:  # no ObjectRef can exist without Ray imported
-        return args, kwargs
-    import ray
+    """Top-level ObjectRefs and ResultOfs replaced by their values, as a Ray rank sees them."""
+    ray = sys.modules.get("ray")  # no ObjectRef can exist without Ray imported
 
     def get(x: Any) -> Any:
-        return ray.get(x) if isinstance(x, ray.ObjectRef) else x
+        if isinstance(x, ResultOf):
+            status, value = x.future.handles[0]  # an in-process call's handle: (status, value)
+            if status == "error":
+                raise value
+            return x.pick(value)
+        return ray.get(x) if ray is not None and isinstance(x, ray.ObjectRef) else x
     return tuple(get(a) for a in args), {k: get(v) for k, v in kwargs.items()}
 
 

@@ -35,7 +35,7 @@ from pathlib import Path
 from dataclasses import dataclass
 from typing import Any
 
-from orchestration.base_group import WorkerError
+from orchestration.base_group import ResultOf, WorkerError
 from orchestration.config import ConfigError, WeightSyncConfig
 
 PATHS = ("cuda_ipc", "shm", "collective", "object_store", "file")
@@ -188,9 +188,13 @@ class WeightSync:
     def _send_then_receive(self, path: str, groups: list, version: int) -> list[SyncRecord]:
         channel = self._channel(path, None)
         t0 = time.perf_counter()
-        sent = self.trainer.call("send_weights", channel, self._seq, version, self.settings.bucket_mb,
-                                 self._checksum, execute="first")
-        futures = [g.async_call("receive_weights", channel, sent["manifest"], sent.get("payload")) for g in groups]
+        sending = self.trainer.async_call("send_weights", channel, self._seq, version, self.settings.bucket_mb,
+                                          self._checksum, execute="first")
+        # The receivers take the send's manifest and payload from trainer rank 0's answer, rank to
+        # rank: they start once it is written, without a round trip through the driver.
+        futures = [g.async_call("receive_weights", channel, ResultOf(sending, "manifest"), ResultOf(sending, "payload"))
+                   for g in groups]
+        sent = sending.get()  # a failed send is the error raised, not its receivers'
         records = []
         for g, future in zip(groups, futures):
             self._remember(g)

@@ -46,7 +46,7 @@ import dataclasses
 
 import numpy as np
 
-from orchestration.base_group import CALLS, BaseWorkerGroup, WorkerError
+from orchestration.base_group import CALLS, BaseWorkerGroup, ResultOf, WorkerError
 from orchestration.cluster import LOG_LEVEL_ENV, cluster_is_local, log_level_env, loopback_env, set_log_level
 from orchestration.placement import Placement
 from orchestration.planner import RolePlan
@@ -91,6 +91,8 @@ def send_tensors_as_arrays() -> None:
 
 # Keyword arguments of a rank's call that carry the calls it waits for (BaseWorkerGroup.after).
 AFTER_PREFIX = "_after_call_"
+# Keyword argument naming the arguments that are other calls' answers ({position or name: key}).
+RESULTS_KEY = "_results_of_calls"
 
 
 class _RoleHost:
@@ -140,6 +142,11 @@ class _RoleHost:
         start = time.perf_counter()
         for key in [k for k in kwargs if k.startswith(AFTER_PREFIX)]:  # calls waited for (`after`), done
             del kwargs[key]
+        if RESULTS_KEY in kwargs:  # arguments that are other calls' answers (ResultOf): their values
+            args = list(args)
+            for where, key in kwargs.pop(RESULTS_KEY).items():
+                holder = args if isinstance(where, int) else kwargs
+                holder[where] = ResultOf(None, key).pick(holder[where][0])
         carried = {name: getattr(self.instance, name)(*margs) for name, margs in before}
         value = getattr(self.instance, method)(*args, **kwargs)
         spent = time.perf_counter() - start
@@ -329,9 +336,16 @@ class WorkerGroup(BaseWorkerGroup):
 
     def _submit(self, index: int, method: str, args: tuple, kwargs: dict, before: tuple = (), deps: tuple = ()) -> Any:
         start = time.perf_counter()
-        # Calls to wait for go as top-level keyword arguments, which Ray resolves before the call runs.
+        # Calls to wait for, and other calls' answers used as arguments, go as top-level arguments,
+        # which Ray resolves before the call runs.
         waits = {f"{AFTER_PREFIX}{j}": ref for j, ref in enumerate(deps)}
-        ref = self.workers[index].call.remote(method, before, *args, **kwargs, **waits)
+        results = {**{i: a.key for i, a in enumerate(args) if isinstance(a, ResultOf)},
+                   **{k: v.key for k, v in kwargs.items() if isinstance(v, ResultOf)}}
+        if results:
+            waits[RESULTS_KEY] = results
+        ref = self.workers[index].call.remote(
+            method, before, *(a.future.handles[0] if isinstance(a, ResultOf) else a for a in args),
+            **{k: v.future.handles[0] if isinstance(v, ResultOf) else v for k, v in kwargs.items()}, **waits)
         CALLS.remote += 1
         CALLS.role_s += time.perf_counter() - start  # serializing the arguments is part of the call
         if self.restarts_left > 0:

@@ -447,6 +447,16 @@ class Counter:
         import time
         return time.time()
 
+    def later(self, seconds: float, value) -> dict:
+        """After `seconds`, {"value": value, "at": when it returned}."""
+        import time
+        time.sleep(seconds)
+        return {"value": value, "at": time.time()}
+
+    def plus_one(self, x, stamp=None) -> tuple:
+        import time
+        return x + 1, stamp, time.time()
+
     def memory(self) -> dict:
         return {"rss_bytes": 1000 + self.calls}
 
@@ -587,6 +597,38 @@ def test_a_call_after_another_groups_call_starts_once_that_one_finished(ray_clus
         assert b.call("now")  # the wait applied to one call only
         a.shutdown()
         b.shutdown()
+    finally:
+        placement.remove()
+
+
+@pytest.mark.parametrize("backend", ["ray", "local"])
+def test_a_calls_answer_is_another_calls_argument_without_the_driver(ray_cluster, backend):
+    """ResultOf: rank 0's answer of one group's call (or a key of it) is a top-level argument of
+    another group's call, which starts once it exists; the driver does not wait for it."""
+    import time
+
+    from orchestration.base_group import ResultOf
+    from orchestration.placement import create_placement
+    from orchestration.worker_group import WorkerGroup
+
+    plan = make_plan({"device_groups": {"nproc_per_node": 1, "a": {"device": "CPU", "ranks": 1, "workers": ["orm"]},
+                                        "b": {"device": "CPU", "ranks": 2, "workers": ["prm"]}}})
+    placement = create_placement(plan, timeout_s=30)
+    try:
+        make = (lambda role: WorkerGroup(Counter, plan[role], placement=placement)) if backend == "ray" else \
+            (lambda role: LocalWorkerGroup(Counter, plan[role]))
+        a, b = make("orm"), make("prm")
+        answer = a.async_call("later", 0.4, 41, execute="first")
+        sent = time.perf_counter()
+        got = b.async_call("plus_one", ResultOf(answer, "value"), stamp=ResultOf(answer))
+        if backend == "ray":
+            assert time.perf_counter() - sent < 0.3  # submitted without waiting for a's answer
+        first = answer.get()
+        for value, stamp, at in got.get():  # both ranks of b
+            assert value == 42 and stamp == first and at >= first["at"]
+        if backend == "ray":
+            a.shutdown()
+            b.shutdown()
     finally:
         placement.remove()
 
