@@ -37,10 +37,10 @@ EXPERIMENTS = {
     "gkd_colocated_teacher": ("gkd", "local", ONE_RANK),
     "gkd_teacher_group": ("gkd", "ray", ONE_RANK + ["placement.teacher.gpus=1"]),
     "grpo_gpu_colocate_2gpu": ("grpo", "local", ONE_RANK),
-    "grpo_gpu_separate_2gpu": ("grpo", "ray", []),
+    "grpo_gpu_separate_2gpu": ("grpo", "local", []),  # on Ray in tests/test_multi_gpu.py (--simulate)
     "gkd_gpu_colocate_2gpu": ("gkd", "local", ONE_RANK),
-    "gkd_gpu_separate_2gpu": ("gkd", "ray", []),
-    "gkd_gpu_teacher_group_3gpu": ("gkd", "ray", []),
+    "gkd_gpu_separate_2gpu": ("gkd", "local", []),
+    "gkd_gpu_teacher_group_3gpu": ("gkd", "local", []),
     "distill_quickstart": ("distill", "ray", ["placement.device_groups.rm_group.ranks=1"]),
     "sampling_device_groups": ("distill", "ray", ["placement.device_groups.nproc_per_node=1",
                                                    "placement.device_groups.sample_group.ranks=[0]",
