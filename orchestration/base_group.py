@@ -114,7 +114,12 @@ class ResultOf:
     key: str | None = None
 
     def pick(self, value: Any) -> Any:
-        return value if self.key is None else value.get(self.key)
+        return pick(value, self.key)
+
+
+def pick(value: Any, key: str | None) -> Any:
+    """`value`, or its `key` (a dict's): what a ResultOf argument stands for."""
+    return value if key is None else value.get(key)
 
 
 class GroupFuture:

@@ -46,7 +46,7 @@ import dataclasses
 
 import numpy as np
 
-from orchestration.base_group import CALLS, BaseWorkerGroup, ResultOf, WorkerError
+from orchestration.base_group import CALLS, BaseWorkerGroup, ResultOf, WorkerError, pick
 from orchestration.cluster import LOG_LEVEL_ENV, cluster_is_local, log_level_env, loopback_env, set_log_level
 from orchestration.placement import Placement
 from orchestration.planner import RolePlan
@@ -146,7 +146,7 @@ class _RoleHost:
             args = list(args)
             for where, key in kwargs.pop(RESULTS_KEY).items():
                 holder = args if isinstance(where, int) else kwargs
-                holder[where] = ResultOf(None, key).pick(holder[where][0])
+                holder[where] = pick(holder[where][0], key)  # the answer's value
         carried = {name: getattr(self.instance, name)(*margs) for name, margs in before}
         value = getattr(self.instance, method)(*args, **kwargs)
         spent = time.perf_counter() - start
