@@ -147,15 +147,11 @@ class Turns:
         """`group`'s next call starts once the offloads and sleeps sent before it have finished."""
         group.after([future for _, _, future in self._pending])
 
-    def _settle(self, wait: bool = True) -> None:
-        """Collect the offloads and sleeps sent (their moved bytes, errors, memory figures); with
-        `wait` False only those already finished. A wait is timed as the call's phase."""
+    def _settle(self) -> None:
+        """Wait for the offloads and sleeps sent and collect them (their moved bytes, errors, memory
+        figures); a wait is timed as the call's phase."""
         pending, self._pending = self._pending, []
-        for entry in pending:
-            role, method, future = entry
-            if not wait and not future.ready():
-                self._pending.append(entry)
-                continue
+        for role, method, future in pending:
             with self.log.phase(method, role):
                 self.log.moved(role, method, future.get())
 
