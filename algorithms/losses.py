@@ -9,7 +9,8 @@ all ranks.
   'temperature' (the trainer's), and what `loss_fn.loss_inputs` asks for: 'logits' [b, t, V]
   aligned (row t = distribution of token t) and already divided by extras['temperature'];
   'entropy' [b, t] (only logged).
-* `metrics`: python floats, means over this call's loss tokens; same keys on every call.
+* `metrics`: floats or 0-d tensors (the trainer reads them once per step), means over this
+  call's loss tokens; same keys on every call.
 
 Reduction: every loss is numerator / denominator, in a unit (loss tokens, sequences, or
 micro-batches for 'bnpo').
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import inspect
 import math
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 import torch
 
@@ -51,12 +52,18 @@ def _masked(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask > 0, x, torch.zeros((), dtype=x.dtype, device=x.device))
 
 
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
-    return float(_masked(x.detach().float(), mask).sum() / mask.sum().clamp(min=1))
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """A metric: the mean of `x` over `mask`, detached, as a 0-d tensor where `x` lives (read
+    by the trainer once per step, so a micro-batch does not wait for the device)."""
+    return _masked(x.detach().float(), mask).sum() / mask.sum().clamp(min=1)
 
 
-def _finish(numerator: torch.Tensor, denominator: float, reduction: str) -> torch.Tensor:
-    return numerator if reduction == "sum" else numerator / max(denominator, 1.0)
+def _at_least_one(count: Union[float, torch.Tensor]) -> Union[float, torch.Tensor]:
+    return count.clamp(min=1.0) if isinstance(count, torch.Tensor) else max(count, 1.0)
+
+
+def _finish(numerator: torch.Tensor, denominator: Union[float, torch.Tensor], reduction: str) -> torch.Tensor:
+    return numerator if reduction == "sum" else numerator / _at_least_one(denominator)
 
 
 # The unit each loss_type normalises by, and the extras key holding the step's global count of it.
@@ -64,14 +71,15 @@ _UNITS = {"grpo": "global_sequences", "dr_grpo": "global_sequences", "bnpo": "gl
           "dapo": "global_tokens"}
 
 
-def loss_denominator(loss_type: str, loss_mask: torch.Tensor) -> float:
-    """Denominator of one micro-batch for a loss_type (SFT and GKD use 'dapo': tokens)."""
+def loss_denominator(loss_type: str, loss_mask: torch.Tensor) -> Union[float, torch.Tensor]:
+    """Denominator of one micro-batch for a loss_type (SFT and GKD use 'dapo': tokens, a 0-d
+    tensor where the mask lives)."""
     if loss_type in ("grpo", "dr_grpo"):
         return float(loss_mask.shape[0])
     if loss_type == "bnpo":
         return 1.0
     if loss_type == "dapo":
-        return float((loss_mask > 0).sum())
+        return (loss_mask > 0).sum().float()
     raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
 
 
@@ -80,7 +88,7 @@ def _step_reduce(numerator: torch.Tensor, reduction: str, unit: str, local: floa
     if reduction == "sum":
         return numerator
     if reduction == "mean":
-        return numerator / max(local, 1.0)
+        return numerator / _at_least_one(local)
     if not extras or unit not in extras:
         raise ValueError(f"reduction='global' needs extras[{unit!r}] (the step's global count); the trainer "
                          f"must provide it, or build the loss with reduction='sum' or 'mean'")
@@ -100,7 +108,7 @@ def sft_loss(logprobs: torch.Tensor, loss_mask: torch.Tensor,
     _check_reduction(reduction)
     numerator = -_masked(logprobs, loss_mask).sum()
     nll = _masked_mean(-logprobs, loss_mask)
-    return _finish(numerator, float(loss_mask.sum()), reduction), {"nll": nll}
+    return _finish(numerator, loss_mask.sum(), reduction), {"nll": nll}
 
 
 # ----------------------------------------------------------------------------- GRPO
@@ -265,11 +273,11 @@ def gkd_loss(student_logits: torch.Tensor, teacher_logprobs: torch.Tensor, loss_
     else:
         s, t = _topk_distributions(s_logits, t_logp, teacher_indices[active].long(), temperature,
                                    topk_mode, teacher_temperature_applied)
-        metrics["teacher_topk_mass"] = float(t_logp.detach().exp().sum(-1).mean()) if len(t_logp) else 0.0
+        metrics["teacher_topk_mass"] = t_logp.detach().exp().sum(-1).mean() if len(t_logp) else 0.0
     per_token = generalized_jsd(s, t, beta)
     numerator = per_token.sum()
-    metrics["jsd"] = float(per_token.detach().mean()) if per_token.numel() else 0.0
-    return _finish(numerator, float(active.sum()), reduction), metrics
+    metrics["jsd"] = per_token.detach().mean() if per_token.numel() else 0.0
+    return _finish(numerator, active.sum(), reduction), metrics
 
 
 # ----------------------------------------------------------------------------- Trainer callables
@@ -384,7 +392,7 @@ class GKDLoss:
             weight = torch.ones_like(mask) if batch.sft_weight is None else (
                 batch.sft_weight.to(device, mask.dtype)[:, None].expand_as(mask))
             numerator = numerator + self.sft_alpha * (nll * weight[active]).sum()
-            metrics["sft_nll"] = float(nll.detach().mean()) if nll.numel() else 0.0
+            metrics["sft_nll"] = nll.detach().mean() if nll.numel() else 0.0
         return _step_reduce(numerator, self.reduction, "global_tokens", self.denominator(batch), extras), metrics
 
 

@@ -133,10 +133,10 @@ class RolloutGenerate:
     `request_form` (REQUEST_FORMS) sends the engine other forms of the same requests."""
 
     def __init__(self, model: str, device: str, engine: str, options: dict, max_rows: int,
-                 request_form: str = "rollout"):
+                 request_form: str = "rollout", compile_decode: bool = False):
         t0 = time.perf_counter()
         config = {"device": device, "dtype": "bfloat16" if device.startswith("cuda") else None,
-                  "max_batch_size": max_rows}
+                  "max_batch_size": max_rows, "compile_decode": compile_decode}
         if request_form != "rollout" and (engine != "vllm" or request_form not in REQUEST_FORMS):
             raise ValueError(f"request_form={request_form!r}: vLLM only, one of {['rollout', *REQUEST_FORMS]}")
         self.rollout = Rollout(model, config=config, engine=engine, engine_options=options or None)
@@ -231,8 +231,10 @@ def profile_vllm(runner: RolloutGenerate, prompts, samples: int, new_tokens: int
 # cuDNN's attention in torch (it builds a plan for every new shape), "request_form" (vLLM) one
 # of REQUEST_FORMS; torch engine: "cuda_graphs": false decodes the static-cache steps eagerly,
 # "static_decode": false runs the dynamic loop (DynamicCache, one launch per kernel), "reuse_decode":
-# false allocates the static cache and captures the graph in every call (as before they were kept).
-BENCH_OPTIONS = ("vary_prompt_len", "cudnn_sdp", "request_form", "cuda_graphs", "static_decode", "reuse_decode")
+# false allocates the static cache and captures the graph in every call (as before they were kept);
+# "compile_decode": true is the rollout key of that name (the decode step through torch.compile).
+BENCH_OPTIONS = ("vary_prompt_len", "cudnn_sdp", "request_form", "cuda_graphs", "static_decode", "reuse_decode",
+                 "compile_decode")
 
 
 def generate_one(args) -> dict:
@@ -252,7 +254,7 @@ def generate_one(args) -> dict:
     t0 = time.perf_counter()
     runner = HFGenerate(args.model, args.device) if args.engine == "hf" else \
         RolloutGenerate(args.model, args.device, args.engine, engine_options, max(args.rows),
-                        options.get("request_form", "rollout"))
+                        options.get("request_form", "rollout"), bool(options.get("compile_decode")))
     result = {"engine": args.engine, "options": options, "start_s": time.perf_counter() - t0, "sizes": {}}
     if args.engine == "vllm":
         result["settings"] = runner.rollout.engine_info()

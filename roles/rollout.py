@@ -52,6 +52,10 @@ class RolloutConfig:
     # Most sequences (prompts x n) the torch engine decodes together; larger requests run in
     # chunks of this size. A vLLM engine schedules all rows itself (vllm.max_num_seqs).
     max_batch_size: int = 64
+    # CUDA, torch engine: run the decode step through torch.compile before it is captured as a
+    # CUDA graph (fewer, fused kernels per token). Each new decode-buffer size or sampling
+    # setting compiles once (tens of seconds); the buffers are kept for calls that fit them.
+    compile_decode: bool = False
     # Seed of the rollout's own generator, which seeds requests whose SamplingParams.seed is None.
     seed: int = 0
     # Render prompts (a text is one user turn) with the tokenizer's chat template and its
@@ -191,7 +195,7 @@ class Rollout(WeightReceiver):
         self._host: Optional[dict[str, torch.Tensor]] = None  # weights held in host memory while asleep
         self._weights_valid = True  # False from sleep(2) until the next update_weights
         # The static decode path's KV cache and CUDA graph, kept across calls until sleep (CUDA only).
-        self._decoder = torch_decode.StaticDecoder()
+        self._decoder = torch_decode.StaticDecoder(compile=self.config.compile_decode)
 
     # ---- generation -------------------------------------------------------------------
 

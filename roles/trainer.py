@@ -159,6 +159,27 @@ def sft_loss(logprobs: torch.Tensor, batch: Batch, extras: dict) -> tuple[torch.
     return -(logprobs * mask).sum() / max(extras["global_tokens"], 1.0), {}
 
 
+def batch_to(batch: Batch, device: torch.device) -> Batch:
+    """`batch` with its host tensors on CUDA `device`, copied through pinned memory without
+    waiting (a plain copy waits until the device has run everything queued before it);
+    elsewhere `batch` itself (the engines move their inputs)."""
+    if device.type != "cuda":
+        return batch
+    moved = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+    for name, v in moved.items():
+        if isinstance(v, torch.Tensor) and v.device.type == "cpu":
+            moved[name] = v.pin_memory().to(device, non_blocking=True)
+    return dataclasses.replace(batch, **moved)
+
+
+def host_floats(values: Sequence[Union[float, torch.Tensor]]) -> list[float]:
+    """Python floats of floats and 0-d tensors, the tensors read together (one wait for the device)."""
+    tensors = [v for v in values if isinstance(v, torch.Tensor)]
+    read = iter(torch.stack([t.detach().double().reshape(()).to(tensors[0].device) for t in tensors]).tolist()
+                if tensors else [])
+    return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
+
+
 def slice_batch(batch: Batch, start: int, stop: int, width: Optional[int] = None) -> Batch:
     """Rows [start, stop) of every per-sample field; per-token fields ([B, T, ...]) cut to
     the first `width` positions (right padding only, so nothing real is cut)."""
@@ -243,9 +264,12 @@ class Trainer(WeightSender):
             width = int(used.max()) + 1 if len(used) else 1
             yield start, stop, slice_batch(batch, start, stop, width)
 
-    def _forward(self, mb: Batch, temperature: float, inputs: Sequence[str]) -> tuple[torch.Tensor, dict]:
-        """Aligned logprobs [b, t] (0 at position 0 and on padding) and the requested extras."""
-        ids, valid = mb.input_ids.to(self.device), mb.attention_mask.to(self.device).bool()
+    def _forward(self, mb: Batch, temperature: float, inputs: Sequence[str],
+                 on_device: Optional[Batch] = None) -> tuple[torch.Tensor, dict]:
+        """Aligned logprobs [b, t] (0 at position 0 and on padding) and the requested extras.
+        `on_device`: `mb` already moved (batch_to); the engine is given the host tensors."""
+        dev = on_device if on_device is not None else mb
+        ids, valid = dev.input_ids.to(self.device), dev.attention_mask.to(self.device).bool()
         zero = torch.zeros((), device=self.device)
         if self.config.chunked_logprobs and not set(inputs) & set(LOSS_INPUTS):
             logprobs = self.engine.token_logprobs(mb.input_ids, mb.attention_mask, temperature)
@@ -285,16 +309,19 @@ class Trainer(WeightSender):
                 "global_micro_batches": global_micro_batches, "temperature": temperature}
         lr = self.engine.current_lr()
         self.model.train()
+        # Loss and metrics stay on the device until the step's end: a micro-batch never waits for it.
         loss_sum, weighted = 0.0, {}
         try:
             for _, _, mb in self._micro_batches(batch, backward=True):
-                logprobs, extras = self._forward(mb, temperature, self.loss_inputs)
-                loss, metrics = self.loss_fn(logprobs, mb, {**base, **extras})
+                dev = batch_to(mb, self.device)
+                logprobs, extras = self._forward(mb, temperature, self.loss_inputs, on_device=dev)
+                loss, metrics = self.loss_fn(logprobs, dev, {**base, **extras})
                 self.engine.backward(loss)
-                loss_sum += float(loss.detach())
+                loss_sum = loss_sum + loss.detach().double()
                 w = float(mb.loss_mask.sum())
                 for k, v in metrics.items():
-                    weighted[k] = weighted.get(k, 0.0) + float(v) * w
+                    v = v.detach().double() if isinstance(v, torch.Tensor) else float(v)
+                    weighted[k] = weighted.get(k, 0.0) + v * w
         finally:
             self.model.eval()
         for _ in range(idle):
@@ -303,7 +330,7 @@ class Trainer(WeightSender):
         keys = sorted(weighted)
         if empty_ranks:  # a rank without rows ran no loss: every rank sums the same metric names
             keys = sorted(set().union(*self.engine.all_gather_object(keys)))
-        totals = self.engine.all_reduce_sum([loss_sum] + [weighted.get(k, 0.0) for k in keys])
+        totals = self.engine.all_reduce_sum(host_floats([loss_sum] + [weighted.get(k, 0.0) for k in keys]))
         grad_norm, _ = self.engine.optimizer_step(self.config.grad_clip)
         out = {"loss": totals[0], "grad_norm": grad_norm, "lr": lr, "tokens": global_tokens,
                "sequences": global_sequences, "step": float(self.engine.step)}

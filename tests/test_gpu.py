@@ -89,16 +89,16 @@ def test_grpo_driver_colocated_on_one_gpu(tmp_path):
     assert all(r["time/train"] > 0 for r in records[1:])
 
 
-@pytest.mark.parametrize("preset", ["tiny_qwen2", "tiny_llama"])
-def test_graph_decode_greedy_equals_transformers_generate(preset):
-    """The CUDA-graph decode path (fp32, so both sides compute the same numbers) against HF
-    `generate` on weights that decode varied text, stops included."""
+@pytest.mark.parametrize("preset,compile_decode", [("tiny_qwen2", False), ("tiny_llama", False), ("tiny_qwen2", True)])
+def test_graph_decode_greedy_equals_transformers_generate(preset, compile_decode):
+    """The CUDA-graph decode path (fp32, so both sides compute the same numbers), its step
+    compiled or not, against HF `generate` on weights that decode varied text, stops included."""
     from roles.engines import torch_decode
     from tests.test_rollout import PROMPTS as ROLLOUT_PROMPTS, lively
 
     model, tok = build_model(preset).cuda().eval(), load_tokenizer(preset)
     model.load_state_dict(lively(model))
-    rollout = Rollout(preset, config={"device": "cuda", "dtype": "float32"})
+    rollout = Rollout(preset, config={"device": "cuda", "dtype": "float32", "compile_decode": compile_decode})
     rollout.update_weights([lively(rollout.model)], version=1)
     graphs = torch_decode.COUNTS["graph"]
     got = rollout.generate(ROLLOUT_PROMPTS, SamplingParams(temperature=0.0, max_new_tokens=40))

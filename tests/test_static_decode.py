@@ -107,3 +107,21 @@ def test_cpu_default_is_still_the_dynamic_loop():
     before = dict(torch_decode.COUNTS)
     Rollout("tiny_qwen2", config=CPU).generate(PROMPTS, dataclasses.replace(GREEDY, max_new_tokens=4))
     assert torch_decode.COUNTS == before and "cpu" not in torch_decode.STATIC_DEVICES
+
+
+def test_compiled_decode_step_equals_the_eager_step():
+    """rollout.compile_decode: the decode step through torch.compile (on CPU here, without a
+    graph) decodes the same tokens and logprobs, and a second call runs the compiled step again."""
+    model = build_model("tiny_qwen2").eval()
+    model.load_state_dict(lively(model))
+    prompts = [[5, 6, 7, 8, 9], [10, 11], list(range(3, 20))]
+    kw = dict(temperature=0.8, top_k=5, top_p=0.9, max_new_tokens=12, stop_ids=[2], pad_id=0, seeds=[1, 2, 3],
+              graphs=False)
+    want = torch_decode.generate_static(model, prompts, **kw)
+    decoder = torch_decode.StaticDecoder(compile=True)
+    for _ in range(2):
+        got = torch_decode.generate_static(model, prompts, **kw, decoder=decoder)
+        assert got.tokens == want.tokens and got.finish_reasons == want.finish_reasons
+        torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
+    assert decoder.decode is not torch_decode.decode_step
+

@@ -217,13 +217,16 @@ class StaticDecoder:
     """Decode buffers and the decode step's CUDA graph kept from one `generate_static` call to
     the next: a call whose bucket `fits` them reuses the buffers, and replays the graph when its
     sampling settings and the model's tensors (addresses) are those it was captured with. A
-    call that does not fit drops them first. `release()` frees them (Rollout.sleep)."""
+    call that does not fit drops them first. `release()` frees them (Rollout.sleep).
+    `compile`: the decode step runs through `torch.compile` (fused kernels; compiled once per
+    buffer size and sampling setting, before its graph is captured)."""
 
-    def __init__(self):
+    def __init__(self, compile: bool = False):
         self.buffers: Optional[_Buffers] = None
         self.graph: Optional["torch.cuda.CUDAGraph"] = None
         self.graph_key: Optional[tuple] = None
         self.stops: Optional[torch.Tensor] = None
+        self.decode = torch.compile(decode_step, dynamic=False) if compile else decode_step
 
     def release(self) -> int:
         """Drop the buffers and the graph (its memory pool with it); returns the buffers' bytes."""
@@ -241,6 +244,33 @@ class StaticDecoder:
         self.release()  # before allocating: never both at once
         self.buffers = _Buffers(model, want, device)
         return self.buffers
+
+
+def record(b: _Buffers, logits: torch.Tensor, stops: torch.Tensor, temperature: float, top_k: int,
+           top_p: float, pad_id: int) -> None:
+    """Sample every row's next token from `logits` [rows, V] at step `b.step`, write it and its
+    logprob to the outputs, mark rows that hit a stop token, advance the step."""
+    tok, logprob = sample_rows(logits.float(), temperature, top_k, top_p, b.seeds, b.step)
+    tok = tok.masked_fill(b.done, pad_id)
+    b.out_tokens.index_copy_(1, b.step, tok[:, None])
+    b.out_logprobs.index_copy_(1, b.step, logprob[:, None].float())
+    hit = ~b.done & (tok[:, None] == stops).any(-1)
+    b.stopped_at.copy_(torch.where(hit, b.step, b.stopped_at))
+    b.done.logical_or_(hit)
+    b.token.copy_(tok)
+    b.step.add_(1)
+
+
+def decode_step(model, b: _Buffers, stops: torch.Tensor, settings: tuple) -> None:
+    """One decode step: feed the last sampled token at slot `b.slot`, attend over the filled
+    slots, `record` the next one. Reads and writes only `b`'s tensors (a CUDA graph replays it).
+    `settings`: (temperature, top_k, top_p, pad_id)."""
+    b.valid.index_fill_(1, b.slot, True)
+    logits = model(input_ids=b.token[:, None], attention_mask=b.valid[:, None, None, :], position_ids=b.position,
+                   past_key_values=b.cache, use_cache=True).logits
+    record(b, logits[:, -1], stops, *settings)
+    b.position.add_(1)
+    b.slot.add_(1)
 
 
 def _graph_key(model, temperature: float, top_k: int, top_p: float, pad_id: int, stops: Sequence[int]) -> tuple:
@@ -293,17 +323,6 @@ def generate_static(model, prompts: Sequence[Sequence[int]], *, temperature: flo
     b.out_tokens.fill_(pad_id)
     b.out_logprobs.zero_()
 
-    def record(logits: torch.Tensor) -> None:
-        tok, logprob = sample_rows(logits.float(), temperature, top_k, top_p, b.seeds, b.step)
-        tok = tok.masked_fill(b.done, pad_id)
-        b.out_tokens.index_copy_(1, b.step, tok[:, None])
-        b.out_logprobs.index_copy_(1, b.step, logprob[:, None].float())
-        hit = ~b.done & (tok[:, None] == stops).any(-1)
-        b.stopped_at.copy_(torch.where(hit, b.step, b.stopped_at))
-        b.done.logical_or_(hit)
-        b.token.copy_(tok)
-        b.step.add_(1)
-
     cfg = model.config
     saved_attention = cfg._attn_implementation
     cfg._attn_implementation = ATTENTION
@@ -314,20 +333,16 @@ def generate_static(model, prompts: Sequence[Sequence[int]], *, temperature: flo
         cache.slots, cache.visible = torch.arange(width, device=device), width
         out = model(input_ids=ids, attention_mask=prefill_mask[:, None], position_ids=positions,
                     past_key_values=cache, use_cache=True, logits_to_keep=1)
-        record(out.logits[:, -1])
+        record(b, out.logits[:, -1], stops, temperature, top_k, top_p, pad_id)
         del out
         cache.slots, cache.visible = b.slot, length
         b.slot.fill_(width)
         b.position.copy_(positions[:, -1:] + 1)
-        decode_mask = b.valid[:, None, None, :]
 
-        def decode() -> None:  # feeds the last sampled token at slot `b.slot`
-            b.valid.index_fill_(1, b.slot, True)
-            logits = model(input_ids=b.token[:, None], attention_mask=decode_mask, position_ids=b.position,
-                           past_key_values=cache, use_cache=True).logits
-            record(logits[:, -1])
-            b.position.add_(1)
-            b.slot.add_(1)
+        settings = (temperature, top_k, top_p, pad_id)
+
+        def decode() -> None:
+            decoder.decode(model, b, stops, settings)
 
         taken = 1
         if replay:

@@ -204,10 +204,10 @@ class TorchTrainEngine(DataParallelCollectives):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Logits [B, T, V] of the model (HF layout: row t predicts token t + 1)."""
-        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
-        with self.autocast():
+        with self.autocast():  # packing indexes the mask where it is: from the host, without waiting
             if self.kernels.packing and bool(attention_mask.any()):
                 return packed_forward(self.model, input_ids, attention_mask, run=self._compiled)
+            input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
             run = self.model if self._compiled is None else self._compiled
             out = run(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         return out.logits
@@ -216,15 +216,15 @@ class TorchTrainEngine(DataParallelCollectives):
                        temperature: float) -> torch.Tensor:
         """`torch_engine.token_logprobs` of the model's logits (0 on padding) without the
         [B, T, V] float32 logits: last hidden states, then the output head chunk by chunk."""
-        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
         with self.autocast():
             if self.kernels.packing and bool(attention_mask.any()):
                 hidden = packed_forward(self.model, input_ids, attention_mask, base=True)
             else:
+                input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
                 hidden = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask,
                                                use_cache=False).last_hidden_state
-        return chunked_token_logprobs(hidden, self.model.get_output_embeddings(), input_ids, attention_mask,
-                                      temperature)
+        return chunked_token_logprobs(hidden, self.model.get_output_embeddings(), input_ids.to(self.device),
+                                      attention_mask.to(self.device), temperature)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Accumulate this micro-batch's gradients (engines with their own hooks override it)."""

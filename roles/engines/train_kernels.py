@@ -92,23 +92,35 @@ def packed_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                    base: bool = False) -> torch.Tensor:
     """The model's output for the real tokens packed into one sequence, scattered back to
     [B, T, ...] (zero on padding): logits, or with `base` the last hidden states of
-    `model.base_model`. `run` calls the module (a compiled forward); default: the module."""
-    valid = attention_mask.bool()
-    lengths = valid.sum(1)
-    ids = input_ids[valid][None]
-    positions = (valid.long().cumsum(1) - 1)[valid][None]
-    cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
-    target = model.base_model if base else model
+    `model.base_model`. `run` calls the module (a compiled forward); default: the module.
+    The packing indices are computed where `attention_mask` is: given host tensors, nothing
+    here waits for the device (they reach it through pinned memory)."""
     if model.config._attn_implementation != PACKED_ATTENTION:
         raise RuntimeError(f"packed_forward needs model.config._attn_implementation = '{PACKED_ATTENTION}' "
                            "(use_packing sets it)")
+    device = model.get_input_embeddings().weight.device
+    valid = attention_mask.bool()
+    lengths = valid.sum(1)
+    longest = int(lengths.max())
+    ids = input_ids.to(valid.device)[valid][None]
+    positions = (valid.long().cumsum(1) - 1)[valid][None]
+    cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+    flat = valid.reshape(-1).nonzero()[:, 0]  # where each packed token sits in [B * T]
+    ids, positions, cu, flat = (_to(t, device) for t in (ids, positions, cu, flat))
+    target = model.base_model if base else model
     out = (target if run is None else run)(input_ids=ids, position_ids=positions, cu_seq_lens_q=cu,
-                                           cu_seq_lens_k=cu, max_length_q=int(lengths.max()),
-                                           max_length_k=int(lengths.max()), use_cache=False)
+                                           cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest,
+                                           use_cache=False)
     packed = (out.last_hidden_state if base else out.logits)[0]
-    full = packed.new_zeros(*input_ids.shape, packed.shape[-1])
-    full[valid] = packed
-    return full
+    full = packed.new_zeros(valid.numel(), packed.shape[-1]).index_copy(0, flat, packed)
+    return full.view(*valid.shape, packed.shape[-1])
+
+
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device`; host to CUDA through pinned memory, without waiting for the device."""
+    if t.device.type == "cpu" and device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
