@@ -587,6 +587,7 @@ def train(args) -> dict:
                    for seed in range(args.warmup_steps + args.steps)]
         for kind, variant in variants:
             cuda = args.device.startswith("cuda")
+            torch._dynamo.reset()  # an earlier variant's compiled code (and its guards) is not this one's
             if cuda:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
