@@ -576,18 +576,47 @@ def teacher_forward(args, rows: int, tokens: int, batches: list, flops_per_token
     return results
 
 
+def train_variants(args) -> list[dict]:
+    """A row per shape for each variant, each variant measured in a process of its own (as a run
+    has it: no other model's memory, compiled code or guards beside it), in shape order."""
+    variants = [("plain", None), ("trainer", "{}")] + [("trainer", v) for v in args.train_variant or []]
+    runs = []
+    for index, (kind, variant) in enumerate(variants):
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+            part = f.name
+        cmd = [sys.executable, str(Path(__file__).resolve()), *sys.argv[1:], "--variant-index", str(index),
+               "--out", part]
+        try:
+            code = subprocess.run(cmd, cwd=ROOT, timeout=args.timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+        text = Path(part).read_text()
+        rows = json.loads(text)["runs"] if text.strip() else []
+        if code or not rows:
+            rows = [{"variant": kind if variant is None else f"trainer {variant}", "rows": r, "tokens": t,
+                     "error": f"its process exited with {code}"} for r, t in
+                    [map(int, shape.split("x")) for shape in args.train_shape]]
+        runs.append(rows)
+    return [row for shape in zip(*runs) for row in shape]
+
+
 def train(args) -> dict:
     model = build_model(args.model)
     params, vocab = sum(t.numel() for t in model.parameters()), model.config.vocab_size
     variants = [("plain", None), ("trainer", "{}")] + [("trainer", v) for v in args.train_variant or []]
-    results, teachers = [], []
+    if args.variant_index is None:
+        results = train_variants(args)
+        variants = []  # measured above; the teacher forward runs here
+    else:
+        variants = variants[args.variant_index:args.variant_index + 1]
+        results = []
+    teachers = []
     for rows, tokens in [map(int, shape.split("x")) for shape in args.train_shape]:
         micro = min(rows, args.micro_batch * 320 // tokens or 1)  # about the same tokens per micro-batch
         batches = [train_batch(rows, tokens, vocab, args.ragged, seed)
                    for seed in range(args.warmup_steps + args.steps)]
         for kind, variant in variants:
             cuda = args.device.startswith("cuda")
-            torch._dynamo.reset()  # an earlier variant's compiled code (and its guards) is not this one's
             if cuda:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
@@ -627,10 +656,12 @@ def train(args) -> dict:
             results.append(row)
             print(json.dumps(row), flush=True)
             Path(args.out).write_text(json.dumps({"runs": results}, indent=1))
-        if args.teacher_variant:  # a forward is a third of a train step's FLOPs
+        if args.teacher_variant and args.variant_index is None:  # a forward is a third of a train step's FLOPs
             flops_per_token = train_flops_per_token(params, model.config, tokens) / 3
             teachers += teacher_forward(args, rows, tokens, batches, flops_per_token, args.device.startswith("cuda"))
             Path(args.out).write_text(json.dumps({"runs": results, "teacher": teachers}, indent=1))
+    if args.variant_index is not None:
+        return {"runs": results}
     for row in results:
         base = next((r for r in results if r["variant"] == "plain" and r["rows"] == row["rows"]
                      and r["tokens"] == row["tokens"] and "error" not in r), None)
@@ -671,7 +702,8 @@ def main() -> None:
     p.add_argument("mode", nargs="?", default="cycle", choices=["generate", "generate-one", "cycle", "train"])
     p.add_argument("--model", default="qwen2_0p5b")
     p.add_argument("--out", default="gpu_throughput.json")
-    p.add_argument("--timeout-s", type=float, default=900, help="generate: limit per engine's subprocess")
+    p.add_argument("--timeout-s", type=float, default=900, help="generate, train: limit per engine's (variant's) "
+                   "subprocess")
     g = p.add_argument_group("generate")
     g.add_argument("--rows", type=int, nargs="+", default=[64, 512], help="completions per generate call")
     g.add_argument("--engines", nargs="+", choices=["hf", "torch", "vllm"], help="default: all three")
@@ -699,6 +731,7 @@ def main() -> None:
     t.add_argument("--train-variant", action="append", help="JSON dict of trainer keys (packing, compile, "
                    "activation_checkpointing, chunked_logprobs, optimizer, ...); repeat for several")
     t.add_argument("--ragged", action="store_true", help="row lengths uniform in [TOKENS/4, TOKENS]")
+    t.add_argument("--variant-index", type=int, help=argparse.SUPPRESS)  # a variant's own process
     t.add_argument("--warmup-steps", type=int, default=2)
     t.add_argument("--profile-dir", help="write a torch.profiler summary of one more step per variant here")
     t.add_argument("--teacher-variant", action="append", help="JSON dict of TeacherConfig forward options "

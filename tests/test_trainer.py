@@ -160,6 +160,23 @@ def test_optimizer_kernels_give_the_same_update(batch, optimizer):
         resolve_trainer_config({"optimizer": "sgd"})
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_fused"])
+def test_a_non_finite_gradient_norm_skips_the_update(batch, optimizer):
+    """A step whose gradient norm is not finite changes no weight, optimizer step or lr; the
+    fused kernel skips it on the device (found_inf) without the host reading the norm first."""
+    trainer = Trainer(MODEL, config(optimizer=optimizer, warmup_steps=2))
+    trainer.train_step(batch)
+    before, lr = weights(trainer), trainer.engine.current_lr()
+    nan_loss = lambda logprobs, mb, extras: ((logprobs * float("nan")).sum(), {})
+    trainer.loss_fn = nan_loss
+    out = trainer.train_step(batch)
+    assert not math.isfinite(out["grad_norm"]) and out["step"] == 1.0
+    assert trainer.engine.current_lr() == lr
+    for name, w in weights(trainer).items():
+        assert torch.equal(w, before[name]), name
+    assert not hasattr(trainer.engine.optimizer, "found_inf")
+
+
 def test_loss_function_contract(batch):
     """The loss sees aligned logprobs, aligned logits/entropy on request, and global counts."""
     seen = []

@@ -255,10 +255,18 @@ class TorchTrainEngine(DataParallelCollectives):
         """Clip, step AdamW and the schedule, clear gradients. Returns (grad norm before
         clipping, whether the update was applied: a non-finite norm skips it)."""
         max_norm = grad_clip if grad_clip > 0 else float("inf")
-        norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
-        applied = math.isfinite(norm)
-        if applied:
+        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        if self.optimizer.defaults.get("fused"):
+            # The fused kernel skips the update itself where found_inf is 1 (as under a GradScaler),
+            # so the device runs it before the host reads the norm.
+            self.optimizer.found_inf = (~torch.isfinite(norm)).float()
             self.optimizer.step()
+            del self.optimizer.found_inf
+        norm = float(norm)
+        applied = math.isfinite(norm)
+        if applied and not self.optimizer.defaults.get("fused"):
+            self.optimizer.step()
+        if applied:
             self.scheduler.step()
             self.step += 1
         self.optimizer.zero_grad(set_to_none=True)
