@@ -133,7 +133,7 @@ class RolloutGenerate:
     `request_form` (REQUEST_FORMS) sends the engine other forms of the same requests."""
 
     def __init__(self, model: str, device: str, engine: str, options: dict, max_rows: int,
-                 request_form: str = "rollout", compile_decode: bool = False):
+                 request_form: str, compile_decode: bool):
         t0 = time.perf_counter()
         config = {"device": device, "dtype": "bfloat16" if device.startswith("cuda") else None,
                   "max_batch_size": max_rows, "compile_decode": compile_decode}

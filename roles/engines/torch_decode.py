@@ -221,7 +221,7 @@ class StaticDecoder:
     `compile`: the decode step runs through `torch.compile` (fused kernels; compiled once per
     buffer size and sampling setting, before its graph is captured)."""
 
-    def __init__(self, compile: bool = False):
+    def __init__(self, compile: bool):
         self.buffers: Optional[_Buffers] = None
         self.graph: Optional["torch.cuda.CUDAGraph"] = None
         self.graph_key: Optional[tuple] = None
@@ -296,7 +296,7 @@ def generate_static(model, prompts: Sequence[Sequence[int]], *, temperature: flo
     if max_new_tokens <= 0 or not count:
         return Generated([[] for _ in prompts], [[] for _ in prompts], ["length"] * count)
     graphs = (CUDA_GRAPHS if graphs is None else graphs) and device.type == "cuda"
-    decoder = decoder if decoder is not None else StaticDecoder()
+    decoder = decoder if decoder is not None else StaticDecoder(compile=False)
     width = max(len(p) for p in prompts)
     b = decoder.take(model, bucket(count, width, max_new_tokens, graphs), device)
     rows, length = b.size.rows, b.size.length
