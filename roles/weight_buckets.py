@@ -5,12 +5,14 @@ A bucket is a list of (HF name, tensor) pairs packed into one flat byte buffer, 
 tensor at a 64-byte aligned offset, so any dtype mix travels as bytes and is unpacked as
 views. A checksum is an integer sum of the tensors' bytes as int64 words ("full": every
 word; "sample": one per 4 KiB page), weighted by position: exact in any summation order,
-where float sums differ with thread counts.
+where float sums differ with thread counts. Paths whose receivers read the packed buffer
+itself (PACKED_PATHS) checksum the buffer in one pass (`packed_checksum`); the others sum
+tensor by tensor (`bucket_checksum`).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -20,6 +22,9 @@ _MASK = 2**64 - 1
 # checksum="sample" reads one 8-byte word per 4 KiB (a page: stale, torn or misplaced pages
 # and swapped tensors show) at ~3% of a full pass; "full" reads every byte (~half a copy).
 STRIDES = {"full": 1, "sample": 512}
+# Paths whose receivers read the sender's packed buffer as it is (a shared-memory file, an
+# object-store array): their checksums are `packed_checksum`s of that buffer.
+PACKED_PATHS = ("shm", "object_store")
 
 
 class ChecksumError(RuntimeError):
@@ -67,14 +72,31 @@ def pack(bucket: Sequence[tuple[str, torch.Tensor]], layout: BucketLayout, out: 
         out[off:off + src.numel()].copy_(src)
 
 
+def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
+    return int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+
+
 def unpack(buf: torch.Tensor, layout: BucketLayout) -> list[tuple[str, torch.Tensor]]:
     """(name, view) pairs over a packed uint8 buffer; nothing is copied."""
     out = []
     for name, shape, dtype, off in zip(layout.names, layout.shapes, layout.dtypes, layout.offsets):
-        dt = getattr(torch, dtype)
-        n = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dt).element_size()
-        out.append((name, buf[off:off + n].view(dt).view(shape)))
+        n = _nbytes(shape, dtype)
+        out.append((name, buf[off:off + n].view(getattr(torch, dtype)).view(shape)))
     return out
+
+
+def packed_checksum(buf: torch.Tensor, layout: BucketLayout, stride: int = 1) -> int:
+    """Checksum of a packed bucket in one pass: the int64 words of `buf[:layout.nbytes]` (the
+    alignment padding travels with the tensors), every `stride`-th word plus each tensor's last
+    word, each weighted by its position + 1 (moved or swapped tensors show), summed with wrap-around."""
+    words = buf[:layout.nbytes]
+    if words.data_ptr() % 8:
+        words = words.clone()
+    words = words.view(torch.int64)
+    last = [(off + max(_nbytes(shape, dtype), 1) - 1) // 8
+            for shape, dtype, off in zip(layout.shapes, layout.dtypes, layout.offsets)]
+    index = torch.cat([torch.arange(0, words.numel(), stride), torch.tensor(last, dtype=torch.long)]).to(words.device)
+    return int((words[index] * (index + 1)).sum()) & _MASK
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
@@ -99,10 +121,17 @@ def bucket_checksum(pairs: Sequence[tuple[str, torch.Tensor]], stride: int = 1) 
     return sum((i + 1) * tensor_checksum(t, stride) for i, (_, t) in enumerate(pairs)) & _MASK
 
 
-def verify(manifest: Manifest, index: int, pairs: Sequence[tuple[str, torch.Tensor]]) -> None:
+def verify(manifest: Manifest, index: int, pairs: Sequence[tuple[str, torch.Tensor]],
+           buf: Optional[torch.Tensor] = None) -> None:
+    """Raise ChecksumError unless bucket `index` (its `pairs`, or for PACKED_PATHS its packed
+    `buf`) has the checksum the sender computed."""
     if not manifest.checksums:
         return
-    got, want = bucket_checksum(pairs, manifest.stride), manifest.checksums[index]
+    if manifest.path in PACKED_PATHS:
+        got = packed_checksum(buf, manifest.buckets[index], manifest.stride)
+    else:
+        got = bucket_checksum(pairs, manifest.stride)
+    want = manifest.checksums[index]
     if got != want:
         names = manifest.buckets[index].names
         raise ChecksumError(

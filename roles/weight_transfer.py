@@ -35,7 +35,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from roles.weight_buckets import STRIDES, BucketLayout, Manifest, bucket_checksum, layout_of, pack, unpack, verify
+from roles.weight_buckets import (PACKED_PATHS, STRIDES, BucketLayout, Manifest, bucket_checksum, layout_of, pack,
+                                  packed_checksum, unpack, verify)
 
 PATHS = ("cuda_ipc", "shm", "collective", "object_store", "file")
 SHM_PREFIX = "rayroles-weights-"
@@ -195,7 +196,9 @@ class WeightSender:
                     pack(bucket, layout, buf)
                     if path == "object_store":
                         payload.append(buf.numpy())
-                if sums:
+                    if checksum:
+                        manifest.checksums.append(packed_checksum(buf, layout, stride))
+                if sums and path == "file":
                     manifest.checksums.append(sums(bucket))
             if path == "file":
                 _prune_files(manifest.location, len(buckets))
@@ -288,20 +291,22 @@ class WeightReceiver:
         if path == "collective":
             manifest, buckets = self._receive_broadcast(channel, seq)
         elif path == "shm":
-            buckets = [unpack(self._shm_view(f"{manifest.location}-{i}", layout.nbytes), layout)
-                       for i, layout in enumerate(manifest.buckets)]
+            bufs = [self._shm_view(f"{manifest.location}-{i}", layout.nbytes)
+                    for i, layout in enumerate(manifest.buckets)]
         elif path == "object_store":
             with warnings.catch_warnings():  # zero-copy views of read-only object-store arrays; only read
                 warnings.simplefilter("ignore", UserWarning)
-                buckets = [unpack(torch.from_numpy(a), layout) for a, layout in zip(payload, manifest.buckets)]
+                bufs = [torch.from_numpy(a) for a in payload]
         elif path == "file":
             buckets = [self._read_file(manifest, i) for i in range(len(manifest.buckets))] if manifest.checksums else []
         elif path == "cuda_ipc":  # the sender's device memory, mapped for this call only
             buckets = [[(n, rebuild(*args)) for n, (rebuild, args) in b] for b in payload]
         else:
             raise ValueError(f"unknown weight sync path {path!r}; choose one of {PATHS}")
+        if path in PACKED_PATHS:
+            buckets = [unpack(buf, layout) for buf, layout in zip(bufs, manifest.buckets)]
         for i, pairs in enumerate(buckets):
-            verify(manifest, i, pairs)
+            verify(manifest, i, pairs, bufs[i] if path in PACKED_PATHS else None)
         if path == "file":  # loaded by the engine itself (it may only read from disk)
             self.update_weights_from_path(manifest.location, manifest.version)
         else:

@@ -250,6 +250,32 @@ def test_local_backend_paths_and_checks():
             check_settings(WeightSyncConfig(**bad))
 
 
+def test_packed_checksum_reads_the_buffer_once_and_catches_what_the_tensor_sums_catch():
+    """shm and object_store buckets are checksummed as their packed buffer: swapped tensors,
+    a sampled word and each tensor's last word show; with "full" every word does."""
+    import torch
+
+    from roles.weight_buckets import layout_of, pack, packed_checksum
+
+    def packed(pairs):
+        layout = layout_of(pairs)
+        buf = torch.zeros(layout.nbytes, dtype=torch.uint8)
+        pack(pairs, layout, buf)
+        return buf, layout
+
+    a, b = torch.arange(6.0), torch.arange(6.0).flip(0)
+    assert packed_checksum(*packed([("x", a), ("y", b)])) != packed_checksum(*packed([("x", b), ("y", a)]))
+    page, odd = torch.zeros(2048), torch.zeros(3, dtype=torch.bfloat16)  # 8 KiB, then a 6-byte tensor
+    buf, layout = packed([("p", page), ("o", odd)])
+    clean = packed_checksum(buf, layout, 512)
+    for byte, stride, caught in ((512 * 8, 512, True), (1023 * 8, 512, True), (5 * 8, 512, False), (5 * 8, 1, True),
+                                 (8192 + 5, 512, True)):  # 8192 + 5: the last byte of the bf16 tensor
+        bad = buf.clone()
+        bad[byte] ^= 1
+        assert (packed_checksum(bad, layout, stride) != packed_checksum(buf, layout, stride)) == caught, byte
+    assert packed_checksum(buf, layout, 512) == clean
+
+
 def test_checksum_catches_swapped_tensors_and_teacher_checks_names():
     from roles.weight_buckets import bucket_checksum
 
