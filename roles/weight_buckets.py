@@ -11,10 +11,11 @@ tensor by tensor (`bucket_checksum`).
 """
 from __future__ import annotations
 
+import functools
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-import numpy as np
 import torch
 
 ALIGN = 64
@@ -72,8 +73,13 @@ def pack(bucket: Sequence[tuple[str, torch.Tensor]], layout: BucketLayout, out: 
         out[off:off + src.numel()].copy_(src)
 
 
+@functools.lru_cache(maxsize=None)
+def _itemsize(dtype: str) -> int:
+    return torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+
+
 def _nbytes(shape: tuple[int, ...], dtype: str) -> int:
-    return int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+    return math.prod(shape) * _itemsize(dtype)
 
 
 def unpack(buf: torch.Tensor, layout: BucketLayout) -> list[tuple[str, torch.Tensor]]:
