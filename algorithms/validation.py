@@ -95,6 +95,9 @@ def check_run(cfg: Any, plan: Plan, updates: Optional[int] = None) -> None:
     check_weight_sync(cfg.weight_sync)
     check_vllm_tensor_parallel(cfg, plan)
     require_all(cfg.rollout, "rollout", {"max_batch_size": AT_LEAST_1})
+    require(cfg.backend.rollout == "torch" or not cfg.rollout.compile_decode, "rollout.compile_decode", True,
+            f"compiles the torch engine's decode step; backend.rollout={cfg.backend.rollout} compiles its own",
+            "set rollout.compile_decode=false (vLLM: vllm.enforce_eager=false compiles with CUDA graphs)")
     require(cfg.rollout.dtype in MODEL_DTYPES, "rollout.dtype", cfg.rollout.dtype, "is not a weight dtype",
             f"use one of {list(MODEL_DTYPES)}")
     require_all(cfg.cluster, "cluster", {"placement_timeout_s": POSITIVE, "call_timeout_s": NON_NEGATIVE,

@@ -33,6 +33,7 @@ CASES = [
     ("grpo", "run.loggers=[tensorboard]", "run.loggers"),
     ("sft", "cluster.call_timeout_s=-5", "cluster.call_timeout_s"),
     ("sft", "cluster.inline_object_mb=-1", "cluster.inline_object_mb"),
+    ("grpo", "backend.rollout=vllm rollout.compile_decode=true", "rollout.compile_decode"),
     # the trainer
     ("sft", "trainer.lr=-1e-3", "trainer.lr"),
     ("grpo", "trainer.lr=0", "trainer.lr"),
