@@ -256,7 +256,8 @@ class TorchTrainEngine(DataParallelCollectives):
         clipping, whether the update was applied: a non-finite norm skips it)."""
         max_norm = grad_clip if grad_clip > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
-        if self.optimizer.defaults.get("fused"):
+        fused = bool(self.optimizer.defaults.get("fused"))
+        if fused:
             # The fused kernel skips the update itself where found_inf is 1 (as under a GradScaler),
             # so the device runs it before the host reads the norm.
             self.optimizer.found_inf = (~torch.isfinite(norm)).float()
@@ -264,7 +265,7 @@ class TorchTrainEngine(DataParallelCollectives):
             del self.optimizer.found_inf
         norm = float(norm)
         applied = math.isfinite(norm)
-        if applied and not self.optimizer.defaults.get("fused"):
+        if applied and not fused:
             self.optimizer.step()
         if applied:
             self.scheduler.step()
