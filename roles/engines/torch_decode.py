@@ -333,13 +333,12 @@ def generate_static(model, prompts: Sequence[Sequence[int]], *, temperature: flo
         cache.slots, cache.visible = torch.arange(width, device=device), width
         out = model(input_ids=ids, attention_mask=prefill_mask[:, None], position_ids=positions,
                     past_key_values=cache, use_cache=True, logits_to_keep=1)
-        record(b, out.logits[:, -1], stops, temperature, top_k, top_p, pad_id)
+        settings = (temperature, top_k, top_p, pad_id)
+        record(b, out.logits[:, -1], stops, *settings)
         del out
         cache.slots, cache.visible = b.slot, length
         b.slot.fill_(width)
         b.position.copy_(positions[:, -1:] + 1)
-
-        settings = (temperature, top_k, top_p, pad_id)
 
         def decode() -> None:
             decoder.decode(model, b, stops, settings)
