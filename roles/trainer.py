@@ -330,8 +330,10 @@ class Trainer(WeightSender):
         keys = sorted(weighted)
         if empty_ranks:  # a rank without rows ran no loss: every rank sums the same metric names
             keys = sorted(set().union(*self.engine.all_gather_object(keys)))
-        totals = self.engine.all_reduce_sum(host_floats([loss_sum] + [weighted.get(k, 0.0) for k in keys]))
+        # The update is queued before the metrics are read: the device is not left waiting for the
+        # host to launch it (the loss and metric tensors are copies the update does not touch).
         grad_norm, _ = self.engine.optimizer_step(self.config.grad_clip)
+        totals = self.engine.all_reduce_sum(host_floats([loss_sum] + [weighted.get(k, 0.0) for k in keys]))
         out = {"loss": totals[0], "grad_norm": grad_norm, "lr": lr, "tokens": global_tokens,
                "sequences": global_sequences, "step": float(self.engine.step)}
         out.update({k: v / max(global_tokens, 1.0) for k, v in zip(keys, totals[1:])})

@@ -140,11 +140,18 @@ def test_packed_flash_varlen_attention_equals_attention_row_by_row():
 
     gen = torch.Generator("cuda").manual_seed(0)
     cu = torch.tensor([0, 5, 5, 40, 41, 100], dtype=torch.int32, device="cuda")
-    q, k, v = (torch.randn(100, h, 64, device="cuda", generator=gen, dtype=torch.bfloat16) for h in (14, 2, 2))
+    q, k, v = (torch.randn(100, h, 64, device="cuda", generator=gen, dtype=torch.bfloat16).requires_grad_()
+               for h in (14, 2, 2))
     got = _varlen(q, k, v, cu, 59, 0.125)
     want = rows_attention(q, k.repeat_interleave(7, 1), v.repeat_interleave(7, 1), cu, 0.125)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
     assert (got.float() - want.float()).abs().mean() < 2e-3
+    # Gradients too: grouped keys and values (2 heads for 14 queries) sum their group's share.
+    grad_out = torch.randn(got.shape, device="cuda", generator=gen, dtype=torch.bfloat16)
+    got_grads = torch.autograd.grad(got, (q, k, v), grad_out)
+    want_grads = torch.autograd.grad(want, (q, k, v), grad_out)
+    for name, g, w in zip("qkv", got_grads, want_grads):
+        torch.testing.assert_close(g.float(), w.float(), atol=5e-2, rtol=5e-2, msg=name)
 
 
 @pytest.mark.parametrize("options", [{"compile": True}, {"compile": True, "packing": True},

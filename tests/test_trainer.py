@@ -160,6 +160,26 @@ def test_optimizer_kernels_give_the_same_update(batch, optimizer):
         resolve_trainer_config({"optimizer": "sgd"})
 
 
+def test_the_fused_kernel_clips_as_clip_grad_norm(batch):
+    """adamw_fused clips by dividing the gradients inside the kernel (grad_scale); the update equals
+    clip_grad_norm_ then the per-tensor kernel, and differs from an unclipped one (a large adam_eps
+    lets the gradient scale show in the update)."""
+    def run(optimizer, grad_clip):
+        trainer = Trainer(MODEL, config(optimizer=optimizer, grad_clip=grad_clip, adam_eps=1e-3))
+        norms = [trainer.train_step(batch)["grad_norm"] for _ in range(2)]
+        return weights(trainer), norms
+
+    fused, norms = run("adamw_fused", 0.05)
+    assert min(norms) > 0.05  # clipping acted on both steps
+    reference, reference_norms = run("adamw_for_loop", 0.05)
+    assert norms == pytest.approx(reference_norms, rel=1e-5)
+    unclipped, _ = run("adamw_fused", 0.0)
+    for name, w in reference.items():
+        torch.testing.assert_close(fused[name], w, atol=1e-6, rtol=1e-5, msg=name)
+    assert max(float((unclipped[n] - w).abs().max()) for n, w in reference.items()) > 1e-4
+    assert not hasattr(Trainer(MODEL, config(optimizer="adamw_fused")).engine.optimizer, "grad_scale")
+
+
 @pytest.mark.parametrize("optimizer", ["adamw", "adamw_fused"])
 def test_a_non_finite_gradient_norm_skips_the_update(batch, optimizer):
     """A step whose gradient norm is not finite changes no weight, optimizer step or lr; the

@@ -255,14 +255,19 @@ class TorchTrainEngine(DataParallelCollectives):
         """Clip, step AdamW and the schedule, clear gradients. Returns (grad norm before
         clipping, whether the update was applied: a non-finite norm skips it)."""
         max_norm = grad_clip if grad_clip > 0 else float("inf")
-        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
         fused = bool(self.optimizer.defaults.get("fused"))
         if fused:
-            # The fused kernel skips the update itself where found_inf is 1 (as under a GradScaler),
-            # so the device runs it before the host reads the norm.
+            # The fused kernel divides the gradients by grad_scale as it reads them (clipping without
+            # a pass that rewrites them) and skips the update where found_inf is 1, as under a
+            # GradScaler; so the device runs the update before the host reads the norm.
+            norm = torch.nn.utils.get_total_norm([p.grad for p in self.params if p.grad is not None])
+            # clip_grad_norm_'s factor, max_norm / (norm + 1e-6) when below 1, as a divisor.
+            self.optimizer.grad_scale = ((norm + 1e-6) / max_norm).clamp(min=1.0).float()
             self.optimizer.found_inf = (~torch.isfinite(norm)).float()
             self.optimizer.step()
-            del self.optimizer.found_inf
+            del self.optimizer.grad_scale, self.optimizer.found_inf
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
         norm = float(norm)
         applied = math.isfinite(norm)
         if applied and not fused:

@@ -39,19 +39,26 @@ class TrainKernelOptions:
 def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
             scale: Optional[float]) -> torch.Tensor:
     """Causal attention of [N, H, D] queries over [N, Hkv, D] keys within each cu-delimited
-    row: FlashAttention's varlen kernel on CUDA in 16-bit, else one SDPA call per row."""
-    if k.shape[1] != q.shape[1]:
-        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    row: FlashAttention's varlen kernel on CUDA in 16-bit, else one SDPA call per row. Grouped
+    keys and values (fewer heads than the queries) are read per group where the kernel can."""
     if q.is_cuda and torch.is_autocast_enabled("cuda"):  # as autocast does for SDPA (rotary made q, k float32)
         q, k, v = (t.to(torch.get_autocast_dtype("cuda")) for t in (q, k, v))
-    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16):
-        from torch.nn.attention.varlen import varlen_attn
-
-        params = inspect.signature(varlen_attn).parameters
+    flash = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
+    params = inspect.signature(_varlen_kernel()).parameters if flash else {}
+    if k.shape[1] != q.shape[1] and "enable_gqa" not in params:
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+        v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    if flash:
         causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
-        return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale, **causal)
+        gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
+        return _varlen_kernel()(q, k, v, cu, cu, max_len, max_len, scale=scale, **causal, **gqa)
     return rows_attention(q, k, v, cu, scale)
+
+
+def _varlen_kernel():
+    from torch.nn.attention.varlen import varlen_attn
+
+    return varlen_attn
 
 
 def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
