@@ -60,6 +60,9 @@ def test_train_flops_count_every_weight_and_causal_attention(monkeypatch):
     bench = importlib.import_module("train_throughput")
     config = type("C", (), {"num_hidden_layers": 24, "hidden_size": 896})()
     assert bench.train_flops_per_token(100, config, 1024) == 600 + 12 * 24 * 896 * 512
+    # The fastest quarter of the steps: the first quartile, or the fastest of fewer than 4.
+    assert bench.fastest_quarter([0.5, 0.1, 0.4, 0.2, 0.3]) == pytest.approx(0.15)
+    assert bench.fastest_quarter([0.3, 0.2]) == 0.2
 
 
 def test_train_mode_profiles_each_step_and_measures_the_teacher_forward(tmp_path):

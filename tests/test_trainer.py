@@ -160,6 +160,24 @@ def test_optimizer_kernels_give_the_same_update(batch, optimizer):
         resolve_trainer_config({"optimizer": "sgd"})
 
 
+def test_train_and_eval_mode_switch_only_when_they_change(batch):
+    """train_step runs in train mode and logprobs in eval mode; consecutive steps do not walk the
+    submodules again (a switch is counted by the modules whose train() ran)."""
+    trainer = Trainer(MODEL, config())
+    switches = []
+    for module in trainer.model.modules():
+        original = module.train
+        module.train = lambda mode=True, _o=original, _m=module: (switches.append(_m), _o(mode))[1]
+    trainer.train_step(batch)
+    assert trainer.model.training and all(m.training for m in trainer.model.modules())
+    first = len(switches)
+    assert first > 0
+    trainer.train_step(batch)
+    assert len(switches) == first
+    trainer.logprobs(batch)
+    assert not any(m.training for m in trainer.model.modules()) and len(switches) > first
+
+
 def test_the_fused_kernel_clips_as_clip_grad_norm(batch):
     """adamw_fused clips by dividing the gradients inside the kernel (grad_scale); the update equals
     clip_grad_norm_ then the per-tensor kernel, and differs from an unclipped one (a large adam_eps
