@@ -93,10 +93,9 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
                 # Teacher: logprobs at every position (top-k or full vocabulary). Top-k is taken from
                 # the tempered distribution (the loss leaves it as is); full-vocabulary logprobs come
                 # at temperature 1 and the loss tempers them.
-                with turns.turn("teacher", "teacher"):
-                    out = teacher.call("logits", batch, topk, temperature=algo.temperature if topk else 1.0,
-                                       dispatch="slice", collect="flatten")
-                    batch.teacher_logprobs, batch.teacher_indices = out if topk else (out, None)
+                out = turns.call("teacher", "logits", batch, topk, temperature=algo.temperature if topk else 1.0,
+                                 dispatch="slice", collect="flatten", phase="teacher")
+                batch.teacher_logprobs, batch.teacher_indices = out if topk else (out, None)
                 with turns.turn("train"):
                     # Train: one update of the student on the generalized JSD.
                     with log.phase("train", "train"):

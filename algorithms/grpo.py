@@ -167,9 +167,8 @@ def train(cfg: GRPORunConfig, plan: Plan, trainer: Any, rollout: Any, reference:
                                 for k in ("mean", "std", "min", "max")})
                 # Reference logprobs: the initial policy's, for the KL penalty.
                 if reference is not None:
-                    with turns.turn("reference", "ref_logprobs"):
-                        batch.ref_logprobs = reference.call("logprobs", batch, algo.temperature, dispatch="slice",
-                                                            collect="flatten")
+                    batch.ref_logprobs = turns.call("reference", "logprobs", batch, algo.temperature, dispatch="slice",
+                                                    collect="flatten", phase="ref_logprobs")
                 with turns.turn("train"):
                     # Train: steps_per_generation updates, each on its part of the batch.
                     with log.phase("train", "train"):

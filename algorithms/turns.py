@@ -10,7 +10,8 @@ when the rollout works before the next one (its next step generates, or eval is 
 off-policy steps skip it. Turn-taking costs the driver no round trip of its own: an onload or
 wake-up rides on the role's first call of its turn, and an offload or sleep is sent at the end
 of the turn and waited for by the next turn's first call where that runs, not by the driver
-(orchestration/base_group.py: `defer`, `after`). It also closes each step (eval when due, the periodic save, memory
+(orchestration/base_group.py: `defer`, `after`); a turn that is one call (`Turns.call`) carries
+its offload too, after its method (`then`). It also closes each step (eval when due, the periodic save, memory
 figures as they came back with the roles' calls, the metrics record, with `calls/remote`: the
 remote calls the step made, `time/driver`: the step's wall time outside role calls, and
 `time/call_overhead`: the time role calls took beyond their methods' run on the ranks) and
@@ -116,6 +117,24 @@ class Turns:
             yield group
         if offload is not None:
             self._put_back(role, group, "onload", "offload", *offload)
+
+    def call(self, role: str, method: str, *args: Any, phase: Optional[str] = None, **kwargs: Any) -> Any:
+        """A turn of `role` that is one call of `method` (waited for; its value returned), timed as
+        `phase` when given: the onload rides on the call before the method and the offload after
+        it, so the whole turn is one round trip (`turn` sends the offload as a call of its own)."""
+        group, offload = self.roles[role], self.offload[role]
+        if role == "train":
+            self.behind = True
+        self._follow(group)
+        if offload is not None:
+            group.defer("onload")
+            group.then("offload", *offload)
+        with self._surfacing(), self.log.phase(phase, role) if phase else contextlib.nullcontext():
+            value = group.call(method, *args, **kwargs)
+        if offload is not None:
+            for op in ("onload", "offload"):
+                self.log.moved(role, op, [r.get(op) for r in group.deferred_results()])
+        return value
 
     @contextlib.contextmanager
     def rollout_turn(self, version: int, metrics: dict) -> Iterator[Any]:

@@ -160,6 +160,8 @@ class BaseWorkerGroup:
     lockstep: frozenset = frozenset()
     # (method, args) to run on every rank first thing in the next call (`defer`).
     _deferred: tuple = ()
+    # (method, args) to run on every rank right after the next call's method (`then`).
+    _then: tuple = ()
     # rank -> {method: result} of the deferred methods its latest call carried.
     _carried: dict = {}
     # Handles of other groups' calls the next call waits for (`after`).
@@ -175,12 +177,13 @@ class BaseWorkerGroup:
         dsp.check_execute(execute)
         tp = self.tensor_parallel
         before, self._deferred = self._deferred, ()
+        then, self._then = self._then, ()
         deps, self._waits_for = self._waits_for, ()
-        label = "+".join([m for m, _ in before] + [method])  # how an error names the call
+        label = "+".join([m for m, _ in before] + [method] + [m for m, _ in then])  # how an error names the call
         if execute == "first":  # the first engine: rank 0 and its tensor-parallel peers
             shared = self._shared(args, kwargs) if tp > 1 else (args, kwargs)
-            handles = [self._submit(i, method, *shared, before, deps) for i in range(tp)]
-            rest = self._submit_deferred(before, set(range(tp)), deps)
+            handles = [self._submit(i, method, *shared, before, deps, then) for i in range(tp)]
+            rest = self._submit_deferred((*before, *then), set(range(tp)), deps)
             return GroupFuture(lambda timeout: self._finish(handles, label, list(range(tp)), timeout, rest)[0],
                                (*handles, *rest[0]), lambda: self._ready([*handles, *rest[0]]))
         if callable(dispatch):  # a custom dispatch is asked for every rank
@@ -197,9 +200,9 @@ class BaseWorkerGroup:
             key = id(per_worker[i])
             if users[key] > 1 and key not in shared:
                 shared[key] = self._shared(*per_worker[i])
-        handles = [self._submit(i, method, *shared.get(id(per_worker[i]), per_worker[i]), before, deps)
+        handles = [self._submit(i, method, *shared.get(id(per_worker[i]), per_worker[i]), before, deps, then)
                    for i in indices]
-        rest = self._submit_deferred(before, set(indices), deps)
+        rest = self._submit_deferred((*before, *then), set(indices), deps)
 
         def finish(timeout: float | None) -> Any:
             results = self._finish(handles, label, indices, timeout, rest)
@@ -212,6 +215,14 @@ class BaseWorkerGroup:
         A rank the next call does not reach gets it as a call of its own, sent alongside."""
         self._deferred = (*self._deferred, (method, args))
 
+    def then(self, method: str, *args: Any) -> None:
+        """Run `method(*args)` on every rank right after the group's next call's method, inside that
+        call's own round trip (a colocated role's offload rides on the one call of its turn): the
+        call's answer is its method's, and the call finishes once this ran too. Its results come
+        back as the deferred ones do (`deferred_results`). A rank the next call does not reach gets
+        it as a call of its own, sent alongside."""
+        self._then = (*self._then, (method, args))
+
     def after(self, futures: list[GroupFuture]) -> None:
         """The group's next call starts on its ranks only once `futures` (calls of other groups,
         e.g. an offload freeing the devices this group is about to use) have finished. Their
@@ -221,8 +232,8 @@ class BaseWorkerGroup:
         self._waits_for = (*self._waits_for, *(h for f in futures for h in f.handles))
 
     def drop_deferred(self) -> bool:
-        """Forget what `defer` queued; True if something was queued (no call has carried it)."""
-        queued, self._deferred = bool(self._deferred), ()
+        """Forget what `defer` and `then` queued; True if something was queued (no call has carried it)."""
+        queued, self._deferred, self._then = bool(self._deferred or self._then), (), ()
         return queued
 
     def deferred_results(self) -> list:
@@ -230,20 +241,22 @@ class BaseWorkerGroup:
         [{method: result}] in rank order (ranks never called: {})."""
         return [self._carried.get(i, {}) for i in range(self.world_size)]
 
-    def _submit_deferred(self, before: tuple, reached: set[int], deps: tuple) -> tuple[list, list[int]]:
-        """The deferred methods for the ranks a call does not reach, as calls of their own."""
-        if not before:
-            return [], []
+    def _submit_deferred(self, queued: tuple, reached: set[int], deps: tuple) -> tuple[list, list[int], str]:
+        """The `defer` and `then` methods (`queued`, in their order) for the ranks a call does not
+        reach, as calls of their own; returns (handles, ranks, the methods' label)."""
+        if not queued:
+            return [], [], ""
         others = [i for i in range(self.world_size) if i not in reached]
-        method, args = before[-1]
-        return [self._submit(i, method, args, {}, before[:-1], deps) for i in others], others
+        method, args = queued[-1]
+        handles = [self._submit(i, method, args, {}, queued[:-1], deps) for i in others]
+        return handles, others, "+".join(m for m, _ in queued)
 
     def _finish(self, handles: list, label: str, indices: list[int], timeout: float | None,
-                rest: tuple[list, list[int]]) -> list:
+                rest: tuple[list, list[int], str]) -> list:
         results = self._wait(handles, label, indices, timeout)
         if rest[0]:
-            last = label.split("+")[-2]  # the deferred method the ranks not reached ran last
-            for index, value in zip(rest[1], self._wait(rest[0], label.rsplit("+", 1)[0], rest[1], timeout)):
+            last = rest[2].split("+")[-1]  # the queued method the ranks not reached ran last
+            for index, value in zip(rest[1], self._wait(rest[0], rest[2], rest[1], timeout)):
                 self._carried[index] = {**self._carried.get(index, {}), last: value}
         return results
 
@@ -269,9 +282,10 @@ class BaseWorkerGroup:
         """The arguments of one share sent to several ranks, as each rank receives them."""
         return args, kwargs
 
-    def _submit(self, index: int, method: str, args: tuple, kwargs: dict, before: tuple, deps: tuple) -> Any:
-        """Start `method` on rank `index`, after the `before` methods ((method, args) pairs) there,
-        once the calls `deps` (handles, see `after`) finished."""
+    def _submit(self, index: int, method: str, args: tuple, kwargs: dict, before: tuple, deps: tuple,
+                then: tuple = ()) -> Any:
+        """Start `method` on rank `index`, after the `before` methods ((method, args) pairs) there and
+        followed by the `then` ones, once the calls `deps` (handles, see `after`) finished."""
         raise NotImplementedError
 
     def _ready(self, handles: list) -> bool:

@@ -70,16 +70,21 @@ class LocalWorkerGroup(BaseWorkerGroup):
             except Exception as e:
                 raise WorkerError.raised(self.role, i, "__init__", e, traceback.format_exc()) from e
 
-    def _submit(self, index: int, method: str, args: tuple, kwargs: dict, before: tuple = (), deps: tuple = ()) -> Any:
+    def _submit(self, index: int, method: str, args: tuple, kwargs: dict, before: tuple = (), deps: tuple = (),
+                then: tuple = ()) -> Any:
         start = time.perf_counter()
         try:
             args, kwargs = _resolved(args, kwargs)
             with _environ(self._envs[index]):
-                if before:
-                    self._carried[index] = {m: getattr(self.workers[index], m)(*a) for m, a in before}
-                return ("ok", getattr(self.workers[index], method)(*args, **kwargs))
+                worker = self.workers[index]
+                carried = {m: getattr(worker, m)(*a) for m, a in before}
+                value = getattr(worker, method)(*args, **kwargs)
+                carried.update({m: getattr(worker, m)(*a) for m, a in then})
+                if carried:
+                    self._carried[index] = carried
+                return ("ok", value)
         except Exception as e:
-            label = "+".join([m for m, _ in before] + [method])  # as the Ray group names a call
+            label = "+".join([m for m, _ in before] + [method] + [m for m, _ in then])  # as the Ray group names a call
             return ("error", WorkerError.raised(self.role, index, label, e, traceback.format_exc()))
         finally:
             spent = time.perf_counter() - start

@@ -134,10 +134,11 @@ class _RoleHost:
         self.memory = memory if callable(memory) else None
         return n
 
-    def call(self, method: str, before: tuple, /, *args: Any, **kwargs: Any) -> tuple[Any, Any, float, dict]:
-        """The `before` methods ((method, args) pairs, e.g. a turn's onload), then `method`; returns
-        its value, this rank's memory() figures after it (None: the role has none), the seconds
-        all of it ran, and {method: result} of the `before` ones."""
+    def call(self, method: str, before: tuple, then: tuple, /, *args: Any, **kwargs: Any) -> tuple[Any, Any, float, dict]:
+        """The `before` methods ((method, args) pairs, e.g. a turn's onload), then `method`, then the
+        `then` methods (a turn's offload); returns its value, this rank's memory() figures after it
+        all (None: the role has none), the seconds all of it ran, and {method: result} of the
+        `before` and `then` ones."""
         # Arguments arrive top-level, so Ray resolves an ObjectRef passed as one (nested ones stay refs).
         start = time.perf_counter()
         for key in [k for k in kwargs if k.startswith(AFTER_PREFIX)]:  # calls waited for (`after`), done
@@ -149,6 +150,7 @@ class _RoleHost:
                 holder[where] = pick(holder[where][0], key)  # the answer's value
         carried = {name: getattr(self.instance, name)(*margs) for name, margs in before}
         value = getattr(self.instance, method)(*args, **kwargs)
+        carried.update({name: getattr(self.instance, name)(*margs) for name, margs in then})
         spent = time.perf_counter() - start
         return value, (value if method == "memory" else self.memory() if self.memory else None), spent, carried
 
@@ -260,7 +262,7 @@ class WorkerGroup(BaseWorkerGroup):
         self.timeout_s = timeout_s or None  # 0 or None: no bound
         self.restarts_left = restarts
         self.on_restart: Optional[Callable[["WorkerGroup", int], None]] = None
-        self._calls: dict[Any, tuple] = {}  # pending ref -> (rank, method, args, kwargs, before, deps)
+        self._calls: dict[Any, tuple] = {}  # pending ref -> (rank, method, args, kwargs, before, deps, then)
         self._memory: dict[int, Any] = {}  # rank -> its memory() figures after its latest call
         self._carried: dict[int, dict] = {}  # rank -> results of the deferred methods its latest call ran
         self._init = (role_cls, init_args, init_kwargs or {}, env)
@@ -334,7 +336,8 @@ class WorkerGroup(BaseWorkerGroup):
         return {"ENGINE_TP_SIZE": str(tp), "ENGINE_TP_RANK": str(rank % tp),
                 "ENGINE_TP_MASTER_ADDR": leader["ip"], "ENGINE_TP_MASTER_PORT": str(leader["tp_port"])}
 
-    def _submit(self, index: int, method: str, args: tuple, kwargs: dict, before: tuple = (), deps: tuple = ()) -> Any:
+    def _submit(self, index: int, method: str, args: tuple, kwargs: dict, before: tuple = (), deps: tuple = (),
+                then: tuple = ()) -> Any:
         start = time.perf_counter()
         # Calls to wait for, and other calls' answers used as arguments, go as top-level arguments,
         # which Ray resolves before the call runs.
@@ -344,12 +347,12 @@ class WorkerGroup(BaseWorkerGroup):
         if results:
             waits[RESULTS_KEY] = results
         ref = self.workers[index].call.remote(
-            method, before, *(a.future.handles[0] if isinstance(a, ResultOf) else a for a in args),
+            method, before, then, *(a.future.handles[0] if isinstance(a, ResultOf) else a for a in args),
             **{k: v.future.handles[0] if isinstance(v, ResultOf) else v for k, v in kwargs.items()}, **waits)
         CALLS.remote += 1
         CALLS.role_s += time.perf_counter() - start  # serializing the arguments is part of the call
         if self.restarts_left > 0:
-            self._calls[ref] = (index, method, args, kwargs, before, deps)
+            self._calls[ref] = (index, method, args, kwargs, before, deps, then)
         return ref
 
     def _ready(self, handles: list) -> bool:
@@ -400,10 +403,10 @@ class WorkerGroup(BaseWorkerGroup):
             self.on_restart(self, error.rank)
         out = []
         for h in handles:
-            index, method, args, kwargs, before, deps = self._calls[h]
+            index, method, args, kwargs, before, deps, then = self._calls[h]
             if index == error.rank:
                 self._calls.pop(h)
-                h = self._submit(index, method, args, kwargs, before, deps)
+                h = self._submit(index, method, args, kwargs, before, deps, then)
             out.append(h)
         return out
 

@@ -160,11 +160,14 @@ class FakeGroup(BaseWorkerGroup):
         if method != "memory":  # per-step figures, not part of the call order under test
             self.calls.extend((self.role, m, summary(m, a)) for m, a in self._deferred)
             self.calls.append((self.role, method, summary(method, args)))
+            self.calls.extend((self.role, m, summary(m, a)) for m, a in self._then)
         return super().async_call(method, *args, **kwargs)
 
-    def _submit(self, index, method, args, kwargs, before=(), deps=()):
+    def _submit(self, index, method, args, kwargs, before=(), deps=(), then=()):
         self._carried[index] = {m: getattr(self.ranks[index], m)(*a) for m, a in before}
-        return getattr(self.ranks[index], method)(*args, **kwargs)
+        value = getattr(self.ranks[index], method)(*args, **kwargs)
+        self._carried[index].update({m: getattr(self.ranks[index], m)(*a) for m, a in then})
+        return value
 
     def _wait(self, handles, method, indices, timeout):
         return handles

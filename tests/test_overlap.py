@@ -42,12 +42,14 @@ class ThreadGroup(BaseWorkerGroup):
         self.pool = ThreadPoolExecutor(1)
         self._carried = {}
 
-    def _submit(self, index, method, args, kwargs, before=(), deps=()):
+    def _submit(self, index, method, args, kwargs, before=(), deps=(), then=()):
         def run():
             for d in deps:
                 d.result()
             self._carried[index] = {m: getattr(self.rank, m)(*a) for m, a in before}
-            return getattr(self.rank, method)(*args, **kwargs)
+            value = getattr(self.rank, method)(*args, **kwargs)
+            self._carried[index].update({m: getattr(self.rank, m)(*a) for m, a in then})
+            return value
         return self.pool.submit(run)
 
     def _ready(self, handles):
