@@ -96,7 +96,8 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
                 out = turns.call("teacher", "logits", batch, topk, temperature=algo.temperature if topk else 1.0,
                                  dispatch="slice", collect="flatten", phase="teacher")
                 batch.teacher_logprobs, batch.teacher_indices = out if topk else (out, None)
-                with turns.turn("train"):
+                # The trainer's offload rides on its step when no weights go to the rollout after it.
+                with turns.turn("train", one_call=not turns.syncs_after(step, prefetch, algo.max_staleness)):
                     # Train: one update of the student on the generalized JSD.
                     with log.phase("train", "train"):
                         result = trainer.call("train_step", batch, dispatch="slice", collect=common.first)

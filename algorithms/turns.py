@@ -10,8 +10,8 @@ when the rollout works before the next one (its next step generates, or eval is 
 off-policy steps skip it. Turn-taking costs the driver no round trip of its own: an onload or
 wake-up rides on the role's first call of its turn, and an offload or sleep is sent at the end
 of the turn and waited for by the next turn's first call where that runs, not by the driver
-(orchestration/base_group.py: `defer`, `after`); a turn that is one call (`Turns.call`) carries
-its offload too, after its method (`then`). It also closes each step (eval when due, the periodic save, memory
+(orchestration/base_group.py: `defer`, `after`); a turn that is one call (`one_call`, `Turns.call`)
+carries its offload too, after its method (`then`). It also closes each step (eval when due, the periodic save, memory
 figures as they came back with the roles' calls, the metrics record, with `calls/remote`: the
 remote calls the step made, `time/driver`: the step's wall time outside role calls, and
 `time/call_overhead`: the time role calls took beyond their methods' run on the ranks) and
@@ -101,40 +101,36 @@ class Turns:
     # ------------------------------------------------------------------ turns
 
     @contextlib.contextmanager
-    def turn(self, role: str, phase: Optional[str] = None) -> Iterator[Any]:
+    def turn(self, role: str, phase: Optional[str] = None, one_call: bool = False) -> Iterator[Any]:
         """`role` on its devices for the block (onload/offload when it offloads between turns),
         timed as `phase` when given. The trainer's turn leaves the rollout behind its weights
         until a sync. The onload rides on the role's first call of the block; the offload is
         sent at its end, and the next turn's first call waits for it where it runs, so no
-        round trip of either is the driver's to wait for."""
+        round trip of either is the driver's to wait for. With `one_call` (the block makes
+        exactly one call of the role, waited for inside it) the offload rides on that call too,
+        after its method: the turn is one round trip."""
         group, offload = self.roles[role], self.offload[role]
         if role == "train":
             self.behind = True
         self._follow(group)
         if offload is not None:
             group.defer("onload")
+            if one_call:
+                group.then("offload", *offload)
         with self._surfacing(), self.log.phase(phase, role) if phase else contextlib.nullcontext():
             yield group
-        if offload is not None:
+        if offload is not None and one_call:
+            if not group.drop_deferred():  # the call carried both
+                for op in ("onload", "offload"):
+                    self.log.moved(role, op, [r.get(op) for r in group.deferred_results()])
+        elif offload is not None:
             self._put_back(role, group, "onload", "offload", *offload)
 
     def call(self, role: str, method: str, *args: Any, phase: Optional[str] = None, **kwargs: Any) -> Any:
         """A turn of `role` that is one call of `method` (waited for; its value returned), timed as
-        `phase` when given: the onload rides on the call before the method and the offload after
-        it, so the whole turn is one round trip (`turn` sends the offload as a call of its own)."""
-        group, offload = self.roles[role], self.offload[role]
-        if role == "train":
-            self.behind = True
-        self._follow(group)
-        if offload is not None:
-            group.defer("onload")
-            group.then("offload", *offload)
-        with self._surfacing(), self.log.phase(phase, role) if phase else contextlib.nullcontext():
-            value = group.call(method, *args, **kwargs)
-        if offload is not None:
-            for op in ("onload", "offload"):
-                self.log.moved(role, op, [r.get(op) for r in group.deferred_results()])
-        return value
+        `phase` when given: onload, method and offload in one round trip (`turn`'s `one_call`)."""
+        with self.turn(role, phase, one_call=True) as group:
+            return group.call(method, *args, **kwargs)
 
     @contextlib.contextmanager
     def rollout_turn(self, version: int, metrics: dict) -> Iterator[Any]:
@@ -189,14 +185,19 @@ class Turns:
         started ahead (max_staleness > 0) first finish on the old weights. Strictly on-policy,
         nothing is sent while the rollout has no work before the next training step (the
         rollout stays behind, and a later step's sync sends the newer weights)."""
-        if max_staleness:
-            with self.log.phase("wait_rollout"):
-                prefetch.drain()
-        elif not self._rollout_works_after(version, prefetch):
+        if not self.syncs_after(version, prefetch, max_staleness):
             with self.log.phase("sync_weights"):  # every record has the phase, 0 s here
                 self.log.add("sync/skipped", 1)
             return {}
+        if max_staleness:
+            with self.log.phase("wait_rollout"):
+                prefetch.drain()
         return self._send(version)
+
+    def syncs_after(self, version: int, prefetch: Any, max_staleness: int) -> bool:
+        """Whether `sync` after training step `version` sends the weights (else the train turn can
+        be one call)."""
+        return bool(max_staleness) or self._rollout_works_after(version, prefetch)
 
     def _rollout_works_after(self, step: int, prefetch: Any) -> bool:
         """Whether the rollout generates or evaluates between training step `step` and the next."""
