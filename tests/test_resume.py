@@ -231,7 +231,7 @@ def test_a_killed_cli_run_resumes_in_its_hydra_directory(tmp_path):
     import sys
     import time
 
-    steps, run_dir = 40, tmp_path / "run"
+    steps, run_dir = 16, tmp_path / "run"
     cmd = [sys.executable, "-m", "algorithms.sft", "+experiment=sft_quickstart", "backend=local", *TINY,
            f"run.steps={steps}", "run.save_every=4", "run.keep_last=2", f"hydra.run.dir={run_dir}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -253,11 +253,12 @@ def test_a_killed_cli_run_resumes_in_its_hydra_directory(tmp_path):
     assert kept == [f"step_{steps - 4}", f"step_{steps}"]  # keep_last=2
 
 
-@pytest.mark.parametrize("engine", ["deepspeed", "megatron"])
+# DeepSpeed's save and reload: tests/test_deepspeed_engine.py::test_zero_two_ranks_match_the_torch_engine.
+@pytest.mark.parametrize("engine", ["megatron"])
 def test_sharded_engines_resume_within_tolerance(engine, ray_cluster, tmp_path, monkeypatch):
-    """Two trainer ranks (ZeRO-2 / tensor-parallel 2) on Ray, killed after step 3 (checkpoint
-    at 2) and resumed: step 3 again, from the restored weights, optimizer and schedule, gives
-    the loss, gradient norm and learning rate of its first run to 1e-5 (relative)."""
+    """Two trainer ranks (tensor-parallel 2) on Ray, killed after step 3 (checkpoint at 2) and
+    resumed: step 3 again, from the restored weights, optimizer and schedule, gives the loss,
+    gradient norm and learning rate of its first run to 1e-5 (relative)."""
     pytest.importorskip({"deepspeed": "deepspeed", "megatron": "megatron.core"}[engine])
     options = ["deepspeed.zero_stage=2"] if engine == "deepspeed" else ["megatron.tensor_parallel_size=2"]
     base = ["+experiment=sft_quickstart", *TINY, "model=tiny_llama", f"backend.train={engine}", *options,
@@ -281,7 +282,7 @@ def test_a_colocated_grpo_run_resumes_on_separate_devices(ray_cluster, tmp_path,
     """Placement may change between the interruption and the resume (same rank counts): the
     resumed run on separate devices equals the colocated straight run."""
     _, _, overrides = CASES["grpo"]
-    base = [*overrides, "run.steps=5", "run.save_every=2", "run.eval_every=0"]
+    base = [*overrides, "run.steps=5", "run.save_every=2", "run.eval_every=0", "algorithm.beta=0.0"]
     separate = ["placement.colocate_groups=null", "placement.offload_model=false",
                 "placement.offload_optimizer=false", "placement.sleep_level=0"]
     want, got, straight, resumed = stop_and_resume(grpo, grpo.GRPORunConfig, base, separate, tmp_path, monkeypatch)
