@@ -1,8 +1,8 @@
 """The GRPO quickstart driver end to end on Ray actors with the production engines:
 vLLM rollout + DeepSpeed trainer, and a tensor-parallel Megatron-core trainer
 (`python -m algorithms.grpo +experiment=grpo_quickstart backend.rollout=vllm
-backend.train=deepspeed`, the Megatron variant, and a tensor-parallel vLLM rollout), with tiny
-overrides."""
+backend.train=deepspeed`, its vLLM engine tensor-parallel over 2 ranks, and the Megatron
+variant), with tiny overrides."""
 import math
 
 import pytest
@@ -36,23 +36,20 @@ def run_grpo(tmp_path, overrides):
 
 
 def test_grpo_quickstart_with_vllm_rollout_and_deepspeed_zero2_trainer(ray_cluster, tmp_path):
+    """One tensor-parallel vLLM engine over the 2 rollout ranks
+    (placement.rollout.vllm_tensor_parallel_size=2), colocated with 2 DeepSpeed ZeRO-2 trainer
+    ranks: weights synced to both engine ranks every step (the SFT warm start runs in the
+    Megatron case)."""
     pytest.importorskip("vllm")
-    plan, _ = run_grpo(tmp_path, ["backend.rollout=vllm", "backend.train=deepspeed", "deepspeed.zero_stage=2",
-                                  "placement.train.gpus=2", "placement.rollout.gpus=2"])
+    plan, rows = run_grpo(tmp_path, ["backend.rollout=vllm", "backend.train=deepspeed", "deepspeed.zero_stage=2",
+                                     "placement.train.gpus=2", "placement.rollout.gpus=2",
+                                     "placement.rollout.vllm_tensor_parallel_size=2", "algorithm.warmup_sft_steps=0"])
     assert plan["train"].world_size == 2
+    assert plan["rollout"].tensor_parallel_size == 2 and plan["rollout"].world_size == 2
+    assert all(r["staleness/max"] == 0 for r in rows[-2:])  # generated with the weights just synced
 
 
 def test_grpo_quickstart_with_megatron_tensor_parallel_trainer(ray_cluster, tmp_path):
     plan, _ = run_grpo(tmp_path, ["backend.train=megatron", "megatron.tensor_parallel_size=2",
                                   "placement.train.gpus=2", "placement.rollout.gpus=2"])
     assert plan["train"].world_size == 2
-
-
-def test_grpo_quickstart_with_a_tensor_parallel_vllm_rollout(ray_cluster, tmp_path):
-    """One vLLM engine over the 2 rollout ranks (placement.rollout.vllm_tensor_parallel_size=2),
-    colocated with 2 torch trainer ranks: weights synced to both engine ranks every step."""
-    pytest.importorskip("vllm")
-    plan, rows = run_grpo(tmp_path, ["backend.rollout=vllm", "placement.train.gpus=2", "placement.rollout.gpus=2",
-                                     "placement.rollout.vllm_tensor_parallel_size=2"])
-    assert plan["rollout"].tensor_parallel_size == 2 and plan["rollout"].world_size == 2
-    assert all(r["staleness/max"] == 0 for r in rows[-2:])  # generated with the weights just synced
