@@ -16,13 +16,12 @@ def test_generate_mode_runs_every_engine_on_the_same_fixed_size_work(tmp_path):
     out = tmp_path / "generate.json"
     cmd = [sys.executable, "benchmarks/gpu_throughput.py", "generate", "--device", "cpu", "--model", "nano_qwen2",
            "--rows", "8", "--samples", "4", "--new-tokens", "6", "--repeats", "1",
-           "--vllm-variant", '{"kv_cache_gib": 0.25}',
            "--vllm-variant", '{"kv_cache_gib": 0.25, "request_form": "n_per_prompt_bare"}', "--out", str(out)]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     runs = json.loads(out.read_text())["runs"]
     assert [(r["engine"], r["options"].get("request_form")) for r in runs] == [
-        ("hf", None), ("vllm", None), ("vllm", "n_per_prompt_bare"), ("torch", None)]
+        ("hf", None), ("vllm", "n_per_prompt_bare"), ("torch", None)]
     for r in runs:
         size = r["sizes"]["8"]
         assert "error" not in r and size["tokens"] == 8 * 6  # eos ignored: every row decodes 6 tokens
@@ -30,25 +29,6 @@ def test_generate_mode_runs_every_engine_on_the_same_fixed_size_work(tmp_path):
     assert runs[0]["sizes"]["8"]["x_hf"] == 1.0
     assert runs[1]["settings"]["engine"] == "vllm" and runs[1]["settings"]["enforce_eager"] is True
     assert "| vllm |" in done.stdout and "| torch |" in done.stdout
-
-
-def test_train_mode_runs_the_plain_step_beside_the_trainer_variants(tmp_path):
-    out = tmp_path / "train.json"
-    cmd = [sys.executable, "benchmarks/gpu_throughput.py", "train", "--device", "cpu", "--model", "tiny_qwen2",
-           "--train-shape", "8x24", "--micro-batch", "40", "--ragged", "--steps", "1", "--warmup-steps", "1",
-           "--train-variant", '{"packing": true, "activation_checkpointing": true, "optimizer": "adamw_foreach"}',
-           "--out", str(out)]
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    runs = json.loads(out.read_text())["runs"]
-    assert [r["variant"] for r in runs] == [
-        "plain", "trainer {}", 'trainer {"packing": true, "activation_checkpointing": true, "optimizer": "adamw_foreach"}']
-    assert all("error" not in r and r["micro_batch"] == 8 and r["tokens_per_s"] > 0 for r in runs)
-    assert runs[0]["x_plain"] == 1.0
-    # Same initial weights and batches: every variant trains the same losses.
-    assert max(r["loss"] for r in runs) - min(r["loss"] for r in runs) < 1e-2
-    assert "| plain | 8x24 |" in done.stdout
-    assert all(r["tflops"] > 0 for r in runs)  # the model FLOPs of the real tokens (MFU needs a GPU's peak)
 
 
 def test_train_flops_count_every_weight_and_causal_attention(monkeypatch):
@@ -65,20 +45,33 @@ def test_train_flops_count_every_weight_and_causal_attention(monkeypatch):
     assert bench.fastest_quarter([0.3, 0.2]) == 0.2
 
 
-def test_train_mode_profiles_each_step_and_measures_the_teacher_forward(tmp_path):
+def test_train_mode_runs_the_variants_profiles_each_step_and_measures_the_teacher_forward(tmp_path):
+    """The plain step beside the trainer and a trainer variant (same losses), each step
+    profiled, and the teacher forward plain and with its variants (same top-k values)."""
     out, profiles = tmp_path / "train.json", tmp_path / "profiles"
     cmd = [sys.executable, "benchmarks/gpu_throughput.py", "train", "--device", "cpu", "--model", "tiny_qwen2",
            "--train-shape", "8x24", "--micro-batch", "40", "--ragged", "--steps", "1", "--warmup-steps", "1",
+           "--train-variant", '{"packing": true, "activation_checkpointing": true, "optimizer": "adamw_foreach"}',
            "--profile-dir", str(profiles), "--teacher-topk", "8",
            "--teacher-variant", '{"chunked_logprobs": true}', "--teacher-variant", '{"chunked_logprobs": true, '
            '"packing": true}', "--out", str(out)]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
+    runs = result["runs"]
+    assert [r["variant"] for r in runs] == [
+        "plain", "trainer {}", 'trainer {"packing": true, "activation_checkpointing": true, "optimizer": "adamw_foreach"}']
+    assert all("error" not in r and r["micro_batch"] == 8 and r["tokens_per_s"] > 0 for r in runs)
+    assert runs[0]["x_plain"] == 1.0
+    # Same initial weights and batches: every variant trains the same losses.
+    assert max(r["loss"] for r in runs) - min(r["loss"] for r in runs) < 1e-2
+    assert "| plain | 8x24 |" in done.stdout
+    assert all(r["tflops"] > 0 for r in runs)  # the model FLOPs of the real tokens (MFU needs a GPU's peak)
     assert sorted(p.name for p in profiles.iterdir()) == [
         "teacher_chunked_logprobs_8x24.json", "teacher_chunked_logprobs_packing_8x24.json", "teacher_plain_8x24.json",
-        "train_plain_8x24.json", "train_trainer_8x24.json"]
-    for run in result["runs"]:
+        "train_plain_8x24.json", "train_trainer_8x24.json",
+        "train_trainer_packing_activation_checkpointing_optimizer_adamw_foreach_8x24.json"]
+    for run in runs:
         shares = run["profile"]["shares"]
         assert abs(sum(shares.values()) - 1) < 1e-3 and shares["matmul"] > 0.2 and shares["optimizer"] > 0
     summary = json.loads((profiles / "train_plain_8x24.json").read_text())
