@@ -134,10 +134,10 @@ class MegatronTrainerAndTeacher:
         return self.teacher.logits(batch, k, tail=True, temperature=temperature)
 
 
-@pytest.mark.parametrize("ranks", [2, 4], ids=["tp2", "dp2xtp2"])
+@pytest.mark.parametrize("ranks", [4], ids=["dp2xtp2"])
 def test_tensor_parallel_ranks_match_the_torch_engine(ray_cluster, ranks):
-    """TP=2 on 2 ranks, and on 4 ranks (2 data-parallel copies of a 2-rank TP group): the same
-    losses, gradient norms, logprobs, weights and teacher top-k as one torch rank."""
+    """TP=2 on 4 ranks (2 data-parallel copies of a 2-rank TP group): the same losses, gradient
+    norms, logprobs, weights and teacher top-k as one torch rank."""
     from orchestration.placement import create_placement
     from orchestration.worker_group import WorkerGroup
 
