@@ -1,9 +1,11 @@
 """Every shipped experiment (conf/experiment/*.yaml) validates as shipped on a CPU machine and
 runs one step with its driver's real validate() and run(), shrunk to a tiny model and data.
 
-Layouts that are about Ray placement (separate groups, two nodes, device_groups) run on the
-session's Ray cluster; the others run in-process (backend.workers=local). Every layout keeps
-its form with one rank per group, GPU experiments run a CPU-sized model in fp32.
+The two-node layout and the distill quickstart's device groups run on the session's Ray
+cluster; the others run in-process (backend.workers=local). Separate groups, a standalone
+teacher group and sampling device groups run on Ray in test_overlap.py, test_restarts.py,
+test_swift_args.py (the gkd_teacher_group file) and test_distill.py. Every layout keeps its
+form with one rank per group, GPU experiments run a CPU-sized model in fp32.
 """
 import importlib
 
@@ -30,19 +32,19 @@ EXPERIMENTS = {
     "grpo_quickstart": ("grpo", "local", []),
     "grpo_gpu": ("grpo", "local", []),
     "grpo_colocate": ("grpo", "local", ONE_RANK),
-    "grpo_separate": ("grpo", "ray", ONE_RANK),
+    "grpo_separate": ("grpo", "local", ONE_RANK),
     "grpo_two_nodes": ("grpo", "ray", ONE_RANK + ["placement.nproc_per_node=1"]),
     "gkd_quickstart": ("gkd", "local", []),
     "gkd_gpu": ("gkd", "local", []),
     "gkd_colocated_teacher": ("gkd", "local", ONE_RANK),
-    "gkd_teacher_group": ("gkd", "ray", ONE_RANK + ["placement.teacher.gpus=1"]),
+    "gkd_teacher_group": ("gkd", "local", ONE_RANK + ["placement.teacher.gpus=1"]),
     "grpo_gpu_colocate_2gpu": ("grpo", "local", ONE_RANK),
     "grpo_gpu_separate_2gpu": ("grpo", "local", []),  # on Ray in tests/test_multi_gpu.py (--simulate)
     "gkd_gpu_colocate_2gpu": ("gkd", "local", ONE_RANK),
     "gkd_gpu_separate_2gpu": ("gkd", "local", []),
     "gkd_gpu_teacher_group_3gpu": ("gkd", "local", []),
     "distill_quickstart": ("distill", "ray", ["placement.device_groups.rm_group.ranks=1"]),
-    "sampling_device_groups": ("distill", "ray", ["placement.device_groups.nproc_per_node=1",
+    "sampling_device_groups": ("distill", "local", ["placement.device_groups.nproc_per_node=1",
                                                    "placement.device_groups.sample_group.ranks=[0]",
                                                    "placement.device_groups.rm_group.ranks=1"]),
 }
