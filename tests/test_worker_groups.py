@@ -242,12 +242,12 @@ def test_separate_roles_get_disjoint_devices(ray_cluster):
     from orchestration.placement import create_placement
     from orchestration.worker_group import WorkerGroup
 
-    plan = make_plan({"train": {"gpus": 4}, "rollout": {"gpus": 4}})  # 8 GPUs: the head node's
+    plan = make_plan({"train": {"gpus": 2}, "rollout": {"gpus": 2}})
     placement = create_placement(plan, timeout_s=30)
     try:
         groups = [WorkerGroup(Probe, plan[r], placement=placement) for r in ("train", "rollout")]
         seen = [{i["cuda"] for i in g.call("whoami")} for g in groups]
-        assert len(seen[0]) == 4 and len(seen[1]) == 4 and not (seen[0] & seen[1])
+        assert len(seen[0]) == 2 and len(seen[1]) == 2 and not (seen[0] & seen[1])
         for g in groups:
             g.shutdown()
     finally:
@@ -259,7 +259,7 @@ def test_two_node_layout_spans_both_nodes(ray_cluster):
     from orchestration.placement import create_placement
     from orchestration.worker_group import WorkerGroup
 
-    plan = make_plan({"nnodes": 2, "nproc_per_node": 4, "train": {"gpus": 4}, "rollout": {"gpus": 4}})
+    plan = make_plan({"nnodes": 2, "nproc_per_node": 1, "train": {"gpus": 1}, "rollout": {"gpus": 1}})
     placement = create_placement(plan, timeout_s=30)
     try:
         groups = {r: WorkerGroup(Probe, plan[r], placement=placement) for r in ("train", "rollout")}
@@ -407,6 +407,7 @@ def test_driver_joins_an_existing_cluster_and_spans_its_nodes(ray_cluster):
 
     out = subprocess.run(
         [sys.executable, "-m", "orchestration.plan", "+experiment=grpo_two_nodes", "plan.launch=true",
+         "placement.nproc_per_node=1", "placement.train.gpus=1", "placement.rollout.gpus=1",
          f"cluster.address={ray_cluster.address}", "hydra.run.dir=.", "hydra.output_subdir=null",
          "hydra/job_logging=none", "hydra/hydra_logging=none"],
         capture_output=True, text=True, timeout=240, cwd=Path(__file__).resolve().parent.parent)
@@ -414,7 +415,7 @@ def test_driver_joins_an_existing_cluster_and_spans_its_nodes(ray_cluster):
     rows = [line.split() for line in out.stdout.splitlines() if line.split()[:1] in (["train"], ["rollout"])]
     rows = [r for r in rows if len(r) == 7]
     nodes = {role: {node_id for r, _, _, node_id, _, _, _ in rows if r == role} for role in ("train", "rollout")}
-    assert len(rows) == 8 and len(nodes["train"]) == 1 and len(nodes["rollout"]) == 1
+    assert len(rows) == 2 and len(nodes["train"]) == 1 and len(nodes["rollout"]) == 1
     assert nodes["train"] != nodes["rollout"]
 
 
