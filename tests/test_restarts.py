@@ -121,7 +121,7 @@ def test_grpo_continues_from_its_checkpoint_after_a_killed_trainer(ray_cluster, 
     assert record["checkpoint"].endswith("step_4")
     # Without restarts the loss is the caller's, naming the rank.
     _, typed, plan = prepared(grpo.GRPORunConfig, GRPO + ["run.max_restarts=0"])
-    kill_after(monkeypatch, 3, "train")
+    kill_after(monkeypatch, 1, "train")
     with pytest.raises(WorkerError, match="train rank 0 failed") as lost:
         common.run_with_restarts(grpo.run, typed, plan, tmp_path / "again")
     assert lost.value.lost

@@ -16,6 +16,7 @@ from algorithms import swift_args
 from algorithms.config import GKDRunConfig, RunConfig, fit_epochs, prepare
 from algorithms.grpo import GRPORunConfig
 from algorithms.run import config_of, driver_of, write_example
+from algorithms.runlog import read_metrics
 from algorithms.swift_args import NO_EFFECT, REFUSED, known_keys, output_run_dir, translate
 from orchestration.config import ConfigError
 
@@ -233,14 +234,11 @@ def test_a_missing_tokenizer_is_named_before_start(example, tmp_path):
 
 # ----------------------------------------------------------------------------- the examples run
 
-@pytest.mark.parametrize("yaml_file,extra", [("gkd_teacher_group", []),
-                                             ("grpo_colocate", ["backend.workers=local"]),
-                                             ("gkd_colocated_teacher", ["backend.workers=local"]),
-                                             ("grpo_separate", ["backend.workers=local"])])
-def test_the_example_yamls_run_unchanged(example, yaml_file, extra):
-    """Each shipped file, verbatim, runs with its local folders (one on Ray, three in-process);
-    the run lands in the file's output_dir; the recorded config holds the file's values."""
-    out = rayroles("run", "--config", f"{yaml_file}.yaml", "run.steps=2", *extra, cwd=example)
+def test_the_teacher_group_example_runs_unchanged_from_the_command_line(example):
+    """The shipped file, verbatim, run by `rayroles run` on Ray with its local folders; the run
+    lands in the file's output_dir; the recorded config holds the file's values."""
+    yaml_file = "gkd_teacher_group"
+    out = rayroles("run", "--config", f"{yaml_file}.yaml", "run.steps=2", cwd=example)
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.strip().splitlines()[-1])["eval/accuracy"] >= 0.0
     runs = sorted((example / "output" / yaml_file).iterdir())
@@ -248,6 +246,30 @@ def test_the_example_yamls_run_unchanged(example, yaml_file, extra):
     assert resolved["run"]["steps"] == 2 and resolved["trainer"]["min_lr"] > 0  # the command line's, the file's
     assert resolved["model"]["path"] == str(example / "student")
     assert (runs[-1] / "metrics.jsonl").is_file() and (runs[-1] / "curves.png").is_file()
+
+
+@pytest.mark.parametrize("yaml_file", ["grpo_colocate", "gkd_colocated_teacher", "grpo_separate"])
+def test_the_other_example_yamls_run_unchanged_in_process(example, monkeypatch, tmp_path, yaml_file):
+    """The other shipped files, verbatim, with their local folders: prepared as the driver's main
+    does (backend.workers=local), validated and run in-process; the recorded config holds the
+    command line's and the file's values, and the run writes its metrics and curves."""
+    import importlib
+
+    from tests.driver_helpers import composed
+
+    monkeypatch.chdir(example)
+    driver = driver_of(f"{yaml_file}.yaml")
+    module = importlib.import_module(f"algorithms.{driver}")
+    schema = GKDRunConfig if driver == "gkd" else GRPORunConfig
+    overrides = [f"config_file={yaml_file}.yaml", "run.steps=2", "backend.workers=local"]
+    typed, plan = prepare(composed(schema, overrides), schema, cli=overrides)
+    module.validate(typed, plan)
+    run = tmp_path / "run"
+    assert module.run(typed, plan, run)["eval/accuracy"] >= 0.0
+    resolved = yaml.safe_load((run / "resolved_config.yaml").read_text())
+    assert resolved["run"]["steps"] == 2 and resolved["trainer"]["min_lr"] > 0  # the command line's, the file's
+    assert resolved["model"]["path"] == str(example / "student")
+    assert [r["step"] for r in read_metrics(run / "metrics.jsonl")][-1] == 2 and (run / "curves.png").is_file()
 
 
 def test_a_system_prompt_goes_before_rows_without_one(tmp_path):
