@@ -119,12 +119,13 @@ class Turns:
                 group.then("offload", *offload)
         with self._surfacing(), self.log.phase(phase, role) if phase else contextlib.nullcontext():
             yield group
-        if offload is not None and one_call:
-            if not group.drop_deferred():  # the call carried both
-                for op in ("onload", "offload"):
-                    self.log.moved(role, op, [r.get(op) for r in group.deferred_results()])
-        elif offload is not None:
+        if offload is None:
+            return
+        if not one_call:
             self._put_back(role, group, "onload", "offload", *offload)
+        elif not group.drop_deferred():  # the call carried both
+            for op in ("onload", "offload"):
+                self.log.moved(role, op, [r.get(op) for r in group.deferred_results()])
 
     def call(self, role: str, method: str, *args: Any, phase: Optional[str] = None, **kwargs: Any) -> Any:
         """A turn of `role` that is one call of `method` (waited for; its value returned), timed as

@@ -99,6 +99,22 @@ KERNEL_KINDS = (
 )
 
 
+def timed(fn, batches: list, warmup_steps: int, device: str) -> tuple[list[float], float, object]:
+    """`fn(batch)` on each batch, each call timed between two device syncs: (the walls of the calls
+    after the first `warmup_steps`, the seconds the warm-up calls took, the last call's value)."""
+    walls, warmup_s, t0, value = [], 0.0, time.perf_counter(), None
+    for i, batch in enumerate(batches):
+        sync(device)
+        start = time.perf_counter()
+        value = fn(batch)
+        sync(device)
+        if i >= warmup_steps:
+            walls.append(time.perf_counter() - start)
+        elif i == warmup_steps - 1:
+            warmup_s = time.perf_counter() - t0
+    return walls, warmup_s, value
+
+
 def fastest_quarter(walls: list[float]) -> float:
     """The first quartile of the step times (their minimum below 4 steps)."""
     return statistics.quantiles(walls, n=4)[0] if len(walls) >= 4 else min(walls)
@@ -168,16 +184,8 @@ def teacher_forward(args, rows: int, tokens: int, batches: list, flops_per_token
             teacher = Teacher(args.model, config)
             per_token = token_bytes(teacher.model, backward=False, logits=not config.chunked_logprobs)
             micro = config.micro_batch_per_device or fitting_rows(rows, tokens, per_token, config.micro_batch_memory_mb)
-            walls, warm, t0 = [], 0.0, time.perf_counter()
-            for i, batch in enumerate(batches):
-                sync(args.device)
-                start = time.perf_counter()
-                values, _, _ = teacher.logits(batch, topk=args.teacher_topk, tail=True)
-                sync(args.device)
-                if i >= args.warmup_steps:
-                    walls.append(time.perf_counter() - start)
-                elif i == args.warmup_steps - 1:
-                    warm = time.perf_counter() - t0
+            walls, warm, (values, _, _) = timed(lambda b: teacher.logits(b, topk=args.teacher_topk, tail=True),
+                                                batches, args.warmup_steps, args.device)
             wall = statistics.median(walls)
             real = int(batches[-1].attention_mask.sum())
             reference = values if reference is None else reference
@@ -260,17 +268,8 @@ def train(args) -> dict:
                 runner = Trainer(args.model, TrainerConfig(lr=1e-5, warmup_steps=0, schedule="constant",
                                                            device=args.device, dtype="bfloat16",
                                                            micro_batch_per_device=micro, **json.loads(variant)))
-            walls, t0, warmup_s = [], time.perf_counter(), 0.0
             try:
-                for i, batch in enumerate(batches):
-                    sync(args.device)
-                    start = time.perf_counter()
-                    out = runner.train_step(batch)
-                    sync(args.device)
-                    if i >= args.warmup_steps:
-                        walls.append(time.perf_counter() - start)
-                    elif i == args.warmup_steps - 1:
-                        warmup_s = time.perf_counter() - t0
+                walls, warmup_s, out = timed(runner.train_step, batches, args.warmup_steps, args.device)
                 wall = statistics.median(walls)
                 real = int(batches[-1].attention_mask.sum())
                 flops = train_flops_per_token(params, model.config, tokens) * real / wall
