@@ -1,16 +1,17 @@
-"""GRPO driver: call order and grouping with fake roles, and one real tiny run on Ray."""
+"""GRPO driver: call order and grouping with fake roles. The real tiny run on Ray (SFT warm
+start, KL to the reference role, steps_per_generation=2, every metric) is
+tests/test_engines_e2e.py's."""
 import io
-import json
 
 import pytest
 import torch
 
 from algorithms import grpo
 from algorithms.advantages import group_advantages
-from algorithms.config import LoopConfig, prepare
+from algorithms.config import LoopConfig
 from algorithms.runlog import RunLog
 from algorithms.tasks import Example
-from orchestration.config import ConfigError, register_schema
+from orchestration.config import ConfigError
 from orchestration.planner import make_plan
 from roles.batch import Completions
 
@@ -220,34 +221,6 @@ def test_reward_functions_weighted_in_process():
                                  ["6"] * 3)
     assert total.tolist() == pytest.approx([1.6, 1.1, 0.0])
     assert means == pytest.approx({"accuracy": 2 / 3, "format": 2 / 3, "prm": 1 / 3})
-
-
-def test_tiny_run_end_to_end_on_ray(ray_cluster, tmp_path):
-    from hydra import compose, initialize_config_module
-
-    register_schema(grpo.GRPORunConfig)
-    with initialize_config_module(config_module="conf", version_base=None):
-        cfg = compose(config_name="config", overrides=[
-            "+experiment=grpo_quickstart", "run.steps=2", "run.prompts_per_step=4", "run.eval_max_new_tokens=8",
-            "data.train_size=32", "data.eval_size=4", "algorithm.num_generations=4", "algorithm.max_new_tokens=8",
-            "algorithm.warmup_sft_steps=2", "algorithm.warmup_sft_batch=8", "algorithm.steps_per_generation=2",
-            "trainer.warmup_steps=0", "algorithm.beta=0.04"])  # the quickstart has no KL; this run does
-    typed, plan = prepare(cfg, grpo.GRPORunConfig)
-    grpo.validate(typed, plan)
-    record = grpo.run(typed, plan, tmp_path)
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [0, 1, 2]
-    assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[-1]
-    for key in ("reward/mean", "reward/accuracy", "reward/prm", "reward/format", "train/kl", "train/clip_ratio/region",
-                "advantages/std", "rollout/completion_length", "grpo/zero_std_groups", "time/generate",
-                "time/ref_logprobs", "time/train", "time/sync_weights"):
-        assert key in rows[1], key
-    assert rows[-1]["train/step"] == 4  # 2 steps x 2 updates each
-    # The reference policy is a role on the trainer's (shared) device, offloaded between uses.
-    assert rows[1]["move/reference_onload_bytes"] > 0 and rows[1]["move/reference_offload_bytes"] > 0
-    assert rows[1]["mem/reference_rss_bytes"] > 0
-    assert (tmp_path / "sft_warmup" / "metrics.jsonl").is_file()
-    assert (tmp_path / "checkpoints" / "step_2" / "config.json").is_file() and record["checkpoint"]
 
 
 def test_planned_orm_and_prm_roles_score_the_rewards():
