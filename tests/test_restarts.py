@@ -73,17 +73,18 @@ def test_a_killed_rank_of_a_restartable_group_is_replaced_and_its_share_run_agai
         placement.remove()
 
 
-def kill_after(monkeypatch, step: int, role: str, rank: int = 0):
-    """SIGKILL rank `rank` of `role` right after step `step`'s record is first written."""
+def kill_after(monkeypatch, *kills: tuple[int, str]):
+    """SIGKILL rank 0 of each (step, role) right after that step's record is first written."""
     end_step, done = Turns.end_step, []
 
     def killing(self, s, metrics, state=None):
         record = end_step(self, s, metrics, state)
-        if s == step and not done:
-            done.append(s)
-            pid = self.roles[role].infos[rank]["pid"]
-            os.kill(pid, signal.SIGKILL)
-            wait_dead(pid)
+        for step, role in kills:
+            if s == step and (step, role) not in done:
+                done.append((step, role))
+                pid = self.roles[role].infos[0]["pid"]
+                os.kill(pid, signal.SIGKILL)
+                wait_dead(pid)
         return record
 
     monkeypatch.setattr(Turns, "end_step", killing)
@@ -99,29 +100,24 @@ def events(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
 
 
-def test_grpo_survives_a_killed_rollout_without_losing_a_step(ray_cluster, tmp_path, monkeypatch):
+def test_grpo_survives_a_killed_rollout_and_continues_from_its_checkpoint_after_a_killed_trainer(
+        ray_cluster, tmp_path, monkeypatch):
+    """One run loses both: the rollout process after step 1 (its group replaces the rank; no
+    step lost) and the trainer process after step 3 (every role restarts from step 2's
+    checkpoint; step 3 is redone)."""
     _, typed, plan = prepared(grpo.GRPORunConfig, GRPO)
     grpo.validate(typed, plan)
-    kill_after(monkeypatch, 1, "rollout")
-    common.run_with_restarts(grpo.run, typed, plan, tmp_path)
-    records = read_metrics(tmp_path / "metrics.jsonl")
-    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]  # nothing redone, nothing lost
-    assert records[2]["events/restarts"] == 1 and records[2]["staleness/max"] == 0
-    assert [(e["scope"], e["role"], e["rank"]) for e in events(tmp_path)] == [("rank", "rollout", 0)]
-
-
-def test_grpo_continues_from_its_checkpoint_after_a_killed_trainer(ray_cluster, tmp_path, monkeypatch):
-    _, typed, plan = prepared(grpo.GRPORunConfig, GRPO)
-    grpo.validate(typed, plan)
-    kill_after(monkeypatch, 3, "train")
+    kill_after(monkeypatch, (1, "rollout"), (3, "train"))
     record = common.run_with_restarts(grpo.run, typed, plan, tmp_path)
     records = read_metrics(tmp_path / "metrics.jsonl")
-    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]  # step 3 redone from step 2's checkpoint
-    assert [(e["scope"], e["role"]) for e in events(tmp_path)] == [("run", "train")]
+    assert [r["step"] for r in records] == [0, 1, 2, 3, 4]  # nothing lost, step 3 written once
+    assert records[2]["events/restarts"] == 1 and records[2]["staleness/max"] == 0
+    assert [(e["scope"], e["role"], e["rank"]) for e in events(tmp_path)] == [("rank", "rollout", 0),
+                                                                               ("run", "train", 0)]
     assert record["checkpoint"].endswith("step_4")
     # Without restarts the loss is the caller's, naming the rank.
     _, typed, plan = prepared(grpo.GRPORunConfig, GRPO + ["run.max_restarts=0"])
-    kill_after(monkeypatch, 1, "train")
+    kill_after(monkeypatch, (1, "train"))
     with pytest.raises(WorkerError, match="train rank 0 failed") as lost:
         common.run_with_restarts(grpo.run, typed, plan, tmp_path / "again")
     assert lost.value.lost
