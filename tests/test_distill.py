@@ -135,16 +135,10 @@ def check_outputs(out_dir, record, prompts):
     assert 0.0 <= metrics[-1]["total/accuracy_all"] <= 1.0 and "time/generate" in metrics[-1]
 
 
-def test_end_to_end_on_ray_with_a_cpu_reward_group(ray_cluster, tmp_path):
-    typed, plan = prepare(tiny_config({"device_groups": DEVICE_GROUPS}), DistillRunConfig)
-    validate(typed, plan)
-    assert plan["prm"].device == "CPU" and plan["orm"].world_size == 2 and plan["sampler"].device == "GPU"
-    record = run(typed, plan, tmp_path)
-    check_outputs(tmp_path, record, prompts=6)
-
-
-def test_end_to_end_on_ray_with_a_tensor_parallel_vllm_sampler(ray_cluster, tmp_path):
-    """The sampler's two ranks hold one vLLM engine (device_groups.<group>.vllm_tensor_parallel_size)."""
+def test_end_to_end_on_ray_with_a_tensor_parallel_vllm_sampler_and_a_cpu_reward_group(ray_cluster, tmp_path):
+    """The sampler's two ranks hold one vLLM engine (device_groups.<group>.vllm_tensor_parallel_size);
+    the PRM and ORM share a CPU group of two ranks. (The torch sampler on Ray: the distill
+    quickstart in tests/test_experiments_run.py::test_experiment_runs_one_step_on_ray.)"""
     pytest.importorskip("vllm")
     groups = {**DEVICE_GROUPS, "nproc_per_node": 2, "sample_group": {
         "device": "GPU", "ranks": [0, 1], "workers": ["sampler"], "vllm_tensor_parallel_size": 2}}
@@ -152,6 +146,7 @@ def test_end_to_end_on_ray_with_a_tensor_parallel_vllm_sampler(ray_cluster, tmp_
                           DistillRunConfig)
     validate(typed, plan)
     assert plan["sampler"].world_size == 2 and plan["sampler"].tensor_parallel_size == 2
+    assert plan["prm"].device == "CPU" and plan["orm"].world_size == 2 and plan["sampler"].device == "GPU"
     record = run(typed, plan, tmp_path)
     check_outputs(tmp_path, record, prompts=6)
     local = {**tiny_config({"device_groups": groups}), "backend": {"rollout": "vllm", "workers": "local"}}
