@@ -254,6 +254,10 @@ def test_separate_roles_get_disjoint_devices(ray_cluster):
         placement.remove()
 
 
+# A driver in its own process joining a running cluster (cluster.address):
+# tests/test_gkd_driver.py::test_gkd_cli_quickstart_on_ray; `python -m orchestration.plan
+# plan.launch=true`: tests/test_config.py::test_plan_cli_launch_places_on_a_fresh_local_cluster;
+# the grpo_two_nodes experiment on both nodes: tests/test_experiments_run.py (on Ray).
 def test_two_node_layout_spans_both_nodes(ray_cluster):
     import ray
     from orchestration.placement import create_placement
@@ -397,26 +401,6 @@ def test_constructor_failure_names_init(ray_cluster):
         placement.remove()
     with pytest.raises(WorkerError, match="train rank 0 failed in __init__"):
         LocalWorkerGroup(Probe, plan["train"], {"no_such_arg": 1})
-
-
-def test_driver_joins_an_existing_cluster_and_spans_its_nodes(ray_cluster):
-    """`cluster.address=...` joins a running cluster; the 2-node experiment lands on both nodes."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    out = subprocess.run(
-        [sys.executable, "-m", "orchestration.plan", "+experiment=grpo_two_nodes", "plan.launch=true",
-         "placement.nproc_per_node=1", "placement.train.gpus=1", "placement.rollout.gpus=1",
-         f"cluster.address={ray_cluster.address}", "hydra.run.dir=.", "hydra.output_subdir=null",
-         "hydra/job_logging=none", "hydra/hydra_logging=none"],
-        capture_output=True, text=True, timeout=240, cwd=Path(__file__).resolve().parent.parent)
-    assert out.returncode == 0, out.stderr[-3000:]
-    rows = [line.split() for line in out.stdout.splitlines() if line.split()[:1] in (["train"], ["rollout"])]
-    rows = [r for r in rows if len(r) == 7]
-    nodes = {role: {node_id for r, _, _, node_id, _, _, _ in rows if r == role} for role in ("train", "rollout")}
-    assert len(rows) == 2 and len(nodes["train"]) == 1 and len(nodes["rollout"]) == 1
-    assert nodes["train"] != nodes["rollout"]
 
 
 class Counter:
