@@ -130,14 +130,22 @@ class MegatronTrainerAndTeacher:
     def sizes(self):
         return self.trainer.engine.tp, self.trainer.engine.dp_size
 
+    def save(self, path):
+        self.trainer.save(path)
+
+    def load(self, path):
+        self.trainer.load(path)
+
     def topk(self, batch, k, temperature):
         return self.teacher.logits(batch, k, tail=True, temperature=temperature)
 
 
 @pytest.mark.parametrize("ranks", [4], ids=["dp2xtp2"])
-def test_tensor_parallel_ranks_match_the_torch_engine(ray_cluster, ranks):
+def test_tensor_parallel_ranks_match_the_torch_engine(ray_cluster, tmp_path, ranks):
     """TP=2 on 4 ranks (2 data-parallel copies of a 2-rank TP group): the same losses, gradient
-    norms, logprobs, weights and teacher top-k as one torch rank."""
+    norms, logprobs, weights and teacher top-k as one torch rank; a checkpoint saved after step 3
+    and loaded after step 5 (weights, every TP rank's optimizer state, schedule) gives steps 4
+    and 5 again to 1e-5 (a sharded run's resume; the driver's resume: tests/test_resume.py)."""
     from orchestration.placement import create_placement
     from orchestration.worker_group import WorkerGroup
 
@@ -155,9 +163,13 @@ def test_tensor_parallel_ranks_match_the_torch_engine(ray_cluster, ranks):
                             placement=placement, timeout_s=300)
         assert group.call("sizes") == [(2, ranks // 2)] * ranks  # TP=2 x DP=ranks/2
         top = group.call("topk", tbatch, 8, 0.7, dispatch="slice", collect="flatten")
-        tp_steps = [group.call("train_step", batch, dispatch="slice") for _ in range(5)]
+        tp_steps = [group.call("train_step", batch, dispatch="slice") for _ in range(3)]
+        group.call("save", str(tmp_path / "ckpt"))
+        tp_steps += [group.call("train_step", batch, dispatch="slice") for _ in range(2)]
         tp_logprobs = group.call("logprobs", batch, dispatch="slice", collect="flatten")
         weights = group.call("state_dict_buckets", 1024, execute="first")  # rank 0 alone, as weight sync asks
+        group.call("load", str(tmp_path / "ckpt"))
+        resumed = [group.call("train_step", batch, dispatch="slice") for _ in range(2)]
     finally:
         if group is not None:
             group.shutdown()
@@ -174,6 +186,10 @@ def test_tensor_parallel_ranks_match_the_torch_engine(ray_cluster, ranks):
         for key in ("loss", "grad_norm"):
             assert math.isclose(per_rank[0][key], want[key], rel_tol=1e-4), (key, per_rank[0][key], want[key])
     torch.testing.assert_close(tp_logprobs, single.logprobs(batch), atol=1e-4, rtol=0)
+    for before, after in zip(tp_steps[3:], resumed):
+        assert all(r == after[0] for r in after) and after[0]["step"] == before[0]["step"]
+        for key in ("loss", "grad_norm", "lr"):
+            assert after[0][key] == pytest.approx(before[0][key], rel=1e-5), key
     ref = dict(single.engine.named_weights())
     got = [t for bucket in weights for t in bucket]
     assert [n for n, _ in got] == list(ref)

@@ -253,31 +253,9 @@ def test_a_killed_cli_run_resumes_in_its_hydra_directory(tmp_path):
     assert kept == [f"step_{steps - 4}", f"step_{steps}"]  # keep_last=2
 
 
-# DeepSpeed's save and reload: tests/test_deepspeed_engine.py::test_zero_two_ranks_match_the_torch_engine.
-@pytest.mark.parametrize("engine", ["megatron"])
-def test_sharded_engines_resume_within_tolerance(engine, ray_cluster, tmp_path, monkeypatch):
-    """Two trainer ranks (tensor-parallel 2) on Ray, killed after step 3 (checkpoint at 2) and
-    resumed: step 3 again, from the restored weights, optimizer and schedule, gives the loss,
-    gradient norm and learning rate of its first run to 1e-5 (relative)."""
-    pytest.importorskip({"deepspeed": "deepspeed", "megatron": "megatron.core"}[engine])
-    options = ["deepspeed.zero_stage=2"] if engine == "deepspeed" else ["megatron.tensor_parallel_size=2"]
-    base = ["+experiment=sft_quickstart", *TINY, "model=tiny_llama", f"backend.train={engine}", *options,
-            "placement.train.gpus=2", "run.save_every=2", "run.eval_every=0"]
-    _, typed, plan = prepared(SFTRunConfig, base)
-    sft.validate(typed, plan)
-    with monkeypatch.context() as m:
-        interrupt_after(m, 3)
-        with pytest.raises(Interrupted):
-            sft.run(typed, plan, tmp_path)
-    first = read_metrics(tmp_path / "metrics.jsonl")[3]
-    _, typed, plan = prepared(SFTRunConfig, base + ["run.resume=auto"])
-    sft.run(typed, plan, tmp_path)
-    again = read_metrics(tmp_path / "metrics.jsonl")
-    assert [r["step"] for r in again] == [0, 1, 2, 3]
-    for key in ("train/loss", "train/grad_norm", "train/lr"):
-        assert again[3][key] == pytest.approx(first[key], rel=1e-5), key
-
-
+# Sharded engines' save and reload, continuing as they went on before: DeepSpeed in
+# tests/test_deepspeed_engine.py::test_zero_two_ranks_match_the_torch_engine, Megatron TP=2 in
+# tests/test_megatron_engine.py::test_tensor_parallel_ranks_match_the_torch_engine.
 def test_a_colocated_grpo_run_resumes_on_separate_devices(ray_cluster, tmp_path, monkeypatch):
     """Placement may change between the interruption and the resume (same rank counts): the
     resumed run on separate devices equals the colocated straight run."""
