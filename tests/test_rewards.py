@@ -208,8 +208,11 @@ def test_prm_and_orm_local_and_ray_agree(ray_cluster):
     from orchestration.placement import create_placement
     from orchestration.worker_group import WorkerGroup
 
+    # One rank each: slicing over ranks gives the same on both backends in
+    # test_worker_groups::test_dispatch_semantics_identical_on_both_backends, and a 2-rank PRM/ORM
+    # group scores on Ray in test_distill's Ray run.
     plan = make_plan({"device_groups": {"nproc_per_node": 1,
-                                        "rm_group": {"device": "CPU", "ranks": 2, "workers": ["prm", "orm"]}}})
+                                        "rm_group": {"device": "CPU", "ranks": 1, "workers": ["prm", "orm"]}}})
     local = _run(LocalWorkerGroup(PRM, plan["prm"], PRM_INIT), LocalWorkerGroup(ORM, plan["orm"], ORM_INIT))
     placement = create_placement(plan, timeout_s=30)
     groups = []
