@@ -63,11 +63,14 @@ def cpu_group(name: str, ranks: int, role: str) -> dict:
 
 @pytest.fixture(scope="module")
 def groups(ray_cluster):
+    """Trainer, rollout (2 ranks) and sampler on one node; the teacher on the other node (a
+    GPU group of device rank 1 with one device per node)."""
     from orchestration.placement import create_placement
     from orchestration.worker_group import WorkerGroup
 
     plan = make_plan({"device_groups": {"nproc_per_node": 1, **cpu_group("t", 1, "train"), **cpu_group("r", 2, "rollout"),
-                                        **cpu_group("te", 1, "teacher"), **cpu_group("s", 1, "sampler")}})
+                                        "te": {"device": "GPU", "ranks": [1], "workers": ["teacher"]},
+                                        **cpu_group("s", 1, "sampler")}})
     placement = create_placement(plan, timeout_s=60)
     made = {}
     try:
@@ -117,19 +120,25 @@ def test_each_path_moves_weights_exactly(groups, path):
 
 
 def test_teacher_and_sampler_receive_like_the_rollout(groups):
-    trainer = groups["train"]
-    sync = WeightSync(trainer, WeightSyncConfig())  # auto: every group is on the trainer's node
+    """auto takes the collective to the teacher on the other node and shm to the sampler on the
+    trainer's; shm to another node is refused naming the key."""
+    trainer, teacher = groups["train"], groups["teacher"]
+    assert trainer.infos[0]["node_id"] != teacher.infos[0]["node_id"]
+    assert trainer.infos[0]["node_id"] == groups["sampler"].infos[0]["node_id"]
+    sync = WeightSync(trainer, WeightSyncConfig())
     try:
         trainer.call("nudge", 3, execute="first")
-        records = sync.sync([groups["teacher"], groups["sampler"]], version=4)
+        records = sync.sync([teacher, groups["sampler"]], version=4)
         want = trainer_weights(trainer)
-        assert [r.path for r in records] == ["shm", "shm"]
-        assert_same(groups["teacher"].call("weights", execute="first"), want)
+        assert [r.path for r in records] == ["collective", "shm"]
+        assert_same(teacher.call("weights", execute="first"), want)
         assert_same(groups["sampler"].call("weights", execute="first"), want)
         comps = groups["sampler"].call("sample", PROMPTS[:1], 2, GREEDY, execute="first")
         assert comps.weight_version == [4, 4]
     finally:
         sync.close()
+    with pytest.raises(ConfigError, match="'weight_sync.path'='shm'.*other nodes.*Fix"):
+        WeightSync(trainer, WeightSyncConfig(path="shm")).path_for(teacher)
 
 
 def reference_outputs(weights: dict, device: str = "cpu") -> list[list[int]]:
@@ -198,32 +207,6 @@ def test_corrupted_bucket_is_refused_and_nothing_loads(groups, path, checksum):
                             ).weight_version == [20, 20]
     finally:
         sync.close()
-
-
-def test_auto_takes_the_collective_across_nodes(ray_cluster):
-    from orchestration.placement import create_placement
-    from orchestration.worker_group import WorkerGroup
-
-    plan = make_plan({"nnodes": 2, "nproc_per_node": 1, "train": {"gpus": 1}, "rollout": {"gpus": 1}})
-    placement = create_placement(plan, timeout_s=60)
-    made = []
-    try:
-        trainer = WorkerGroup(ProbedTrainer, plan["train"], {"model": MODEL, "config": CPU}, placement=placement)
-        made.append(trainer)
-        rollout = WorkerGroup(ProbedRollout, plan["rollout"], {"model": MODEL, "config": CPU}, placement=placement)
-        made.append(rollout)
-        assert trainer.infos[0]["node_id"] != rollout.infos[0]["node_id"]
-        sync = WeightSync(trainer, WeightSyncConfig())
-        trainer.call("nudge", 8, execute="first")
-        assert [r.path for r in sync.sync([rollout], version=3)] == ["collective"]
-        assert_same(rollout.call("weights", execute="first"), trainer_weights(trainer))
-        with pytest.raises(ConfigError, match="'weight_sync.path'='shm'.*other nodes.*Fix"):
-            WeightSync(trainer, WeightSyncConfig(path="shm")).path_for(rollout)
-        sync.close()
-    finally:
-        for g in made:
-            g.shutdown()
-        placement.remove()
 
 
 def test_local_backend_paths_and_checks():
