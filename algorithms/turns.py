@@ -78,6 +78,11 @@ class Turns:
         self.sleep_level = plan["rollout"].sleep_level if "rollout" in plan.roles else 0
         self.behind = rollout_behind  # the rollout lacks the trainer's current weights
         self._sync: Optional[WeightSync] = None
+        # A sync whose send rides on the train turn's last call (its version), set by `sync`; then
+        # the send made, whose receive rides on the rollout's next call: (version, channel, the
+        # trainer call that carries the send, "send_weights" when it is carried, else None).
+        self._outgoing: Optional[int] = None
+        self._sent: Optional[tuple] = None
         self._pending: list = []  # (role, method, future) of offloads and sleeps not yet waited for
         self._mark = (time.perf_counter(), CALLS.remote, CALLS.role_s, CALLS.rank_s)  # start of the step's accounting
         # Resume: the trainer continues from the checkpoint; the driver reads `resumed`.
@@ -110,8 +115,8 @@ class Turns:
         exactly one call of the role, waited for inside it) the offload rides on that call too,
         after its method: the turn is one round trip."""
         group, offload = self.roles[role], self.offload[role]
-        if role == "train":
-            self.behind = True
+        if role == "train":  # weights sent before are not the ones the rollout should take any more
+            self.behind, self._sent = True, None
         self._follow(group)
         if offload is not None:
             group.defer("onload")
@@ -119,13 +124,14 @@ class Turns:
                 group.then("offload", *offload)
         with self._surfacing(), self.log.phase(phase, role) if phase else contextlib.nullcontext():
             yield group
-        if offload is None:
-            return
-        if not one_call:
+        if offload is not None and not one_call:
             self._put_back(role, group, "onload", "offload", *offload)
-        elif not group.drop_deferred():  # the call carried both
+            return
+        if offload is not None and not group.drop_deferred():  # the call carried both
             for op in ("onload", "offload"):
                 self.log.moved(role, op, [r.get(op) for r in group.deferred_results()])
+        if role == "train" and self._outgoing is not None:
+            self._send_weights()
 
     def call(self, role: str, method: str, *args: Any, phase: Optional[str] = None, **kwargs: Any) -> Any:
         """A turn of `role` that is one call of `method` (waited for; its value returned), timed as
@@ -140,12 +146,22 @@ class Turns:
         figures go into `metrics`. The wake-up rides on the first call after the weights,
         the sleep is waited for as an offload is."""
         self._follow(self.rollout)
-        if self.behind:
+        receiving = self.behind and self._sent is not None
+        if receiving:  # sent already: the receive rides on the rollout's first call
+            sent_version, channel, sending, carried = self._sent
+            self._sync.receive_later(self.rollout, channel, sending, carried)
+        elif self.behind:
             metrics.update(self._send(version))
         if self.sleep_level:
             self.rollout.defer("wake_up")
         with self._surfacing():
             yield self.rollout
+        if receiving:
+            if self.rollout.drop_deferred():  # the block made no call: the rollout stays asleep and behind
+                return
+            answers = [r.get("receive_sent") for r in self.rollout.deferred_results()]
+            metrics.update(sync_metrics([self._sync.received(self.rollout, sent_version, answers)]))
+            self.behind, self.version, self._sent = False, sent_version, None
         if self.sleep_level:
             self._put_back("rollout", self.rollout, "wake_up", "sleep", self.sleep_level)
             self.behind = self.behind or self.sleep_level == 2
@@ -157,7 +173,24 @@ class Turns:
         if group.drop_deferred():
             return
         self.log.moved(role, came, [r.get(came) for r in group.deferred_results()])
-        self._pending.append((role, method, group.async_call(method, *args)))
+        if role == "train" and self._outgoing is not None:
+            self._send_weights(method, *args)
+        else:
+            self._pending.append((role, method, group.async_call(method, *args)))
+
+    def _send_weights(self, carrier: Optional[str] = None, *args: Any) -> None:
+        """The send of the sync `sync` left for the end of the train turn: trainer rank 0's
+        send_weights rides on the `carrier` call (the turn's offload), else is a call of its own;
+        the rollout's next turn takes the weights (`rollout_turn`). The driver waits for neither."""
+        version, self._outgoing = self._outgoing, None
+        send = self._channel().send_args(self.rollout, version)
+        if carrier is None:
+            future = self.trainer.async_call("send_weights", *send, execute="first")
+        else:
+            self.trainer.defer("send_weights", *send, execute="first")
+            future = self.trainer.async_call(carrier, *args)
+        self._pending.append(("train", carrier or "send_weights", future))
+        self._sent = (version, send[0], future, carrier and "send_weights")
 
     def _follow(self, group: Any) -> None:
         """`group`'s next call starts once the offloads and sleeps sent before it have finished."""
@@ -169,7 +202,9 @@ class Turns:
         pending, self._pending = self._pending, []
         for role, method, future in pending:
             with self.log.phase(method, role):
-                self.log.moved(role, method, future.get())
+                results = future.get()
+            if method != "send_weights":  # a send's figures come with its receive
+                self.log.moved(role, method, results)
 
     @contextlib.contextmanager
     def _surfacing(self) -> Iterator[None]:
@@ -182,10 +217,13 @@ class Turns:
             raise
 
     def sync(self, version: int, prefetch: Any, max_staleness: int) -> dict[str, Any]:
-        """The trainer's weights into the rollout after training step `version`; generations
-        started ahead (max_staleness > 0) first finish on the old weights. Strictly on-policy,
-        nothing is sent while the rollout has no work before the next training step (the
-        rollout stays behind, and a later step's sync sends the newer weights)."""
+        """The trainer's weights into the rollout after training step `version` (called in the
+        train turn); generations started ahead (max_staleness > 0) first finish on the old
+        weights. Strictly on-policy, nothing is sent while the rollout has no work before the
+        next training step (the rollout stays behind, and a later step's sync sends the newer
+        weights); on a path that lets the receive come later (WeightSync.defers), the send
+        rides on the train turn's last call and the receive on the rollout's next one, and the
+        figures come with the rollout's turn."""
         if not self.syncs_after(version, prefetch, max_staleness):
             with self.log.phase("sync_weights"):  # every record has the phase, 0 s here
                 self.log.add("sync/skipped", 1)
@@ -193,6 +231,12 @@ class Turns:
         if max_staleness:
             with self.log.phase("wait_rollout"):
                 prefetch.drain()
+        elif self._channel().defers(self.rollout):
+            # The send rides on the train turn's end, the receive on the rollout's next call (no
+            # generation runs ahead to overtake it), so the driver waits for neither: 0 s here.
+            with self.log.phase("sync_weights"):
+                self._outgoing = version
+            return {}
         return self._send(version)
 
     def syncs_after(self, version: int, prefetch: Any, max_staleness: int) -> bool:
@@ -210,8 +254,8 @@ class Turns:
         """A lost rank of `group` was replaced: a rollout rank gets the weights it should hold
         (it starts with its model's); the restart is counted and recorded."""
         if group is self.rollout:
-            if self._sync is not None:  # its channel (shared files, process groups) knew the lost rank
-                self._sync.close()
+            if self._sync is not None and self._sync.path_for(group) == "collective":  # its process group
+                self._sync.close()                                                     # had the lost rank
                 self._sync = None
             if not self.behind:
                 buckets = self.trainer.call("state_dict_buckets", self.settings.bucket_mb, execute="first")
@@ -220,11 +264,15 @@ class Turns:
         record_event(self.log.dir, {"event": "restart", "scope": "rank", "role": group.role, "rank": rank,
                                     "step": self.log.current_step})
 
+    def _channel(self) -> WeightSync:
+        """The run's weight-sync channel, made on first use."""
+        if self._sync is None:
+            self._sync = WeightSync(self.trainer, self.settings)
+        return self._sync
+
     def _send(self, version: int) -> dict[str, Any]:
         with self.log.phase("sync_weights", "train", "rollout"):
-            if self._sync is None:
-                self._sync = WeightSync(self.trainer, self.settings)
-            metrics = sync_metrics(self._sync.sync([self.rollout], version))
+            metrics = sync_metrics(self._channel().sync([self.rollout], version))
         self.behind, self.version = False, version
         return metrics
 
@@ -256,11 +304,11 @@ class Turns:
     def save(self, step: int, state: dict) -> Path:
         """Checkpoint the trainer (onloaded for it) and the driver's `state` into
         <run dir>/checkpoints/step_<step>, atomically; keeps the run.keep_last newest."""
-        behind = self.behind
+        behind, sent = self.behind, self._sent
         with self.turn("train"):
             path = save_checkpoint(self.log.dir, step, lambda tmp: self.trainer.call("save", str(tmp)), state,
                                    self.run.keep_last)
-        self.behind = behind  # saving changes no weight
+        self.behind, self._sent = behind, sent  # saving changes no weight
         return path
 
     def finish(self, state: Optional[dict] = None) -> dict:

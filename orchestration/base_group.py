@@ -107,19 +107,24 @@ CALLS = CallStats()
 @dataclass(frozen=True)
 class ResultOf:
     """A call argument that is the value another group's call returned on its first rank (or
-    `key` of that value, a dict): the call starts on its ranks once that value exists, and the
-    value goes from rank to rank, not through the driver, which does not wait for it (a weight
-    sync's receive takes the send's manifest so). Top-level arguments only."""
+    `key` of that value, a dict; with `carried`, the value of that deferred method the call
+    carried, see `defer` and `then`): the call starts on its ranks once that value exists, and
+    the value goes from rank to rank, not through the driver, which does not wait for it (a
+    weight sync's receive takes the send's manifest so). An argument of the call, or of a
+    method queued with `defer` or `then`; not nested inside another argument."""
     future: "GroupFuture"
     key: str | None = None
+    carried: str | None = None
 
-    def pick(self, value: Any) -> Any:
-        return pick(value, self.key)
+    def pick(self, value: Any, carried: dict | None = None) -> Any:
+        return pick(value, carried, self.key, self.carried)
 
 
-def pick(value: Any, key: str | None) -> Any:
-    """`value`, or its `key` (a dict's): what a ResultOf argument stands for."""
-    return value if key is None else value.get(key)
+def pick(value: Any, carried: dict | None, key: str | None, method: str | None) -> Any:
+    """What a ResultOf argument stands for in a call's answer: the method's `value`, or the value
+    of the deferred `method` among those the call `carried`; then its `key` (a dict's) if given."""
+    chosen = value if method is None else (carried or {}).get(method)
+    return chosen if key is None else chosen.get(key)
 
 
 class GroupFuture:
@@ -158,9 +163,10 @@ class BaseWorkerGroup:
     # rank is called, an empty slice included, since a skipped rank would leave the others
     # waiting.
     lockstep: frozenset = frozenset()
-    # (method, args) to run on every rank first thing in the next call (`defer`).
+    # (method, args, first) to run first thing in the next call (`defer`); first: on the first
+    # engine's ranks only, else on every rank.
     _deferred: tuple = ()
-    # (method, args) to run on every rank right after the next call's method (`then`).
+    # (method, args, first) to run right after the next call's method (`then`).
     _then: tuple = ()
     # rank -> {method: result} of the deferred methods its latest call carried.
     _carried: dict = {}
@@ -179,10 +185,11 @@ class BaseWorkerGroup:
         before, self._deferred = self._deferred, ()
         then, self._then = self._then, ()
         deps, self._waits_for = self._waits_for, ()
-        label = "+".join([m for m, _ in before] + [method] + [m for m, _ in then])  # how an error names the call
+        label = "+".join([m for m, *_ in before] + [method] + [m for m, *_ in then])  # how an error names the call
         if execute == "first":  # the first engine: rank 0 and its tensor-parallel peers
             shared = self._shared(args, kwargs) if tp > 1 else (args, kwargs)
-            handles = [self._submit(i, method, *shared, before, deps, then) for i in range(tp)]
+            handles = [self._submit(i, method, *shared, self._for_rank(before, i), deps, self._for_rank(then, i))
+                       for i in range(tp)]
             rest = self._submit_deferred((*before, *then), set(range(tp)), deps)
             return GroupFuture(lambda timeout: self._finish(handles, label, list(range(tp)), timeout, rest)[0],
                                (*handles, *rest[0]), lambda: self._ready([*handles, *rest[0]]))
@@ -200,8 +207,8 @@ class BaseWorkerGroup:
             key = id(per_worker[i])
             if users[key] > 1 and key not in shared:
                 shared[key] = self._shared(*per_worker[i])
-        handles = [self._submit(i, method, *shared.get(id(per_worker[i]), per_worker[i]), before, deps, then)
-                   for i in indices]
+        handles = [self._submit(i, method, *shared.get(id(per_worker[i]), per_worker[i]), self._for_rank(before, i),
+                                deps, self._for_rank(then, i)) for i in indices]
         rest = self._submit_deferred((*before, *then), set(indices), deps)
 
         def finish(timeout: float | None) -> Any:
@@ -209,19 +216,27 @@ class BaseWorkerGroup:
             return dsp.collect(collect, [r for i, r in zip(indices, results) if i % tp == 0])
         return GroupFuture(finish, (*handles, *rest[0]), lambda: self._ready([*handles, *rest[0]]))
 
-    def defer(self, method: str, *args: Any) -> None:
-        """Run `method(*args)` on every rank first thing in the group's next call, inside that
-        call's own round trip (a colocated role's onload rides on its first work of the turn).
-        A rank the next call does not reach gets it as a call of its own, sent alongside."""
-        self._deferred = (*self._deferred, (method, args))
+    def defer(self, method: str, *args: Any, execute: dsp.Execute = "all") -> None:
+        """Run `method(*args)` on every rank (execute='first': on the first engine's ranks only)
+        first thing in the group's next call, inside that call's own round trip (a colocated
+        role's onload rides on its first work of the turn). A rank the next call does not reach
+        gets it as a call of its own, sent alongside."""
+        dsp.check_execute(execute)
+        self._deferred = (*self._deferred, (method, args, execute == "first"))
 
-    def then(self, method: str, *args: Any) -> None:
-        """Run `method(*args)` on every rank right after the group's next call's method, inside that
-        call's own round trip (a colocated role's offload rides on the one call of its turn): the
-        call's answer is its method's, and the call finishes once this ran too. Its results come
-        back as the deferred ones do (`deferred_results`). A rank the next call does not reach gets
-        it as a call of its own, sent alongside."""
-        self._then = (*self._then, (method, args))
+    def then(self, method: str, *args: Any, execute: dsp.Execute = "all") -> None:
+        """Run `method(*args)` on every rank (execute='first': on the first engine's ranks only)
+        right after the group's next call's method, inside that call's own round trip (a
+        colocated role's offload rides on the one call of its turn): the call's answer is its
+        method's, and the call finishes once this ran too. Its results come back as the deferred
+        ones do (`deferred_results`). A rank the next call does not reach gets it as a call of its
+        own, sent alongside."""
+        dsp.check_execute(execute)
+        self._then = (*self._then, (method, args, execute == "first"))
+
+    def _for_rank(self, queued: tuple, rank: int) -> tuple:
+        """The (method, args) of `queued` that rank `rank` runs."""
+        return tuple((m, a) for m, a, first in queued if not first or rank < self.tensor_parallel)
 
     def after(self, futures: list[GroupFuture]) -> None:
         """The group's next call starts on its ranks only once `futures` (calls of other groups,
@@ -241,22 +256,26 @@ class BaseWorkerGroup:
         [{method: result}] in rank order (ranks never called: {})."""
         return [self._carried.get(i, {}) for i in range(self.world_size)]
 
-    def _submit_deferred(self, queued: tuple, reached: set[int], deps: tuple) -> tuple[list, list[int], str]:
+    def _submit_deferred(self, queued: tuple, reached: set[int], deps: tuple) -> tuple[list, list[int], str, list]:
         """The `defer` and `then` methods (`queued`, in their order) for the ranks a call does not
-        reach, as calls of their own; returns (handles, ranks, the methods' label)."""
-        if not queued:
-            return [], [], ""
-        others = [i for i in range(self.world_size) if i not in reached]
-        method, args = queued[-1]
-        handles = [self._submit(i, method, args, {}, queued[:-1], deps) for i in others]
-        return handles, others, "+".join(m for m, _ in queued)
+        reach, as calls of their own; returns (handles, ranks, the methods' label, the method each
+        of those calls ran last)."""
+        handles, ranks, lasts = [], [], []
+        for i in range(self.world_size):
+            mine = self._for_rank(queued, i)
+            if i in reached or not mine:
+                continue
+            (method, args), before = mine[-1], mine[:-1]
+            handles.append(self._submit(i, method, args, {}, before, deps))
+            ranks.append(i)
+            lasts.append(method)
+        return handles, ranks, "+".join(m for m, *_ in queued), lasts
 
     def _finish(self, handles: list, label: str, indices: list[int], timeout: float | None,
-                rest: tuple[list, list[int], str]) -> list:
+                rest: tuple[list, list[int], str, list]) -> list:
         results = self._wait(handles, label, indices, timeout)
         if rest[0]:
-            last = rest[2].split("+")[-1]  # the queued method the ranks not reached ran last
-            for index, value in zip(rest[1], self._wait(rest[0], rest[2], rest[1], timeout)):
+            for index, last, value in zip(rest[1], rest[3], self._wait(rest[0], rest[2], rest[1], timeout)):
                 self._carried[index] = {**self._carried.get(index, {}), last: value}
         return results
 

@@ -39,10 +39,10 @@ def _resolved(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
     def get(x: Any) -> Any:
         if isinstance(x, ResultOf):
-            status, value = x.future.handles[0]  # an in-process call's handle: (status, value)
+            status, value, carried = x.future.handles[0]  # an in-process call's handle
             if status == "error":
                 raise value
-            return x.pick(value)
+            return x.pick(value, carried)
         return ray.get(x) if ray is not None and isinstance(x, ray.ObjectRef) else x
     return tuple(get(a) for a in args), {k: get(v) for k, v in kwargs.items()}
 
@@ -77,25 +77,25 @@ class LocalWorkerGroup(BaseWorkerGroup):
             args, kwargs = _resolved(args, kwargs)
             with _environ(self._envs[index]):
                 worker = self.workers[index]
-                carried = {m: getattr(worker, m)(*a) for m, a in before}
+                carried = {m: getattr(worker, m)(*_resolved(a, {})[0]) for m, a in before}
                 value = getattr(worker, method)(*args, **kwargs)
-                carried.update({m: getattr(worker, m)(*a) for m, a in then})
+                carried.update({m: getattr(worker, m)(*_resolved(a, {})[0]) for m, a in then})
                 if carried:
                     self._carried[index] = carried
-                return ("ok", value)
+                return ("ok", value, carried)
         except Exception as e:
             label = "+".join([m for m, _ in before] + [method] + [m for m, _ in then])  # as the Ray group names a call
-            return ("error", WorkerError.raised(self.role, index, label, e, traceback.format_exc()))
+            return ("error", WorkerError.raised(self.role, index, label, e, traceback.format_exc()), {})
         finally:
             spent = time.perf_counter() - start
             CALLS.role_s += spent
             CALLS.rank_s += spent
 
     def _wait(self, handles: list, method: str, indices: list[int], timeout: float | None) -> list:
-        for status, value in handles:
+        for status, value, _ in handles:
             if status == "error":
                 raise value
-        return [value for _, value in handles]
+        return [value for _, value, _ in handles]
 
     def shutdown(self) -> None:
         self.workers = []

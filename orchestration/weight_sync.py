@@ -33,13 +33,18 @@ import time
 from collections import defaultdict
 from pathlib import Path
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from orchestration.base_group import ResultOf, WorkerError
 from orchestration.config import ConfigError, WeightSyncConfig
 
 PATHS = ("cuda_ipc", "shm", "collective", "object_store", "file")
 CHOICES = ("auto", *PATHS)
+# Paths whose send leaves the weights for a receive that may come later (files in shared memory
+# or a folder, arrays in the send's answer): the send can ride on the trainer's last call of a
+# turn and the receive on the target's next call. CUDA IPC hands out the live weights (an
+# offload would move them) and a broadcast needs both sides at once.
+DEFERRABLE = ("shm", "file", "object_store")
 CHECKSUMS = ("sample", "full")
 
 
@@ -156,6 +161,32 @@ class WeightSync:
             raise ConfigError(f"config key 'weight_sync.path'={path!r}: role {role} receives weights only by "
                               f"{list(accepts)}. Fix: weight_sync.path=auto or one of those")
         return path
+
+    # ---- a send and a receive riding on other calls ------------------------------------
+    def defers(self, group: Any) -> bool:
+        """Whether `group` can take the weights apart from their send: Ray groups on a DEFERRABLE path."""
+        return _is_ray(group) and _is_ray(self.trainer) and self.path_for(group) in DEFERRABLE
+
+    def send_args(self, group: Any, version: int) -> tuple:
+        """Arguments of trainer rank 0's `send_weights` for `group` (a `defers` one), the channel
+        opened on first use."""
+        self._seq += 1
+        return self._channel(self.path_for(group), None), self._seq, version, self.settings.bucket_mb, self._checksum
+
+    def receive_later(self, group: Any, channel: dict, sending: Any, carried: Optional[str]) -> None:
+        """`group`'s receive, queued on its next call: its ranks take trainer rank 0's answer to the
+        `sending` call (the `send_weights` that call carried, with `carried`) rank to rank."""
+        self._remember(group)
+        group.defer("receive_sent", channel, ResultOf(sending, None, carried))
+
+    def received(self, group: Any, version: int, answers: list) -> SyncRecord:
+        """The record of a receive that rode on `group`'s call (`answers`: its ranks' receive_sent
+        results): seconds are the send's plus the slowest rank's receive, as the ranks timed them."""
+        answers = [a for a in answers if a]
+        seconds = answers[0]["send_seconds"] + max(a["seconds"] for a in answers)
+        record = SyncRecord(_role(group), self.path_for(group), version, answers[0]["bytes"], seconds)
+        self.records.append(record)
+        return record
 
     # ---- syncing ----------------------------------------------------------------------
     def sync(self, targets: list[Any], version: int) -> list[SyncRecord]:

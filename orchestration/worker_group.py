@@ -91,8 +91,39 @@ def send_tensors_as_arrays() -> None:
 
 # Keyword arguments of a rank's call that carry the calls it waits for (BaseWorkerGroup.after).
 AFTER_PREFIX = "_after_call_"
-# Keyword argument naming the arguments that are other calls' answers ({position or name: key}).
+# Keyword argument naming the arguments that are other calls' answers ({position or name: (key,
+# carried)}, as ResultOf has them).
 RESULTS_KEY = "_results_of_calls"
+# Keyword arguments that carry the ResultOf arguments of deferred methods (`defer`, `then`) to the
+# top level, where Ray resolves them: f"{LIFTED_PREFIX}{entry}_{position}".
+LIFTED_PREFIX = "_deferred_arg_"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lifted:
+    """Stands in a deferred method's arguments for the ResultOf sent as keyword argument `name`."""
+    name: str
+
+
+def _lift(queued: tuple, tag: str, kwargs: dict) -> tuple:
+    """`queued` ((method, args) pairs) with each ResultOf argument moved into `kwargs` under a
+    name of its own and a _Lifted in its place."""
+    out = []
+    for j, (method, margs) in enumerate(queued):
+        if any(isinstance(a, ResultOf) for a in margs):
+            margs = list(margs)
+            for k, a in enumerate(margs):
+                if isinstance(a, ResultOf):
+                    kwargs[f"{LIFTED_PREFIX}{tag}{j}_{k}"] = a
+                    margs[k] = _Lifted(f"{LIFTED_PREFIX}{tag}{j}_{k}")
+            margs = tuple(margs)
+        out.append((method, margs))
+    return tuple(out)
+
+
+def _fill(queued: tuple, values: dict) -> tuple:
+    """`queued` with each _Lifted argument replaced by its resolved value."""
+    return tuple((m, tuple(values[a.name] if isinstance(a, _Lifted) else a for a in margs)) for m, margs in queued)
 
 
 class _RoleHost:
@@ -145,9 +176,11 @@ class _RoleHost:
             del kwargs[key]
         if RESULTS_KEY in kwargs:  # arguments that are other calls' answers (ResultOf): their values
             args = list(args)
-            for where, key in kwargs.pop(RESULTS_KEY).items():
+            for where, (key, carried_method) in kwargs.pop(RESULTS_KEY).items():
                 holder = args if isinstance(where, int) else kwargs
-                holder[where] = pick(holder[where][0], key)  # the answer's value
+                holder[where] = pick(holder[where][0], holder[where][3], key, carried_method)  # from the answer
+            lifted = {k: kwargs.pop(k) for k in [k for k in kwargs if k.startswith(LIFTED_PREFIX)]}
+            before, then = _fill(before, lifted), _fill(then, lifted)
         carried = {name: getattr(self.instance, name)(*margs) for name, margs in before}
         value = getattr(self.instance, method)(*args, **kwargs)
         carried.update({name: getattr(self.instance, name)(*margs) for name, margs in then})
@@ -342,13 +375,15 @@ class WorkerGroup(BaseWorkerGroup):
         # Calls to wait for, and other calls' answers used as arguments, go as top-level arguments,
         # which Ray resolves before the call runs.
         waits = {f"{AFTER_PREFIX}{j}": ref for j, ref in enumerate(deps)}
-        results = {**{i: a.key for i, a in enumerate(args) if isinstance(a, ResultOf)},
-                   **{k: v.key for k, v in kwargs.items() if isinstance(v, ResultOf)}}
+        sent = dict(kwargs)  # with the deferred methods' ResultOf arguments beside the call's own
+        sent_before, sent_then = _lift(before, "b", sent), _lift(then, "t", sent)
+        results = {**{i: (a.key, a.carried) for i, a in enumerate(args) if isinstance(a, ResultOf)},
+                   **{k: (v.key, v.carried) for k, v in sent.items() if isinstance(v, ResultOf)}}
         if results:
             waits[RESULTS_KEY] = results
         ref = self.workers[index].call.remote(
-            method, before, then, *(a.future.handles[0] if isinstance(a, ResultOf) else a for a in args),
-            **{k: v.future.handles[0] if isinstance(v, ResultOf) else v for k, v in kwargs.items()}, **waits)
+            method, sent_before, sent_then, *(a.future.handles[0] if isinstance(a, ResultOf) else a for a in args),
+            **{k: v.future.handles[0] if isinstance(v, ResultOf) else v for k, v in sent.items()}, **waits)
         CALLS.remote += 1
         CALLS.role_s += time.perf_counter() - start  # serializing the arguments is part of the call
         if self.restarts_left > 0:

@@ -315,6 +315,12 @@ class WeightReceiver:
             torch.cuda.synchronize()
         return {"bytes": manifest.total_bytes, "seconds": time.perf_counter() - t0, "version": manifest.version}
 
+    def receive_sent(self, channel: dict, sent: dict) -> dict:
+        """`receive_weights` of the sync `sent` (trainer rank 0's send_weights answer, passed rank
+        to rank); adds the send's own seconds as "send_seconds"."""
+        out = self.receive_weights(channel, sent["manifest"], sent.get("payload"))
+        return {**out, "send_seconds": sent["seconds"]}
+
     def close_weight_receivers(self) -> None:
         """Unmap shared memory and drop process groups."""
         self._shm_views, self._receivers = {}, {}

@@ -158,9 +158,9 @@ class FakeGroup(BaseWorkerGroup):
 
     def async_call(self, method, *args, **kwargs):
         if method != "memory":  # per-step figures, not part of the call order under test
-            self.calls.extend((self.role, m, summary(m, a)) for m, a in self._deferred)
+            self.calls.extend((self.role, m, summary(m, a)) for m, a, *_ in self._deferred)
             self.calls.append((self.role, method, summary(method, args)))
-            self.calls.extend((self.role, m, summary(m, a)) for m, a in self._then)
+            self.calls.extend((self.role, m, summary(m, a)) for m, a, *_ in self._then)
         return super().async_call(method, *args, **kwargs)
 
     def _submit(self, index, method, args, kwargs, before=(), deps=(), then=()):

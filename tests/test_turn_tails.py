@@ -1,8 +1,10 @@
 """A method that rides after a call's own (`then`), on Ray and in-process: the turn of a colocated
-role that is one call carries its onload before and its offload after, in one round trip."""
+role that is one call carries its onload before and its offload after, in one round trip. A
+weight sync rides on the trainer's offload and the rollout's next call."""
 import pytest
+import torch
 
-from orchestration.base_group import CALLS, WorkerError
+from orchestration.base_group import CALLS, ResultOf, WorkerError
 from orchestration.local import LocalWorkerGroup
 from orchestration.planner import make_plan
 
@@ -27,6 +29,13 @@ class Tally:
 
     def fail(self):
         raise ValueError("cannot")
+
+    def offer(self):
+        self.ran.append("offer")
+        return {"x": 5}
+
+    def take(self, value):
+        self.ran.append(f"take {value}")
 
     def history(self):
         return list(self.ran)
@@ -64,6 +73,130 @@ def test_then_runs_after_the_calls_method_in_the_same_round_trip(ray_cluster, ba
         assert g.call("history")[0][-1] == "work"  # the method ran before the failing one
         if backend == "ray":
             g.shutdown()
+    finally:
+        placement.remove()
+
+
+@pytest.mark.parametrize("backend", ["ray", "local"])
+def test_a_deferred_method_takes_what_another_calls_deferred_method_returned(ray_cluster, backend):
+    """defer(..., execute='first') queues a method on the first rank only; a deferred method's
+    argument may be ResultOf(call, key, carried=method): the value that method returned on the
+    call's first rank, rank to rank."""
+    from orchestration.placement import create_placement
+    from orchestration.worker_group import WorkerGroup
+
+    plan = make_plan({"device_groups": {"nproc_per_node": 1, "a": {"device": "CPU", "ranks": 2, "workers": ["orm"]},
+                                        "b": {"device": "CPU", "ranks": 1, "workers": ["prm"]}}})
+    placement = create_placement(plan, timeout_s=30)
+    try:
+        make = (lambda role: WorkerGroup(Tally, plan[role], placement=placement)) if backend == "ray" else \
+            (lambda role: LocalWorkerGroup(Tally, plan[role]))
+        a, b = make("orm"), make("prm")
+        a.defer("offer", execute="first")
+        offered = a.async_call("work", [1, 2])
+        b.defer("take", ResultOf(offered, "x", carried="offer"))
+        b.then("take", ResultOf(offered, None, carried="offer"))
+        assert b.call("work", [3]) == [1]
+        assert offered.get() == [2, 2]
+        assert a.call("history") == [["offer", "work"], ["work"]]
+        assert b.call("history") == [["take 5", "work", "take {'x': 5}"]]
+        with pytest.raises(ValueError, match="execute"):
+            a.defer("offer", execute="some")
+        if backend == "ray":
+            a.shutdown(), b.shutdown()
+    finally:
+        placement.remove()
+
+
+class Net:
+    """A trainer or rollout with real weights (a linear layer) and the real weight send and
+    receive; records the order its methods ran in. A train step adds 1 to every weight."""
+
+    def __init__(self, seed: int):
+        torch.manual_seed(seed)
+        self.model, self.ran = torch.nn.Linear(4, 3), []
+
+    def state_dict_buckets(self, bucket_mb, dtype=None, to_cpu=True):
+        self.ran.append("send")
+        return [[(n, t.detach().clone()) for n, t in self.model.state_dict().items()]]
+
+    def update_weights(self, pairs, version):
+        self.ran.append(f"update {version}")
+        self.model.load_state_dict(dict(pairs))
+
+    def train_step(self):
+        self.ran.append("train_step")
+        with torch.no_grad():
+            for p in self.model.parameters():
+                p.add_(1.0)
+        return {"loss": 0.0}
+
+    def generate(self):
+        self.ran.append("generate")
+        return float(sum(p.sum() for p in self.model.parameters()))
+
+    def onload(self):
+        self.ran.append("onload")
+
+    def offload(self, model=True, optimizer=True):
+        self.ran.append("offload")
+
+    def wake_up(self):
+        self.ran.append("wake_up")
+
+    def sleep(self, level):
+        self.ran.append("sleep")
+
+    def history(self):
+        return list(self.ran)
+
+
+def test_a_weight_sync_rides_on_the_trainers_offload_and_the_rollouts_next_call(ray_cluster, tmp_path):
+    """Colocated and strictly on-policy, on a shared-memory path: the send rides on the train
+    turn's offload (trainer rank 0 only), the receive on the rollout's next call before its
+    wake-up; a step is then 2 calls per trainer rank and 2 for the rollout (was 4 more: send,
+    receive, and the driver waiting for both), the rollout generates with the new weights, and
+    the sync's figures come with the rollout's turn."""
+    from algorithms.grpo import GRPORunConfig
+    from algorithms.turns import Turns
+    from orchestration.config import WeightSyncConfig
+    from orchestration.placement import create_placement
+    from orchestration.worker_group import WorkerGroup
+    from roles.weight_transfer import WeightReceiver, WeightSender
+    from tests.driver_helpers import TINY, MarkedLog, prepared
+
+    Trainer = type("Trainer", (Net, WeightSender), {})
+    Rollout = type("Rollout", (Net, WeightReceiver), {})
+    _, typed, plan = prepared(GRPORunConfig, TINY + ["placement=colocate"])
+    places = make_plan({"device_groups": {"nproc_per_node": 1, "t": {"device": "CPU", "ranks": 2, "workers": ["orm"]},
+                                          "r": {"device": "CPU", "ranks": 1, "workers": ["prm"]}}})
+    placement = create_placement(places, timeout_s=30)
+    try:
+        trainer = WorkerGroup(Trainer, places["orm"], init_args=(0,), placement=placement)
+        rollout = WorkerGroup(Rollout, places["prm"], init_args=(1,), placement=placement)
+        with Turns(plan, {"train": trainer, "rollout": rollout}, typed.run, WeightSyncConfig(path="shm"),
+                   MarkedLog(tmp_path, 3, []), []) as turns:
+            generated, calls = [], []
+            for step in (1, 2, 3):
+                before, metrics = CALLS.remote, {}
+                with turns.rollout_turn(step - 1, metrics):
+                    generated.append(rollout.call("generate")[0])
+                with turns.turn("train"):
+                    trainer.call("train_step")
+                    assert turns.sync(step, None, 0) == {}  # the figures come with the receive
+                turns._settle()
+                calls.append(CALLS.remote - before)
+                if step > 1:
+                    assert metrics["sync/prm/path"] == "shm" and metrics["sync/prm/mb"] > 0  # role: the placement's
+            trained = trainer.call("generate", execute="first")
+            # The third generation used the weights of two train steps: 2 x 15 weights above the start.
+            assert generated[2] == pytest.approx(trained - 15) and generated[1] == pytest.approx(trained - 15 - 15)
+            assert calls[2] == 2 + 2 + 2  # train_step and offload on 2 trainer ranks; generate and sleep
+            assert rollout.call("history")[0][-8:] == ["update 1", "wake_up", "generate", "sleep",
+                                                       "update 2", "wake_up", "generate", "sleep"]
+            assert trainer.call("history") == [["onload", "train_step", "send", "offload"] * 3 + ["generate"],
+                                               ["onload", "train_step", "offload"] * 3]
+        trainer.shutdown(), rollout.shutdown()
     finally:
         placement.remove()
 
