@@ -120,7 +120,8 @@ def test_benchmark_refuses_runs_that_need_more_gpus_than_the_host_has():
 def test_benchmark_simulated_on_cpu(ray_cluster, tmp_path, one_thread):
     """Every part of benchmarks/multi_gpu.py on simulated GPUs with a tiny model: GRPO colocated
     and separate with overlap, Megatron TP=2 against the torch reference, and gloo weight sync
-    between two (simulated) GPUs."""
+    between two (simulated) GPUs. The two GRPO runs are also the real runs of the overlap and
+    of colocated turns: their metrics and timelines are checked as such."""
     bench = multi_gpu_module()
     res = bench.main(["all", "--simulate", "4", "--out", str(tmp_path), "--algorithms", "grpo", "--modes",
                       "colocate", "overlap", "--steps", "3", "--no-plot", "--variants", "megatron_tp2",
@@ -143,6 +144,49 @@ def test_benchmark_simulated_on_cpu(ray_cluster, tmp_path, one_thread):
     assert "| overlap |" in table and "| megatron_tp2 | 2 |" in table and "| between_gpus | collective |" in table
     assert json.loads((tmp_path / "results.json").read_text())["host"] == {"gpus": 4, "simulated": True,
                                                                            "device": "cpu"}
+    check_overlap_run(tmp_path / "grpo_overlap")
+    check_colocated_run(tmp_path / "grpo_colocate")
+
+
+def check_overlap_run(run_dir: Path) -> None:
+    """Separate devices, algorithm.max_staleness=1: generation of the next batch overlaps training."""
+    from algorithms.runlog import read_metrics
+    from tests.test_overlap import spans
+
+    records, timeline = read_metrics(run_dir / "metrics.jsonl"), read_metrics(run_dir / "timeline.jsonl")
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    assert [r["staleness/max"] for r in records[1:]] == [0.0, 1.0, 1.0]
+    for r in records[1:]:
+        assert r["train/loss"] == r["train/loss"] and "time/wait_rollout" in r and r["rollout/generate_s"] > 0
+        assert not any(k.startswith("move/") for k in r)  # nothing takes turns on separate devices
+    gen, train = spans(timeline, "rollout", "generate"), spans(timeline, "train", "train")
+    assert gen[3][0] < train[2][1]  # batch 3 was started before training on batch 2 ended
+    assert records[-1]["mem/train_rss_peak_bytes"] > 50 * 2**20 and records[-1]["mem/rollout_rss_bytes"] > 50 * 2**20
+
+
+def check_colocated_run(run_dir: Path) -> None:
+    """Trainer and rollout on the same devices take turns, offloading and sleeping between them."""
+    from algorithms.runlog import read_metrics
+    from tests.test_overlap import spans
+
+    records, timeline = read_metrics(run_dir / "metrics.jsonl"), read_metrics(run_dir / "timeline.jsonl")
+    step = records[2]
+    # Trainer weights + AdamW moments go to host and back; the rollout's weights sleep and wake.
+    assert step["move/train_offload_bytes"] > 2 * step["move/rollout_sleep_bytes"] > 0
+    assert step["move/train_onload_bytes"] == step["move/train_offload_bytes"]
+    assert step["move/rollout_wake_up_bytes"] == step["move/rollout_sleep_bytes"]
+    assert all(step[f"move/{k}_s"] >= 0 for k in ("train_offload", "train_onload", "rollout_sleep", "rollout_wake_up"))
+    for role in ("train", "rollout"):
+        assert step[f"mem/{role}_rss_bytes"] > 50 * 2**20
+        assert step[f"mem/{role}_rss_peak_bytes"] >= step[f"mem/{role}_rss_bytes"]
+        assert step[f"mem/{role}_device_peak_bytes"] == 0  # no CUDA device here
+    # Onload and wake-up ride on the role's first call (inside its phase); offload and sleep are
+    # phases of their own, the driver's wait for them.
+    for phase in ("generate", "sleep", "train", "sync_weights", "offload"):
+        assert f"time/{phase}" in step, phase
+    # Colocated roles take turns: the rollout never generates while the trainer trains.
+    gen, train = spans(timeline, "rollout", "generate"), spans(timeline, "train", "train")
+    assert all(gen[k][1] <= train[k][0] for k in (1, 2, 3)) and all(train[k][1] <= gen[k + 1][0] for k in (1, 2))
 
 
 # ----------------------------------------------------------------------------- several GPUs

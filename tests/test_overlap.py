@@ -2,8 +2,9 @@
 
 Fake roles run on one thread each (calls to a rank run in order, like a Ray actor) and sleep
 instead of computing, so the GRPO and GKD loops really overlap them; the timeline.jsonl the
-loop writes shows when. Then real tiny GRPO runs on Ray: separate with max_staleness=1, and
-colocated with its memory and bytes-moved figures."""
+loop writes shows when. The real tiny GRPO runs on Ray (separate with max_staleness=1, and
+colocated with its memory and bytes-moved figures) are benchmarks/multi_gpu.py's, checked in
+tests/test_multi_gpu.py; here the colocate-vs-separate benchmark's warm start and summary."""
 import io
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -11,14 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_module
+from hydra import initialize_config_module
 
 from algorithms import gkd, grpo
-from algorithms.config import GKDRunConfig, GKDAlgorithm, LoopConfig, prepare
+from algorithms.config import GKDRunConfig, GKDAlgorithm, LoopConfig
 from algorithms.runlog import RunLog, read_metrics
 from algorithms.tasks import Example
 from orchestration.base_group import BaseWorkerGroup
-from orchestration.config import ConfigError, register_schema
+from orchestration.config import ConfigError
 from orchestration.planner import make_plan
 from roles.batch import Completions
 
@@ -209,59 +210,11 @@ def test_gkd_overlap_with_a_colocated_rollout_is_refused():
                                       algorithm=grpo.GRPOAlgorithm(max_staleness=-1)), make_plan(SEPARATE))
 
 
-# ----------------------------------------------------------------------------- real runs
+# ----------------------------------------------------------------------------- benchmark
 
-TINY = ["+experiment=grpo_quickstart", "run.steps=3", "run.prompts_per_step=4", "run.eval_max_new_tokens=8",
-        "data.train_size=32", "data.eval_size=4", "algorithm.num_generations=4", "algorithm.max_new_tokens=8",
-        "algorithm.warmup_sft_steps=0", "algorithm.beta=0", "trainer.warmup_steps=0", "run.save_final=false"]
-
-
-def real_grpo(tmp_path, overrides):
-    register_schema(grpo.GRPORunConfig)
-    with initialize_config_module(config_module="conf", version_base=None):
-        cfg = compose(config_name="config", overrides=TINY + overrides)
-    typed, plan = prepare(cfg, grpo.GRPORunConfig)
-    grpo.validate(typed, plan)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        grpo.run(typed, plan, tmp_path)
-    finally:
-        torch.set_num_threads(threads)
-    return read_metrics(tmp_path / "metrics.jsonl"), read_metrics(tmp_path / "timeline.jsonl")
-
-
-def test_real_grpo_separate_with_staleness_1(ray_cluster, tmp_path):
-    records, timeline = real_grpo(tmp_path, ["placement.colocate_groups=null", "algorithm.max_staleness=1"])
-    assert [r["step"] for r in records] == [0, 1, 2, 3]
-    assert [r["staleness/max"] for r in records[1:]] == [0.0, 1.0, 1.0]
-    for r in records[1:]:
-        assert r["train/loss"] == r["train/loss"] and "time/wait_rollout" in r and r["rollout/generate_s"] > 0
-        assert not any(k.startswith("move/") for k in r)  # nothing takes turns on separate devices
-    gen, train = spans(timeline, "rollout", "generate"), spans(timeline, "train", "train")
-    assert gen[3][0] < train[2][1]  # batch 3 was started before training on batch 2 ended
-    assert records[-1]["mem/train_rss_peak_bytes"] > 50 * 2**20 and records[-1]["mem/rollout_rss_bytes"] > 50 * 2**20
-
-
-def test_real_grpo_colocated_logs_memory_and_bytes_moved(ray_cluster, tmp_path):
-    records, timeline = real_grpo(tmp_path, [])
-    step = records[2]
-    # Trainer weights + AdamW moments go to host and back; the rollout's weights sleep and wake.
-    assert step["move/train_offload_bytes"] > 2 * step["move/rollout_sleep_bytes"] > 0
-    assert step["move/train_onload_bytes"] == step["move/train_offload_bytes"]
-    assert step["move/rollout_wake_up_bytes"] == step["move/rollout_sleep_bytes"]
-    assert all(step[f"move/{k}_s"] >= 0 for k in ("train_offload", "train_onload", "rollout_sleep", "rollout_wake_up"))
-    for role in ("train", "rollout"):
-        assert step[f"mem/{role}_rss_bytes"] > 50 * 2**20
-        assert step[f"mem/{role}_rss_peak_bytes"] >= step[f"mem/{role}_rss_bytes"]
-        assert step[f"mem/{role}_device_peak_bytes"] == 0  # no CUDA device here
-    # Onload and wake-up ride on the role's first call (inside its phase); offload and sleep are
-    # phases of their own, the driver's wait for them.
-    for phase in ("generate", "sleep", "train", "sync_weights", "offload"):
-        assert f"time/{phase}" in step, phase
-    # Colocated roles take turns: the rollout never generates while the trainer trains.
-    gen, train = spans(timeline, "rollout", "generate"), spans(timeline, "train", "train")
-    assert all(gen[k][1] <= train[k][0] for k in (1, 2, 3)) and all(train[k][1] <= gen[k + 1][0] for k in (1, 2))
+# The real GRPO runs, overlapping (separate devices, max_staleness=1) and colocated (turns,
+# offload, sleep, memory figures): benchmarks/multi_gpu.py's placement runs in
+# tests/test_multi_gpu.py::test_benchmark_simulated_on_cpu (check_overlap_run, check_colocated_run).
 
 
 def benchmark_module():
