@@ -37,22 +37,33 @@ class DataParallelTrainer(Trainer):
 
 
 def test_two_rank_run_with_collective_sync_listens_only_on_loopback(ray_cluster):
+    """Two data-parallel trainer ranks and a rollout, synced by the collective: every socket their
+    processes listen on is on loopback. The two ranks also train as one rank does (the same
+    losses, gradient norms and logprobs, identical replicas of the single trainer's weights)."""
+    import math
+
     from orchestration.placement import create_placement
     from orchestration.worker_group import WorkerGroup
+    from tests.test_trainer import sft_batch
 
     assert cluster_is_local()  # two simulated nodes, both on this host
+    batch = sft_batch(7, seed=3)  # sliced 4 + 3: uneven token counts and micro-batch counts
+    kwargs = {"model": MODEL, "config": dict(lr=1e-3, micro_batch_per_device=2, device="cpu", dtype="float32",
+                                             warmup_steps=0, total_steps=10)}
     plan = make_plan({"device_groups": {"nproc_per_node": 1, "t": {"device": "CPU", "ranks": 2, "workers": ["train"]},
                                         "r": {"device": "CPU", "ranks": 1, "workers": ["rollout"]}}})
     placement = create_placement(plan, timeout_s=60)
     made = []
     try:
-        trainer = WorkerGroup(DataParallelTrainer, plan["train"], {"model": MODEL, "config": CPU},
-                              placement=placement, timeout_s=300)
+        trainer = WorkerGroup(DataParallelTrainer, plan["train"], kwargs, placement=placement, timeout_s=300)
         made.append(trainer)
         rollout = WorkerGroup(Rollout, plan["rollout"], {"model": MODEL, "config": CPU}, placement=placement,
                               timeout_s=300)
         made.append(rollout)
         assert trainer.call("process_group_size") == [2, 2]  # the data-parallel group is up
+        dp = [trainer.call("train_step", batch, dispatch="slice") for _ in range(2)]
+        replicas = trainer.call("state_dict_buckets", 1024)
+        dp_logprobs = trainer.call("logprobs", batch, dispatch="slice", collect="flatten")
         assert {i["ip"] for i in trainer.infos + rollout.infos} == {"127.0.0.1"}
         sync = WeightSync(trainer, WeightSyncConfig(path="collective", bucket_mb=0.5))
         [record] = sync.sync([rollout], version=1)  # the broadcast group is up too (kept for the next sync)
@@ -69,6 +80,19 @@ def test_two_rank_run_with_collective_sync_listens_only_on_loopback(ray_cluster)
         for g in made:
             g.shutdown()
         placement.remove()
+    single = Trainer(**kwargs)
+    ref = [single.train_step(batch) for _ in range(2)]
+    for ranks, want in zip(dp, ref):
+        assert ranks[0] == ranks[1]  # every rank reports the same global metrics
+        assert ranks[0]["tokens"] == want["tokens"] and ranks[0]["sequences"] == 7
+        for key in ("loss", "grad_norm"):
+            assert math.isclose(ranks[0][key], want[key], abs_tol=1e-5), (key, ranks[0][key], want[key])
+    rank0, rank1 = ([t for b in r for t in b] for r in replicas)
+    ref_weights = dict(single.model.state_dict())
+    for (name, a), (_, b) in zip(rank0, rank1):
+        assert torch.equal(a, b), name  # replicas stay identical
+        torch.testing.assert_close(a, ref_weights[name], atol=1e-5, rtol=0, msg=name)
+    torch.testing.assert_close(dp_logprobs, single.logprobs(batch), atol=1e-5, rtol=0)
 
 
 def test_own_addresses():
