@@ -125,24 +125,27 @@ def test_zero_offload_one_rank_matches_the_torch_engine(tmp_path):
 
 
 def test_sft_driver_end_to_end_with_zero3_on_two_ranks(ray_cluster, tmp_path):
-    """`python -m algorithms.sft +experiment=sft_quickstart backend.train=deepspeed ...`, run
-    in-process on the test cluster: weight syncs to the evaluator come from rank 0's copy."""
+    """`python -m algorithms.sft +experiment=sft_quickstart backend.train=deepspeed ...` with the
+    Llama preset, run in-process on the test cluster: evaluations at the run.eval_every cadence
+    and the end, weight syncs to the evaluator from rank 0's copy, a Llama checkpoint."""
     from algorithms import sft
     from algorithms.config import SFTRunConfig
     from tests.driver_helpers import TINY, check_checkpoint, check_outputs, prepared
 
-    cfg, typed, plan = prepared(SFTRunConfig, ["+experiment=sft_quickstart", *TINY, "placement.train.gpus=2",
+    cfg, typed, plan = prepared(SFTRunConfig, ["+experiment=sft_quickstart", *TINY, "model=tiny_llama",
+                                               "run.eval_every=2", "placement.train.gpus=2",
                                                "backend.train=deepspeed", "deepspeed.zero_stage=3"])
-    assert plan["train"].world_size == 2
+    assert typed.backend.workers == "ray" and plan["train"].world_size == 2
     record = sft.run(typed, plan, tmp_path)
     records = check_outputs(tmp_path, 3, {"train"})
+    assert {r["step"] for r in records if "eval/accuracy" in r} == {0, 2, 3}
     assert records[-1]["train/step"] == 3.0 and records[-1]["train/sequences"] == 4.0
     assert records[-1]["train/loss"] < records[1]["train/loss"]
     # Each sync sent the whole model (gathered), not a rank's ZeRO-3 shard.
-    mib = sum(t.numel() * t.element_size() for t in build_model(MODEL).parameters()) / 2**20
+    mib = sum(t.numel() * t.element_size() for t in build_model("tiny_llama").parameters()) / 2**20
     for r in (records[0], records[-1]):
         assert math.isclose(r["sync/evaluator/mb"], mib, rel_tol=1e-3), (r["sync/evaluator/mb"], mib)
-    check_checkpoint(record["checkpoint"], "qwen2")
+    check_checkpoint(record["checkpoint"], "llama")
 
 
 @pytest.mark.gpu

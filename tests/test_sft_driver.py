@@ -1,5 +1,5 @@
 """SFT driver: the call order with fake roles (train steps, evaluator weight sync before every
-eval, checkpoint cadence) and a real run on Ray on a tiny model."""
+eval, checkpoint cadence). Its real run on Ray is in tests/test_deepspeed_engine.py."""
 import pytest
 
 from algorithms import sft
@@ -7,8 +7,7 @@ from algorithms.config import SFTRunConfig, as_dict
 from algorithms.data import load_task
 from algorithms.runlog import read_metrics
 from roles.models import load_tokenizer
-from tests.driver_helpers import (TINY, FakeGroup, FakeRollout, FakeTrainer, MarkedLog, by_step, check_checkpoint,
-                                  check_outputs, prepared)
+from tests.driver_helpers import TINY, FakeGroup, FakeRollout, FakeTrainer, MarkedLog, by_step, prepared
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one intra-op thread
 
@@ -55,14 +54,5 @@ def test_sft_last_checkpoint_is_written_once(tmp_path):
     assert [c[2] for c in calls if c[1] == "save"] == ["step_2", "step_4"]
 
 
-def test_sft_end_to_end_on_ray(ray_cluster, tmp_path):
-    cfg, typed, plan = prepared(SFTRunConfig, ["+experiment=sft_quickstart", *TINY, "model=tiny_llama",
-                                               "run.eval_every=2"])
-    assert typed.backend.workers == "ray"
-    record = sft.run(typed, plan, tmp_path)
-    records = check_outputs(tmp_path, 3, {"train"})
-    assert {r["step"] for r in records if "eval/accuracy" in r} == {0, 2, 3}
-    assert records[-1]["train/step"] == 3.0
-    check_checkpoint(record["checkpoint"], "llama")
-
-
+# The SFT driver on Ray (the Llama preset, eval_every=2, checkpoint):
+# tests/test_deepspeed_engine.py::test_sft_driver_end_to_end_with_zero3_on_two_ranks.
