@@ -79,7 +79,8 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
                 metrics["gkd/on_policy"] = float(on_policy[step])
                 # Generate: the student writes the completions (on-policy), else dataset responses
                 # (with seq_kd, the teacher's own samples).
-                with turns.rollout_turn(step - 1, metrics) if on_policy[step] else contextlib.nullcontext():
+                with turns.rollout_turn(step - 1, metrics, one_call=not algo.max_staleness) if on_policy[step] \
+                        else contextlib.nullcontext():
                     with log.phase("generate"):
                         examples, comps = prefetch.take(step)
                 if on_policy[step]:

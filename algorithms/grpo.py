@@ -152,7 +152,8 @@ def train(cfg: GRPORunConfig, plan: Plan, trainer: Any, rollout: Any, reference:
             if step > 0:
                 # Generate + score: G completions per prompt and their rewards (with dynamic_sample,
                 # rounds of fresh prompts until prompts_per_step groups have reward variance).
-                with turns.rollout_turn(step - 1, metrics):
+                # One generate call (no extra rounds, none ahead) carries the rollout's sleep too.
+                with turns.rollout_turn(step - 1, metrics, one_call=not (algo.dynamic_sample or algo.max_staleness)):
                     rounds = _generate_and_score(algo, cfg.run.prompts_per_step, prefetch, rewards, check, step,
                                                  log, metrics)
                 comps, scores = _pick_groups(rounds, cfg.run.prompts_per_step, G, algo.dynamic_sample)

@@ -140,11 +140,12 @@ class Turns:
             return group.call(method, *args, **kwargs)
 
     @contextlib.contextmanager
-    def rollout_turn(self, version: int, metrics: dict) -> Iterator[Any]:
+    def rollout_turn(self, version: int, metrics: dict, one_call: bool = False) -> Iterator[Any]:
         """The rollout awake for the block (woken and put back to sleep at sleep_level > 0),
         first given the trainer's weights (as `version`) when it is behind them; sync
         figures go into `metrics`. The wake-up rides on the first call after the weights,
-        the sleep is waited for as an offload is."""
+        the sleep is waited for as an offload is; with `one_call` (the block makes exactly one
+        rollout call) the sleep rides on that call too, after its method."""
         self._follow(self.rollout)
         receiving = self.behind and self._sent is not None
         if receiving:  # sent already: the receive rides on the rollout's first call
@@ -154,6 +155,8 @@ class Turns:
             metrics.update(self._send(version))
         if self.sleep_level:
             self.rollout.defer("wake_up")
+            if one_call:
+                self.rollout.then("sleep", self.sleep_level)
         with self._surfacing():
             yield self.rollout
         if receiving:
@@ -162,9 +165,16 @@ class Turns:
             answers = [r.get("receive_sent") for r in self.rollout.deferred_results()]
             metrics.update(sync_metrics([self._sync.received(self.rollout, sent_version, answers)]))
             self.behind, self.version, self._sent = False, sent_version, None
-        if self.sleep_level:
+        if not self.sleep_level:
+            return
+        if not one_call:
             self._put_back("rollout", self.rollout, "wake_up", "sleep", self.sleep_level)
-            self.behind = self.behind or self.sleep_level == 2
+        elif not self.rollout.drop_deferred():  # the call carried both
+            for op in ("wake_up", "sleep"):
+                self.log.moved("rollout", op, [r.get(op) for r in self.rollout.deferred_results()])
+        else:  # no call: the rollout slept through the block
+            return
+        self.behind = self.behind or self.sleep_level == 2
 
     def _put_back(self, role: str, group: Any, came: str, method: str, *args: Any) -> None:
         """End of a turn: the role's devices freed (`method`: offload or sleep) by a call sent now;

@@ -32,12 +32,16 @@ class FakeGroup:
         self.role, self.log, self.correct, self.rounds, self.version = role, log, correct, 0, 0
 
     deferred = ()  # (method, args) that ride on the next call, as a real group's `defer` queues them
+    tails = ()  # (method, args) that run after the next call's method (`then`)
 
     def defer(self, method, *args):
         self.deferred = (*self.deferred, (method, args))
 
+    def then(self, method, *args):
+        self.tails = (*self.tails, (method, args))
+
     def drop_deferred(self):
-        queued, self.deferred = bool(self.deferred), ()
+        queued, self.deferred, self.tails = bool(self.deferred or self.tails), (), ()
         return queued
 
     def deferred_results(self):
@@ -54,8 +58,9 @@ class FakeGroup:
         if method == "memory":  # per-step figures; not part of the call order under test
             return {"rss_bytes": 1}
         self.log.extend((self.role, m, a) for m, a in self.deferred)
-        self.deferred = ()
         self.log.append((self.role, method, args))
+        self.log.extend((self.role, m, a) for m, a in self.tails)
+        self.deferred = self.tails = ()
         if method == "update_weights":
             self.version = args[1]
         if method == "generate":
