@@ -1,6 +1,5 @@
 """Trainer on tiny presets (CPU, fp32): training, micro-batching, offload, checkpoints,
 weight buckets, and data parallel over a real 2-rank Ray worker group."""
-import contextlib
 import math
 
 import pytest
@@ -361,9 +360,38 @@ def test_trainer_under_local_worker_group_equals_direct(batch):
     assert torch.equal(group.call("logprobs", batch, dispatch="slice", collect="flatten"), direct.logprobs(batch))
 
 
-@contextlib.contextmanager
-def two_rank_trainer(kwargs: dict):
-    """A Trainer group of two CPU ranks on the test cluster (a real gloo process group)."""
+# Two data-parallel ranks against one rank (losses, gradient norms, replicas, logprobs):
+# tests/test_loopback.py::test_two_rank_run_with_collective_sync_listens_only_on_loopback, on the
+# two ranks whose sockets it checks.
+
+
+def empty_slice_kwargs(micro_batch: int) -> dict:
+    from algorithms.losses import make_loss
+
+    return {"model": MODEL, "loss_fn": make_loss("sft"),  # a loss that reports metrics (nll)
+            "config": dict(lr=1e-3, device="cpu", dtype="float32", warmup_steps=0, total_steps=10,
+                           micro_batch_per_device=micro_batch)}
+
+
+class TrainerPerMicroBatch:
+    """One Trainer per micro_batch_per_device in each rank's process, all on the rank's one
+    data-parallel process group, so a single 2-rank group serves every case; its train_step and
+    logprobs are lockstep methods as the Trainer's are."""
+
+    LOCKSTEP_METHODS = Trainer.LOCKSTEP_METHODS
+
+    def __init__(self, micro_batches: list):
+        self.trainers = {m: Trainer(**empty_slice_kwargs(m)) for m in micro_batches}
+
+    def train_step(self, batch, micro_batch):
+        return self.trainers[micro_batch].train_step(batch)
+
+    def logprobs(self, batch, micro_batch):
+        return self.trainers[micro_batch].logprobs(batch)
+
+
+@pytest.fixture(scope="module")
+def empty_slice_group(ray_cluster):
     from orchestration.placement import create_placement
     from orchestration.worker_group import WorkerGroup
 
@@ -371,7 +399,8 @@ def two_rank_trainer(kwargs: dict):
     placement = create_placement(plan, timeout_s=60)
     group = None
     try:
-        group = WorkerGroup(Trainer, plan["train"], kwargs, placement=placement, timeout_s=180)
+        group = WorkerGroup(TrainerPerMicroBatch, plan["train"], {"micro_batches": [0, 2]}, placement=placement,
+                            timeout_s=180)
         yield group
     finally:
         if group is not None:
@@ -379,27 +408,16 @@ def two_rank_trainer(kwargs: dict):
         placement.remove()
 
 
-# Two data-parallel ranks against one rank (losses, gradient norms, replicas, logprobs):
-# tests/test_loopback.py::test_two_rank_run_with_collective_sync_listens_only_on_loopback, on the
-# two ranks whose sockets it checks.
-
-
 @pytest.mark.parametrize("micro_batch", [0, 2])
-def test_a_rank_with_an_empty_slice_still_joins_the_collectives(ray_cluster, micro_batch):
+def test_a_rank_with_an_empty_slice_still_joins_the_collectives(empty_slice_group, micro_batch):
     """One row over two data-parallel ranks: rank 1's slice is empty, yet it must take part
     in the gradient and metric sums (skipping it would leave rank 0 waiting; summing fewer
     metric names than rank 0 would too); the update equals a single trainer's. Micro-batch 0
     (the whole share at once) included."""
-    from algorithms.losses import make_loss
-
     batch = sft_batch(1, seed=5)
-    kwargs = {"model": MODEL, "loss_fn": make_loss("sft"),  # a loss that reports metrics (nll)
-              "config": dict(lr=1e-3, device="cpu", dtype="float32", warmup_steps=0, total_steps=10,
-                             micro_batch_per_device=micro_batch)}
-    with two_rank_trainer(kwargs) as group:
-        dp = group.call("train_step", batch, dispatch="slice")
-        dp_logprobs = group.call("logprobs", batch, dispatch="slice", collect="flatten")
-    single = Trainer(**kwargs)
+    dp = empty_slice_group.call("train_step", batch, micro_batch, dispatch="slice")
+    dp_logprobs = empty_slice_group.call("logprobs", batch, micro_batch, dispatch="slice", collect="flatten")
+    single = Trainer(**empty_slice_kwargs(micro_batch))
     want = single.train_step(batch)
     assert len(dp) == 2 and dp[0] == dp[1] and dp[0]["sequences"] == 1
     assert math.isclose(dp[0]["loss"], want["loss"], abs_tol=1e-5)
