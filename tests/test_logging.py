@@ -100,7 +100,9 @@ class LevelProbe:
                 "printed": any(isinstance(h, _Print) for h in project.handlers)}
 
 
-@pytest.mark.parametrize("level", ["DEBUG", "ERROR"])
+# One level other than the default INFO shows the ranks take the run's: ERROR went the same way
+# (set_log_level's variable, read by every rank at start).
+@pytest.mark.parametrize("level", ["DEBUG"])
 def test_ray_workers_log_at_the_runs_level(ray_cluster, level):
     from orchestration.placement import create_placement
     from orchestration.worker_group import WorkerGroup
