@@ -111,28 +111,43 @@ def test_a_reused_pid_is_not_the_owner():
     assert not cleanup.owner_alive(os.getpid(), cleanup.start_ticks(os.getpid()) + 1)
 
 
+# The driver also reports what a worker of its local cluster sees of the variables that switch
+# NVLink multicast off (a joined cluster's: tests/test_multi_gpu.py).
 DRIVER = """
-import sys, time
+import json, os, sys, time
+import ray
 from orchestration import cleanup
 cleanup.default_folders = lambda: [sys.argv[1]]  # records here, not in /dev/shm
-from orchestration.cluster import init_cluster
+from orchestration.cluster import NO_MULTICAST_ENV, init_cluster
 from orchestration.config import ClusterConfig
 init_cluster(ClusterConfig(num_cpus=1, log_to_driver=False))
-print("ready", flush=True)
+
+@ray.remote(num_cpus=0)
+def seen():
+    return {k: os.environ.get(k) for k in NO_MULTICAST_ENV}
+
+print("ready", json.dumps(ray.get(seen.remote())), flush=True)
 time.sleep(300)
 """
 
 
 def test_a_killed_driver_leaves_nothing_running_after_cleanup(tmp_path):
     """A driver started a local cluster and was SIGKILLed: Ray's agents outlive it; the next
-    cleanup ends every Ray process of that session."""
+    cleanup ends every Ray process of that session. Its workers had the no-multicast variables
+    (one exported before the run kept its value)."""
     import time
 
+    from orchestration.cluster import NO_MULTICAST_ENV
+
     root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if k not in NO_MULTICAST_ENV and k != "RAY_ADDRESS"}
+    env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "0"  # exported before the run: kept
     driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path)], cwd=root, stdout=subprocess.PIPE,
-                              text=True)
+                              text=True, env=env)
     try:
-        assert driver.stdout.readline().strip() == "ready"
+        ready, seen = driver.stdout.readline().strip().split(" ", 1)
+        assert ready == "ready"
+        assert json.loads(seen) == {**NO_MULTICAST_ENV, "TORCH_SYMM_MEM_DISABLE_MULTICAST": "0"}
         [record] = tmp_path.glob(f"{cleanup.SESSION_PREFIX}{driver.pid}-*.json")
         session = cleanup.read_record(str(record))["session_dir"]
     finally:
