@@ -97,15 +97,13 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
                 out = turns.call("teacher", "logits", batch, topk, temperature=algo.temperature if topk else 1.0,
                                  dispatch="slice", collect="flatten", phase="teacher")
                 batch.teacher_logprobs, batch.teacher_indices = out if topk else (out, None)
-                # The trainer's offload rides on its step when no weights go to the rollout after it.
-                with turns.turn("train", one_call=not turns.syncs_after(step, prefetch, algo.max_staleness)):
-                    # Train: one update of the student on the generalized JSD.
+                # Train: one update of the student on the generalized JSD; then the weights go to the
+                # rollout when it samples before the next update (once generations started ahead
+                # finish). The trainer's onload, the weights' send and its offload ride on the call.
+                with turns.train_turn(step, prefetch, algo.max_staleness, metrics, one_call=True):
                     with log.phase("train", "train"):
                         result = trainer.call("train_step", batch, dispatch="slice", collect=common.first)
                         metrics.update({f"train/{k}": v for k, v in result.items()})
-                    # Sync weights (once generations started ahead finish): the rollout samples the
-                    # updated student.
-                    metrics.update(turns.sync(step, prefetch, algo.max_staleness))
             turns.end_step(step, metrics, {"stream": prefetch.position()})
         return turns.finish({"stream": prefetch.position()})
 

@@ -170,17 +170,17 @@ def train(cfg: GRPORunConfig, plan: Plan, trainer: Any, rollout: Any, reference:
                 if reference is not None:
                     batch.ref_logprobs = turns.call("reference", "logprobs", batch, algo.temperature, dispatch="slice",
                                                     collect="flatten", phase="ref_logprobs")
-                with turns.turn("train"):
-                    # Train: steps_per_generation updates, each on its part of the batch.
+                # Train: steps_per_generation updates, each on its part of the batch; then the weights
+                # go to the rollout (once generations started ahead finish). With one update, the
+                # trainer's onload, the weights' send and its offload ride on its call.
+                with turns.train_turn(step, prefetch, algo.max_staleness, metrics,
+                                      one_call=algo.steps_per_generation == 1):
                     with log.phase("train", "train"):
                         results = [trainer.call("train_step", part, algo.temperature, dispatch="slice",
                                                 collect=common.first)
                                    for part in _parts(batch, algo.steps_per_generation)]
                         metrics.update({f"train/{k}": sum(r[k] for r in results) / len(results) for k in results[0]})
                         metrics["train/step"] = results[-1]["step"]
-                    # Sync weights (once generations started ahead finish): the rollout samples the
-                    # updated policy.
-                    metrics.update(turns.sync(step, prefetch, algo.max_staleness))
             turns.end_step(step, metrics, {"stream": prefetch.position()})
         return turns.finish({"stream": prefetch.position()})
 

@@ -35,7 +35,7 @@ from typing import Any, Iterator, Optional
 from algorithms.checkpoints import driver_state, find_resume, save_checkpoint
 from algorithms.common import accuracy, record_event
 from algorithms.runlog import RunLog, timed_call
-from orchestration.base_group import CALLS, BaseWorkerGroup
+from orchestration.base_group import CALLS, BaseWorkerGroup, ResultOf
 from orchestration.config import WeightSyncConfig
 from orchestration.planner import Plan
 from orchestration.weight_sync import WeightSync, sync_metrics
@@ -80,7 +80,7 @@ class Turns:
         self._sync: Optional[WeightSync] = None
         # A sync whose send rides on the train turn's last call (its version), set by `sync`; then
         # the send made, whose receive rides on the rollout's next call: (version, channel, the
-        # trainer call that carries the send, "send_weights" when it is carried, else None).
+        # send's answer or a ResultOf standing for it).
         self._outgoing: Optional[int] = None
         self._sent: Optional[tuple] = None
         self._pending: list = []  # (role, method, future) of offloads and sleeps not yet waited for
@@ -140,6 +140,30 @@ class Turns:
             return group.call(method, *args, **kwargs)
 
     @contextlib.contextmanager
+    def train_turn(self, version: int, prefetch: Any, max_staleness: int, metrics: dict,
+                   one_call: bool = False) -> Iterator[Any]:
+        """The trainer's turn for training step `version`, then its weights to the rollout (`sync`,
+        its figures into `metrics`). With `one_call` (the block makes exactly one trainer call)
+        the turn is one round trip unless a sync that cannot ride follows: the onload, the
+        weights' send and the offload all ride on that call."""
+        syncs = self.syncs_after(version, prefetch, max_staleness)
+        rides = syncs and not max_staleness and self._channel().defers(self.rollout)
+        one_call = one_call and (rides or not syncs)
+        send = None
+        if one_call and rides:  # queued before the turn queues its offload: the send goes first
+            send = self._channel().send_args(self.rollout, version)
+            self.trainer.then("send_weights", *send, execute="first")
+        with self.turn("train", one_call=one_call) as trainer:
+            yield trainer
+            if send is None:
+                metrics.update(self.sync(version, prefetch, max_staleness))
+        if send is not None and not self.trainer.drop_deferred():  # (a call left it queued: dropped)
+            with self.log.phase("sync_weights"):  # as `sync`'s: 0 s here, the figures come with the receive
+                sent = self.trainer.deferred_results()[0].get("send_weights")
+                if sent is not None and sent["manifest"].seq == send[1]:  # this turn's call carried it
+                    self._sent = (version, send[0], sent)
+
+    @contextlib.contextmanager
     def rollout_turn(self, version: int, metrics: dict, one_call: bool = False) -> Iterator[Any]:
         """The rollout awake for the block (woken and put back to sleep at sleep_level > 0),
         first given the trainer's weights (as `version`) when it is behind them; sync
@@ -149,8 +173,8 @@ class Turns:
         self._follow(self.rollout)
         receiving = self.behind and self._sent is not None
         if receiving:  # sent already: the receive rides on the rollout's first call
-            sent_version, channel, sending, carried = self._sent
-            self._sync.receive_later(self.rollout, channel, sending, carried)
+            sent_version, channel, sent = self._sent
+            self._sync.receive_later(self.rollout, channel, sent)
         elif self.behind:
             metrics.update(self._send(version))
         if self.sleep_level:
@@ -200,7 +224,7 @@ class Turns:
             self.trainer.defer("send_weights", *send, execute="first")
             future = self.trainer.async_call(carrier, *args)
         self._pending.append(("train", carrier or "send_weights", future))
-        self._sent = (version, send[0], future, carrier and "send_weights")
+        self._sent = (version, send[0], ResultOf(future, None, carrier and "send_weights"))
 
     def _follow(self, group: Any) -> None:
         """`group`'s next call starts once the offloads and sleeps sent before it have finished."""

@@ -33,7 +33,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from orchestration.base_group import ResultOf, WorkerError
 from orchestration.config import ConfigError, WeightSyncConfig
@@ -173,11 +173,11 @@ class WeightSync:
         self._seq += 1
         return self._channel(self.path_for(group), None), self._seq, version, self.settings.bucket_mb, self._checksum
 
-    def receive_later(self, group: Any, channel: dict, sending: Any, carried: Optional[str]) -> None:
-        """`group`'s receive, queued on its next call: its ranks take trainer rank 0's answer to the
-        `sending` call (the `send_weights` that call carried, with `carried`) rank to rank."""
+    def receive_later(self, group: Any, channel: dict, sent: Any) -> None:
+        """`group`'s receive, queued on its next call. `sent` is send_weights' answer, or a
+        ResultOf standing for it (its ranks then take it from trainer rank 0 rank to rank)."""
         self._remember(group)
-        group.defer("receive_sent", channel, ResultOf(sending, None, carried))
+        group.defer("receive_sent", channel, sent)
 
     def received(self, group: Any, version: int, answers: list) -> SyncRecord:
         """The record of a receive that rode on `group`'s call (`answers`: its ranks' receive_sent

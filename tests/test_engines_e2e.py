@@ -41,8 +41,11 @@ def test_grpo_quickstart_with_vllm_and_megatron_tensor_parallel_engines(ray_clus
     assert "eval/accuracy" in rows[0] and "eval/accuracy" in rows[-1]
     for r in rows[-2:]:
         assert math.isfinite(r["train/loss"]) and math.isfinite(r["train/kl"]) and r["rollout/generate_s"] > 0
-        assert "reward/mean" in r and r["sync/rollout/mb"] > 0
+        assert "reward/mean" in r
         assert r["staleness/max"] == 0  # generated with the weights just synced
+    # The sync rides on the trainer's offload and the rollout's next call: its figures are in the
+    # record of the step whose rollout turn took the weights.
+    assert rows[-1]["sync/rollout/path"] == "shm" and rows[-1]["sync/rollout/mb"] > 0
     for key in ("reward/mean", "reward/accuracy", "reward/prm", "reward/format", "train/kl", "train/clip_ratio/region",
                 "advantages/std", "rollout/completion_length", "grpo/zero_std_groups", "time/generate",
                 "time/ref_logprobs", "time/train", "time/sync_weights"):

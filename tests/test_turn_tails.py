@@ -151,12 +151,15 @@ class Net:
         return list(self.ran)
 
 
-def test_a_weight_sync_rides_on_the_trainers_offload_and_the_rollouts_next_call(ray_cluster, tmp_path):
+@pytest.mark.parametrize("one_call", [False, True])
+def test_a_weight_sync_rides_on_the_trainers_offload_and_the_rollouts_next_call(ray_cluster, tmp_path, one_call):
     """Colocated and strictly on-policy, on a shared-memory path: the send rides on the train
     turn's offload (trainer rank 0 only), the receive on the rollout's next call before its
-    wake-up; a step is then 2 calls per trainer rank and 2 for the rollout (was 4 more: send,
-    receive, and the driver waiting for both), the rollout generates with the new weights, and
-    the sync's figures come with the rollout's turn."""
+    wake-up; a step is then 2 calls per trainer rank and 2 for the rollout (was 2 more: send and
+    receive, which the driver waited for). One-call turns (`train_turn` and `rollout_turn` with
+    one_call) make it 1 and 1: onload, train step, send and offload in the trainer's call; receive,
+    wake-up, generate and sleep in the rollout's. Either way the rollout generates with the new
+    weights, and the sync's figures come with the rollout's turn."""
     from algorithms.grpo import GRPORunConfig
     from algorithms.turns import Turns
     from orchestration.config import WeightSyncConfig
@@ -179,11 +182,15 @@ def test_a_weight_sync_rides_on_the_trainers_offload_and_the_rollouts_next_call(
             generated, calls = [], []
             for step in (1, 2, 3):
                 before, metrics = CALLS.remote, {}
-                with turns.rollout_turn(step - 1, metrics):
+                with turns.rollout_turn(step - 1, metrics, one_call=one_call):
                     generated.append(rollout.call("generate")[0])
-                with turns.turn("train"):
-                    trainer.call("train_step")
-                    assert turns.sync(step, None, 0) == {}  # the figures come with the receive
+                if one_call:
+                    with turns.train_turn(step, None, 0, metrics, one_call=True):
+                        trainer.call("train_step")
+                else:
+                    with turns.turn("train"):
+                        trainer.call("train_step")
+                        assert turns.sync(step, None, 0) == {}  # the figures come with the receive
                 turns._settle()
                 calls.append(CALLS.remote - before)
                 if step > 1:
@@ -191,7 +198,8 @@ def test_a_weight_sync_rides_on_the_trainers_offload_and_the_rollouts_next_call(
             trained = trainer.call("generate", execute="first")
             # The third generation used the weights of two train steps: 2 x 15 weights above the start.
             assert generated[2] == pytest.approx(trained - 15) and generated[1] == pytest.approx(trained - 15 - 15)
-            assert calls[2] == 2 + 2 + 2  # train_step and offload on 2 trainer ranks; generate and sleep
+            # Two trainer ranks: train_step and offload calls, or one; the rollout's generate and sleep, or one.
+            assert calls[2] == (2 + 1 if one_call else 2 + 2 + 2)
             assert rollout.call("history")[0][-8:] == ["update 1", "wake_up", "generate", "sleep",
                                                        "update 2", "wake_up", "generate", "sleep"]
             assert trainer.call("history") == [["onload", "train_step", "send", "offload"] * 3 + ["generate"],
