@@ -111,30 +111,51 @@ def test_a_reused_pid_is_not_the_owner():
     assert not cleanup.owner_alive(os.getpid(), cleanup.start_ticks(os.getpid()) + 1)
 
 
-# The driver also reports what a worker of its local cluster sees of the variables that switch
-# NVLink multicast off (a joined cluster's: tests/test_multi_gpu.py).
+class Niceness:
+    def nice(self) -> int:
+        return os.nice(0)
+
+
+# The driver starts its local cluster as the drivers do (start_roles: init_cluster, placement, an
+# actor) and first reports what that cluster gives its processes: the variables that switch
+# NVLink multicast off in a worker (a joined cluster's: tests/test_multi_gpu.py), the actor's
+# niceness beside its own, and the inline size of a call's objects.
 DRIVER = """
 import json, os, sys, time
 import ray
 from orchestration import cleanup
 cleanup.default_folders = lambda: [sys.argv[1]]  # records here, not in /dev/shm
-from orchestration.cluster import NO_MULTICAST_ENV, init_cluster
+from orchestration.cluster import NO_MULTICAST_ENV
 from orchestration.config import ClusterConfig
-init_cluster(ClusterConfig(num_cpus=1, log_to_driver=False))
+from orchestration.launch import start_roles
+from orchestration.planner import make_plan
+from tests.test_cleanup import Niceness
+
+os.environ.pop("RAY_worker_niceness", None)
+cfg = type("Cfg", (), {})()
+cfg.backend = type("B", (), {"workers": "ray"})()
+cfg.cluster = ClusterConfig(num_cpus=2, log_to_driver=False, object_store_mb=128, inline_object_mb=2)
+plan = make_plan({"device_groups": {"nproc_per_node": 1, "c": {"device": "CPU", "ranks": 1, "workers": ["orm"]}}})
+roles = start_roles(cfg, plan, {"orm": (Niceness, {})})
 
 @ray.remote(num_cpus=0)
 def seen():
     return {k: os.environ.get(k) for k in NO_MULTICAST_ENV}
 
-print("ready", json.dumps(ray.get(seen.remote())), flush=True)
+print("ready", json.dumps({"env": ray.get(seen.remote()), "actor_nice": roles["orm"].call("nice")[0],
+                           "driver_nice": os.nice(0),
+                           "inline": ray._private.worker._global_node._config["max_direct_call_object_size"]}),
+      flush=True)
 time.sleep(300)
 """
 
 
 def test_a_killed_driver_leaves_nothing_running_after_cleanup(tmp_path):
     """A driver started a local cluster and was SIGKILLed: Ray's agents outlive it; the next
-    cleanup ends every Ray process of that session. Its workers had the no-multicast variables
-    (one exported before the run kept its value)."""
+    cleanup ends every Ray process of that session. Before: its workers had the no-multicast
+    variables (one exported before the run kept its value), its actor ran at the driver's
+    niceness (Ray's default would put it at 15), and its calls carry objects up to
+    cluster.inline_object_mb inline."""
     import time
 
     from orchestration.cluster import NO_MULTICAST_ENV
@@ -147,7 +168,9 @@ def test_a_killed_driver_leaves_nothing_running_after_cleanup(tmp_path):
     try:
         ready, seen = driver.stdout.readline().strip().split(" ", 1)
         assert ready == "ready"
-        assert json.loads(seen) == {**NO_MULTICAST_ENV, "TORCH_SYMM_MEM_DISABLE_MULTICAST": "0"}
+        seen = json.loads(seen)
+        assert seen["env"] == {**NO_MULTICAST_ENV, "TORCH_SYMM_MEM_DISABLE_MULTICAST": "0"}
+        assert seen["actor_nice"] == seen["driver_nice"] and seen["inline"] == 2 * 2**20
         [record] = tmp_path.glob(f"{cleanup.SESSION_PREFIX}{driver.pid}-*.json")
         session = cleanup.read_record(str(record))["session_dir"]
     finally:

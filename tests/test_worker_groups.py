@@ -643,47 +643,8 @@ def test_shared_arguments_go_into_the_object_store_once(ray_groups):
     assert shares[2] is shares[3] and shares[2][0] == ([],)
 
 
-
-NICENESS_SCRIPT = """
-import os
-from orchestration.cluster import init_cluster
-from orchestration.config import ClusterConfig
-from orchestration.launch import start_roles
-from orchestration.planner import make_plan
-from tests.test_worker_groups import Niceness
-
-os.environ.pop("RAY_worker_niceness", None)
-cfg = type("Cfg", (), {})()
-cfg.backend = type("B", (), {"workers": "ray"})()
-cfg.cluster = ClusterConfig(num_cpus=2, log_to_driver=False, object_store_mb=128, inline_object_mb=2)
-plan = make_plan({"device_groups": {"nproc_per_node": 1, "c": {"device": "CPU", "ranks": 1, "workers": ["orm"]}}})
-roles = start_roles(cfg, plan, {"orm": (Niceness, {})})
-print("NICE", roles["orm"].call("nice")[0], os.nice(0))
-import ray
-print("INLINE", ray._private.worker._global_node._config["max_direct_call_object_size"])
-roles.shutdown()
-"""
-
-
-def test_ranks_run_at_the_drivers_priority():
-    """A local cluster's actors run at the driver's niceness (Ray's default would put them at 15), and
-    its calls carry objects up to cluster.inline_object_mb inline."""
-    import subprocess
-    import sys
-
-    out = subprocess.run([sys.executable, "-c", NICENESS_SCRIPT], capture_output=True, text=True, timeout=300,
-                         env={**__import__("os").environ, "RAY_ADDRESS": ""})
-    line = [x for x in out.stdout.splitlines() if x.startswith("NICE")]
-    assert line, out.stdout[-2000:] + out.stderr[-4000:]
-    _, actor, driver = line[0].split()
-    assert actor == driver
-    assert f"INLINE {2 * 2**20}" in out.stdout
-
-
-class Niceness:
-    def nice(self) -> int:
-        import os
-        return os.nice(0)
+# A local cluster's actors run at the driver's niceness and its calls carry objects up to
+# cluster.inline_object_mb inline: tests/test_cleanup.py's driver, which starts one.
 
 
 def test_tensors_cross_as_arrays_and_arrive_whole(ray_groups):
