@@ -10,16 +10,16 @@ when the rollout works before the next one (its next step generates, or eval is 
 off-policy steps skip it. Turn-taking costs the driver no round trip of its own: an onload or
 wake-up rides on the role's first call of its turn, and an offload or sleep is sent at the end
 of the turn and waited for by the next turn's first call where that runs, not by the driver
-(orchestration/base_group.py: `defer`, `after`); a turn that is one call (`one_call`, `Turns.call`)
-carries its offload too, after its method (`then`). On Ray, a strictly on-policy sync over a path
-that lets the receive come later rides too: the send on the train turn's last call
-(`train_turn`), the receive on the rollout's next one (`rollout_turn`). It also closes each step (eval when due, the periodic save, memory
-figures as they came back with the roles' calls, the metrics record, with `calls/remote`: the
-remote calls the step made, `time/driver`: the step's wall time outside role calls, and
-`time/call_overhead`: the time role calls took beyond their methods' run on the ranks) and
-the run (the final save), and owns the run's weight-sync channel,
-whose shared-memory files and process groups live from the first sync to the end of the
-`with Turns(...)` block.
+(orchestration/base_group.py: `defer`, `after`); a turn that is one call (`one_call`,
+`Turns.call`) carries its offload too, after its method (`then`). On Ray, a strictly on-policy
+sync over a path that lets the receive come later rides too: the send on the train turn's last
+call (`train_turn`), the receive on the rollout's next one (`rollout_turn`). It also closes each
+step (eval when due, the periodic save, memory figures as they came back with the roles' calls,
+the metrics record, with `calls/remote`: the remote calls the step made, `time/driver`: the
+step's wall time outside role calls, and `time/call_overhead`: the time role calls took beyond
+their methods' run on the ranks) and the run (the final save), and owns the run's weight-sync
+channel, whose shared-memory files and process groups live from the first sync to the end of
+the `with Turns(...)` block.
 
 Checkpoints are written whole or not at all (algorithms/checkpoints.py). With `run.resume`,
 `Turns` loads the checkpoint into the trainer before the first step, rewinds metrics.jsonl and
