@@ -36,7 +36,8 @@ import torch
 from omegaconf import DictConfig
 
 from algorithms import common, overlap, sft
-from algorithms.config import GKDRunConfig, as_dict, engine_args, fit_epochs, prepare, sft_phase
+from algorithms.config import (GKDRunConfig, as_dict, engine_args, fit_epochs, local_model_path, prepare,
+                               sft_phase)
 from algorithms.data import load_task, row_limits
 from algorithms.losses import TOPK_MODES, make_loss
 from algorithms.runlog import RunLog, phase_run, run_dir
@@ -150,15 +151,22 @@ def warm_teacher(cfg: GKDRunConfig, out_dir: Path) -> str:
     return str(path)
 
 
+def teacher_spec(cfg: GKDRunConfig, plan: Plan) -> str:
+    """The teacher's model (placement.teacher_model or placement.teacher.model, else teacher.model)
+    as every process reads it: a folder as an absolute path (the actors of a cluster the run
+    joins do not work in the driver's directory), a preset name as given."""
+    return local_model_path(plan["teacher"].model or cfg.teacher.model)
+
+
 def run(cfg: GKDRunConfig, plan: Plan, out_dir: Path) -> dict:
     set_log_level(cfg.run.log_level)
     train_set, eval_set, stats = load_task(cfg.data, row_limits(cfg, cfg.algorithm.max_new_tokens,
                                                                 replies=cfg.algorithm.lmbda < 1 and not cfg.algorithm.seq_kd,
-                                                                teacher=plan["teacher"].model or cfg.teacher.model))
+                                                                teacher=teacher_spec(cfg, plan)))
     cfg = fit_epochs(cfg, len(train_set))
     if cfg.backend.workers == "ray":  # sized for this plan before the teacher warm-up uses it
         init_cluster(cfg.cluster, plan.demand())
-    teacher_model = plan["teacher"].model or cfg.teacher.model
+    teacher_model = teacher_spec(cfg, plan)
     if cfg.teacher.warmup_steps:
         teacher_model = warm_teacher(replace(cfg, teacher=replace(cfg.teacher, model=teacher_model)), out_dir)
     student = as_dict(cfg.model)

@@ -323,3 +323,16 @@ def test_a_failed_offload_is_the_error_raised_when_the_next_turn_fails_for_it(tm
         with turns.turn("train"):
             turns.roles["train"].call("train_step")
     assert turns.roles["train"].waits  # the train call was sent to wait for the offload
+
+
+def test_a_relative_teacher_folder_reaches_the_roles_as_an_absolute_path(tmp_path, monkeypatch):
+    """Actors of a cluster the run joins do not work in the driver's directory: a teacher given as
+    a relative folder goes to them absolute (as the student's model.path does); a preset stays a name."""
+    from algorithms import gkd
+
+    (tmp_path / "teacher").mkdir()
+    monkeypatch.chdir(tmp_path)
+    _, typed, plan = prepared(GKDRunConfig, TINY_GKD + ["placement.teacher_model=./teacher"])
+    assert gkd.teacher_spec(typed, plan) == str(tmp_path / "teacher")
+    _, typed, plan = prepared(GKDRunConfig, TINY_GKD)
+    assert gkd.teacher_spec(typed, plan) == "tiny_llama"
