@@ -10,7 +10,7 @@ Parts, each measured interleaved (A, B, B, A, ...) so that both sides see the ma
             the end on --eval-size prompts), each round once with backend.workers=local and once
             on a local Ray cluster. Timed steps are 2..steps-1 (step 1 warms up, the last one
             evaluates). Per workload: the median step wall time of each backend and the ratio
-            Ray/local, with the per-step breakdown from metrics.jsonl: time/driver (the driver's
+            Ray/local (of the medians, and the median of each round's own ratio), with the per-step breakdown from metrics.jsonl: time/driver (the driver's
             own time outside role calls), calls/remote, time/call_overhead (what the remote calls
             took beyond their methods' run on the ranks), time/sync_weights. Final eval accuracy shows both backends computed the same run.
   dispatch  a group.call(..., dispatch='all') of a --dispatch-mb MB array to --workers CPU ranks
@@ -87,16 +87,19 @@ def bench_drivers(args: argparse.Namespace, out: Path) -> list[dict]:
 
 
 def drivers_table(rows: list[dict], algos: list[str]) -> str:
-    lines = ["| workload | local step ms | ray step ms | ray/local | ray/local, fastest steps | driver ms local/ray | "
-             "remote calls/step ray | call overhead ms ray | sync ms local/ray | eval acc local/ray |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| workload | local step ms | ray step ms | ray/local | ray/local, per round | ray/local, fastest steps | "
+             "driver ms local/ray | remote calls/step ray | call overhead ms ray | sync ms local/ray | eval acc local/ray |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for algo in algos:
         by = {b: [r for r in rows if r["algo"] == algo and r["backend"] == b] for b in ("local", "ray")}
 
         def med(b: str, k: str) -> float:
             return statistics.median(r[k] for r in by[b])
+        # Each round's Ray step over the same round's local step (they ran back to back, so a machine
+        # that slows down between rounds moves both), then the median over the rounds.
+        paired = statistics.median(ray["step_s"] / local["step_s"] for ray, local in zip(by["ray"], by["local"]))
         lines.append(f"| {algo} | {med('local', 'step_s') * 1e3:.1f} | {med('ray', 'step_s') * 1e3:.1f} | "
-                     f"{med('ray', 'step_s') / med('local', 'step_s'):.2f}x | "
+                     f"{med('ray', 'step_s') / med('local', 'step_s'):.2f}x | {paired:.2f}x | "
                      f"{med('ray', 'step_min_s') / med('local', 'step_min_s'):.2f}x | "
                      f"{med('local', 'driver_s') * 1e3:.1f} / {med('ray', 'driver_s') * 1e3:.1f} | "
                      f"{med('ray', 'calls'):.1f} | {med('ray', 'overhead_s') * 1e3:.1f} | {med('local', 'sync_s') * 1e3:.1f} / {med('ray', 'sync_s') * 1e3:.1f} | "

@@ -23,6 +23,11 @@ QUIET_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
 # in backend=local they run at the driver's priority. A local cluster's workers keep the
 # driver's (an exported RAY_worker_niceness wins).
 WORKER_PRIORITY_ENV = {"RAY_worker_niceness": "0"}
+# OpenMP threads that finished a parallel region sleep at once instead of spinning for the next
+# one: a local cluster's roles share the host's cores with each other and with the driver, and a
+# role's threads spinning after its call took those cores from whoever worked next (an exported
+# value wins). The driver's own threads are unchanged (its OpenMP started with torch's import).
+WORKER_THREADS_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def quiet_ray_env() -> None:
@@ -206,7 +211,7 @@ def init_cluster(cfg: ClusterConfig, demand: dict[str, float] | None = None):
     if removed:
         print(f"cluster: removed {len(removed)} leftovers of earlier runs that were killed, e.g. {removed[0]}")
     cleanup.forget_session_at_exit()  # before ray.init: runs after Ray's own exit handler
-    for k, v in WORKER_PRIORITY_ENV.items():
+    for k, v in {**WORKER_PRIORITY_ENV, **WORKER_THREADS_ENV}.items():
         os.environ.setdefault(k, v)
     # address="local": always a new cluster, never one found running on this machine.
     context = ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=cfg.dashboard,

@@ -118,8 +118,8 @@ class Niceness:
 
 # The driver starts its local cluster as the drivers do (start_roles: init_cluster, placement, an
 # actor) and first reports what that cluster gives its processes: the variables that switch
-# NVLink multicast off in a worker (a joined cluster's: tests/test_multi_gpu.py), the actor's
-# niceness beside its own, and the inline size of a call's objects.
+# NVLink multicast off in a worker (a joined cluster's: tests/test_multi_gpu.py) and its OpenMP
+# wait policy, the actor's niceness beside its own, and the inline size of a call's objects.
 DRIVER = """
 import json, os, sys, time
 import ray
@@ -140,7 +140,7 @@ roles = start_roles(cfg, plan, {"orm": (Niceness, {})})
 
 @ray.remote(num_cpus=0)
 def seen():
-    return {k: os.environ.get(k) for k in NO_MULTICAST_ENV}
+    return {k: os.environ.get(k) for k in [*NO_MULTICAST_ENV, "OMP_WAIT_POLICY"]}
 
 print("ready", json.dumps({"env": ray.get(seen.remote()), "actor_nice": roles["orm"].call("nice")[0],
                            "driver_nice": os.nice(0),
@@ -153,7 +153,8 @@ time.sleep(300)
 def test_a_killed_driver_leaves_nothing_running_after_cleanup(tmp_path):
     """A driver started a local cluster and was SIGKILLed: Ray's agents outlive it; the next
     cleanup ends every Ray process of that session. Before: its workers had the no-multicast
-    variables (one exported before the run kept its value), its actor ran at the driver's
+    variables (one exported before the run kept its value) and OpenMP threads that sleep
+    between parallel regions (OMP_WAIT_POLICY=PASSIVE), its actor ran at the driver's
     niceness (Ray's default would put it at 15), and its calls carry objects up to
     cluster.inline_object_mb inline."""
     import time
@@ -161,7 +162,7 @@ def test_a_killed_driver_leaves_nothing_running_after_cleanup(tmp_path):
     from orchestration.cluster import NO_MULTICAST_ENV
 
     root = Path(__file__).resolve().parents[1]
-    env = {k: v for k, v in os.environ.items() if k not in NO_MULTICAST_ENV and k != "RAY_ADDRESS"}
+    env = {k: v for k, v in os.environ.items() if k not in (*NO_MULTICAST_ENV, "RAY_ADDRESS", "OMP_WAIT_POLICY")}
     env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "0"  # exported before the run: kept
     driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path)], cwd=root, stdout=subprocess.PIPE,
                               text=True, env=env)
@@ -169,7 +170,7 @@ def test_a_killed_driver_leaves_nothing_running_after_cleanup(tmp_path):
         ready, seen = driver.stdout.readline().strip().split(" ", 1)
         assert ready == "ready"
         seen = json.loads(seen)
-        assert seen["env"] == {**NO_MULTICAST_ENV, "TORCH_SYMM_MEM_DISABLE_MULTICAST": "0"}
+        assert seen["env"] == {**NO_MULTICAST_ENV, "TORCH_SYMM_MEM_DISABLE_MULTICAST": "0", "OMP_WAIT_POLICY": "PASSIVE"}
         assert seen["actor_nice"] == seen["driver_nice"] and seen["inline"] == 2 * 2**20
         [record] = tmp_path.glob(f"{cleanup.SESSION_PREFIX}{driver.pid}-*.json")
         session = cleanup.read_record(str(record))["session_dir"]
