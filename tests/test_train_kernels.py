@@ -125,3 +125,16 @@ def test_trainer_config_switches_the_options_on_and_chunked_logprobs_match():
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
     with pytest.raises(ValueError, match=r"trainer \['packing'\] need the torch engine, not deepspeed"):
         Trainer("tiny_qwen2", dataclasses.replace(CFG, packing=True), engine="deepspeed")
+
+
+def test_the_varlen_kernel_and_its_parameter_names_are_read_once():
+    """An eager packed forward calls `_varlen` per layer: the kernel's signature (its parameters
+    differ between torch versions) is read on the first call only, and names what it takes."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    train_kernels._varlen_kernel.cache_clear()
+    kernel, params = train_kernels._varlen_kernel()
+    assert kernel is varlen_attn
+    assert {"query", "key", "value", "scale"} <= params
+    assert train_kernels._varlen_kernel() == (kernel, params)
+    assert train_kernels._varlen_kernel.cache_info().hits == 1

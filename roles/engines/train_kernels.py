@@ -16,9 +16,10 @@ top-k (or full-vocabulary) logprobs and tail mass, forward only.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -44,21 +45,24 @@ def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
     if q.is_cuda and torch.is_autocast_enabled("cuda"):  # as autocast does for SDPA (rotary made q, k float32)
         q, k, v = (t.to(torch.get_autocast_dtype("cuda")) for t in (q, k, v))
     flash = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)
-    params = inspect.signature(_varlen_kernel()).parameters if flash else {}
+    kernel, params = _varlen_kernel() if flash else (None, frozenset())
     if k.shape[1] != q.shape[1] and "enable_gqa" not in params:
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
         v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
     if flash:
         causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
         gqa = {"enable_gqa": True} if k.shape[1] != q.shape[1] else {}
-        return _varlen_kernel()(q, k, v, cu, cu, max_len, max_len, scale=scale, **causal, **gqa)
+        return kernel(q, k, v, cu, cu, max_len, max_len, scale=scale, **causal, **gqa)
     return rows_attention(q, k, v, cu, scale)
 
 
-def _varlen_kernel():
+@functools.cache
+def _varlen_kernel() -> tuple[Callable, frozenset]:
+    """torch's FlashAttention varlen kernel and the names of its parameters (they differ between
+    torch versions), read once: an eager packed forward calls `_varlen` once per layer."""
     from torch.nn.attention.varlen import varlen_attn
 
-    return varlen_attn
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
 def rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
