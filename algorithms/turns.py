@@ -158,7 +158,7 @@ class Turns:
         with self.turn("train", one_call=one_call) as trainer:
             yield trainer
             if send is None:
-                metrics.update(self.sync(version, prefetch, max_staleness))
+                metrics.update(self.sync(version, prefetch, max_staleness, metrics))
         if send is not None and not self.trainer.drop_deferred():  # (a call left it queued: dropped)
             with self.log.phase("sync_weights"):  # as `sync`'s: 0 s here, the figures come with the receive
                 sent = self.trainer.deferred_results()[0].get("send_weights")
@@ -178,7 +178,7 @@ class Turns:
             sent_version, channel, sent = self._sent
             self._sync.receive_later(self.rollout, channel, sent)
         elif self.behind:
-            metrics.update(self._send(version))
+            metrics.update(self._send(version, metrics))
         if self.sleep_level:
             self.rollout.defer("wake_up")
             if one_call:
@@ -189,7 +189,7 @@ class Turns:
             if self.rollout.drop_deferred():  # the block made no call: the rollout stays asleep and behind
                 return
             answers = [r.get("receive_sent") for r in self.rollout.deferred_results()]
-            metrics.update(sync_metrics([self._sync.received(self.rollout, sent_version, answers)]))
+            metrics.update(sync_metrics([self._sync.received(self.rollout, sent_version, answers)], metrics))
             self.behind, self.version, self._sent = False, sent_version, None
         if not self.sleep_level:
             return
@@ -252,7 +252,7 @@ class Turns:
             self._settle()
             raise
 
-    def sync(self, version: int, prefetch: Any, max_staleness: int) -> dict[str, Any]:
+    def sync(self, version: int, prefetch: Any, max_staleness: int, before: Optional[dict] = None) -> dict[str, Any]:
         """The trainer's weights into the rollout after training step `version` (called in the
         train turn); generations started ahead (max_staleness > 0) first finish on the old
         weights. Strictly on-policy, nothing is sent while the rollout has no work before the
@@ -273,7 +273,7 @@ class Turns:
             with self.log.phase("sync_weights"):
                 self._outgoing = version
             return {}
-        return self._send(version)
+        return self._send(version, before)
 
     def syncs_after(self, version: int, prefetch: Any, max_staleness: int) -> bool:
         """Whether `sync` after training step `version` sends the weights (else the train turn can
@@ -306,9 +306,10 @@ class Turns:
             self._sync = WeightSync(self.trainer, self.settings)
         return self._sync
 
-    def _send(self, version: int) -> dict[str, Any]:
+    def _send(self, version: int, before: Optional[dict] = None) -> dict[str, Any]:
+        """The weights sent and received now; their figures (added to `before`'s, the step's so far)."""
         with self.log.phase("sync_weights", "train", "rollout"):
-            metrics = sync_metrics(self._channel().sync([self.rollout], version))
+            metrics = sync_metrics(self._channel().sync([self.rollout], version), before)
         self.behind, self.version = False, version
         return metrics
 

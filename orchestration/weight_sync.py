@@ -33,7 +33,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping, Optional
 
 from orchestration.base_group import ResultOf, WorkerError
 from orchestration.config import ConfigError, WeightSyncConfig
@@ -73,11 +73,18 @@ class SyncRecord:
         return self.bytes / 2**20 / max(self.seconds, 1e-9)
 
 
-def sync_metrics(records: list[SyncRecord]) -> dict[str, Any]:
+def sync_metrics(records: list[SyncRecord], before: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
+    """The records' metrics. A step can hold two syncs to one role (a receive at the step's
+    generation, another at its eval): with `before` (the step's metrics so far) megabytes and
+    seconds add up to what is already there, and the rate is the sum's."""
     out: dict[str, Any] = {}
     for r in records:
-        out.update({f"sync/{r.role}/path": r.path, f"sync/{r.role}/mb": r.bytes / 2**20,
-                    f"sync/{r.role}/seconds": r.seconds, f"sync/{r.role}/mb_per_s": r.mb_per_s})
+        key = f"sync/{r.role}/"
+        so_far = out if key + "mb" in out else before or {}
+        mb = r.bytes / 2**20 + so_far.get(key + "mb", 0.0)
+        seconds = r.seconds + so_far.get(key + "seconds", 0.0)
+        out.update({key + "path": r.path, key + "mb": mb, key + "seconds": seconds,
+                    key + "mb_per_s": mb / max(seconds, 1e-9)})
     return out
 
 

@@ -179,11 +179,7 @@ def test_a_weight_sync_rides_on_the_trainers_offload_and_the_rollouts_next_call(
         rollout = WorkerGroup(Rollout, places["prm"], init_args=(1,), placement=placement)
         with Turns(plan, {"train": trainer, "rollout": rollout}, typed.run, WeightSyncConfig(path="shm"),
                    MarkedLog(tmp_path, 3, []), []) as turns:
-            generated, calls = [], []
-            for step in (1, 2, 3):
-                before, metrics = CALLS.remote, {}
-                with turns.rollout_turn(step - 1, metrics, one_call=one_call):
-                    generated.append(rollout.call("generate")[0])
+            def train(step, metrics):
                 if one_call:
                     with turns.train_turn(step, None, 0, metrics, one_call=True):
                         trainer.call("train_step")
@@ -192,6 +188,13 @@ def test_a_weight_sync_rides_on_the_trainers_offload_and_the_rollouts_next_call(
                         trainer.call("train_step")
                         assert turns.sync(step, None, 0) == {}  # the figures come with the receive
                 turns._settle()
+
+            generated, calls = [], []
+            for step in (1, 2, 3):
+                before, metrics = CALLS.remote, {}
+                with turns.rollout_turn(step - 1, metrics, one_call=one_call):
+                    generated.append(rollout.call("generate")[0])
+                train(step, metrics)
                 calls.append(CALLS.remote - before)
                 if step > 1:
                     assert metrics["sync/prm/path"] == "shm" and metrics["sync/prm/mb"] > 0  # role: the placement's
@@ -204,6 +207,16 @@ def test_a_weight_sync_rides_on_the_trainers_offload_and_the_rollouts_next_call(
                                                        "update 2", "wake_up", "generate", "sleep"]
             assert trainer.call("history") == [["onload", "train_step", "send", "offload"] * 3 + ["generate"],
                                                ["onload", "train_step", "offload"] * 3]
+            # A step whose generation and eval both receive (as GRPO's last step): its record holds both.
+            single, metrics = metrics["sync/prm/mb"], {}
+            with turns.rollout_turn(3, metrics, one_call=one_call):
+                rollout.call("generate")
+            train(4, metrics)
+            with turns.rollout_turn(4, metrics, one_call=one_call):
+                rollout.call("generate")
+            assert metrics["sync/prm/mb"] == pytest.approx(2 * single)
+            assert rollout.call("history")[0][-8:] == ["update 3", "wake_up", "generate", "sleep",
+                                                       "update 4", "wake_up", "generate", "sleep"]
         trainer.shutdown(), rollout.shutdown()
     finally:
         placement.remove()

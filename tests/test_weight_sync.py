@@ -12,7 +12,7 @@ from orchestration.base_group import WorkerError
 from orchestration.config import ConfigError, WeightSyncConfig
 from orchestration.local import LocalWorkerGroup
 from orchestration.planner import make_plan
-from orchestration.weight_sync import WeightSync, check_settings, sync_metrics
+from orchestration.weight_sync import SyncRecord, WeightSync, check_settings, sync_metrics
 from roles.batch import SamplingParams
 from roles.rollout import Rollout
 from roles.sampler import Sampler
@@ -139,6 +139,22 @@ def test_teacher_and_sampler_receive_like_the_rollout(groups):
         sync.close()
     with pytest.raises(ConfigError, match="'weight_sync.path'='shm'.*other nodes.*Fix"):
         WeightSync(trainer, WeightSyncConfig(path="shm")).path_for(teacher)
+
+
+def test_two_syncs_in_one_step_add_up():
+    """A step can receive twice (at its generation and at its eval): the record holds both."""
+    mb = 2**20
+    first = sync_metrics([SyncRecord("rollout", "shm", 1, 2 * mb, 0.5)])
+    assert first == {"sync/rollout/path": "shm", "sync/rollout/mb": 2.0, "sync/rollout/seconds": 0.5,
+                     "sync/rollout/mb_per_s": 4.0}
+    both = {**first, **sync_metrics([SyncRecord("rollout", "shm", 2, 6 * mb, 1.5)], first)}
+    assert both["sync/rollout/mb"] == 8.0 and both["sync/rollout/seconds"] == 2.0
+    assert both["sync/rollout/mb_per_s"] == 4.0
+    # Two records of one call add up too; another role's figures stay apart.
+    out = sync_metrics([SyncRecord("rollout", "shm", 3, mb, 1.0), SyncRecord("teacher", "file", 3, mb, 0.25),
+                        SyncRecord("rollout", "shm", 3, mb, 1.0)], first)
+    assert (out["sync/rollout/mb"], out["sync/rollout/seconds"]) == (4.0, 2.5)
+    assert (out["sync/teacher/mb"], out["sync/teacher/seconds"]) == (1.0, 0.25)
 
 
 def reference_outputs(weights: dict, device: str = "cpu") -> list[list[int]]:
