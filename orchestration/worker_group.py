@@ -25,13 +25,11 @@ it starts) to its role's `num_cpus` in the plan, or, unset, to its share of its 
 the cores it may use, less one for the driver and Ray's own processes, divided by the processes
 planned on that node (colocated roles share a process slot and take turns, so they count once).
 Ray itself would leave every actor one thread.
-A rank's memory() figures and the seconds its method ran come back with each call it answers, so the driver reads them
-(`memory()`) without a call of its own. Arguments several ranks share go into the object store
-once (`_shared`), as an ObjectRef per argument of at least SHARE_MIN_BYTES. `start_roles`
-starts the groups of a run together: every actor is created before any is waited for, so
-their processes start (and import torch) at the same time. CPU tensors cross between the
-driver and the ranks as numpy arrays (`send_tensors_as_arrays`): Ray moves those as raw
-buffers, where torch's own pickling costs 20x more for a batch of teacher logprobs.
+A rank's memory() figures and the seconds its method ran come back with each call it answers,
+so the driver reads them (`memory()`) without a call of its own. `start_roles` starts the groups
+of a run together: every actor is created before any is waited for, so their processes start
+(and import torch) at the same time. How arguments and answers travel (numpy arrays, shared
+arguments put once, the keyword arguments Ray resolves first): orchestration/transport.py.
 """
 from __future__ import annotations
 
@@ -43,88 +41,11 @@ from typing import Any, Callable, Optional
 
 import ray
 
-import dataclasses
-
-import numpy as np
-
 from orchestration.base_group import CALLS, BaseWorkerGroup, ResultOf, WorkerError, pick
 from orchestration.cluster import LOG_LEVEL_ENV, cluster_is_local, log_level_env, loopback_env, set_log_level
 from orchestration.placement import Placement
 from orchestration.planner import RolePlan
-
-
-def _array_of(t: Any) -> tuple:
-    """A CPU tensor as (numpy array, dtype numpy lacks or None, requires_grad); other tensors
-    (another device, a sparse or quantized layout) as torch pickles them."""
-    import torch
-
-    if t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized:
-        import pickle
-        return ("pickled", pickle.dumps(t), None)
-    plain = t.detach().contiguous()
-    try:
-        return (plain.numpy(), None, t.requires_grad)
-    except TypeError:  # bfloat16 and the like: the bytes as integers of the same width
-        width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[plain.element_size()]
-        return (plain.view(width).numpy(), str(plain.dtype).removeprefix("torch."), t.requires_grad)
-
-
-def _tensor_of(parts: tuple) -> Any:
-    import torch
-
-    data, dtype, grad = parts
-    if isinstance(data, str):
-        import pickle
-        return pickle.loads(dtype)
-    # An array read from the object store is read-only shared memory: the tensor gets its own copy.
-    t = torch.from_numpy(data if data.flags.writeable else data.copy())
-    if dtype is not None:
-        t = t.view(getattr(torch, dtype))
-    return t.requires_grad_(True) if grad else t
-
-
-def send_tensors_as_arrays() -> None:
-    """Serialize torch.Tensor (exactly that class) as numpy arrays in this process's Ray calls."""
-    import torch
-
-    ray.util.register_serializer(torch.Tensor, serializer=_array_of, deserializer=_tensor_of)
-
-
-# Keyword arguments of a rank's call that carry the calls it waits for (BaseWorkerGroup.after).
-AFTER_PREFIX = "_after_call_"
-# Keyword argument naming the arguments that are other calls' answers ({position or name: (key,
-# carried)}, as ResultOf has them).
-RESULTS_KEY = "_results_of_calls"
-# Keyword arguments that carry the ResultOf arguments of deferred methods (`defer`, `then`) to the
-# top level, where Ray resolves them: f"{LIFTED_PREFIX}{entry}_{position}".
-LIFTED_PREFIX = "_deferred_arg_"
-
-
-@dataclasses.dataclass(frozen=True)
-class _Lifted:
-    """Stands in a deferred method's arguments for the ResultOf sent as keyword argument `name`."""
-    name: str
-
-
-def _lift(queued: tuple, tag: str, kwargs: dict) -> tuple:
-    """`queued` ((method, args) pairs) with each ResultOf argument moved into `kwargs` under a
-    name of its own and a _Lifted in its place."""
-    out = []
-    for j, (method, margs) in enumerate(queued):
-        if any(isinstance(a, ResultOf) for a in margs):
-            margs = list(margs)
-            for k, a in enumerate(margs):
-                if isinstance(a, ResultOf):
-                    kwargs[f"{LIFTED_PREFIX}{tag}{j}_{k}"] = a
-                    margs[k] = _Lifted(f"{LIFTED_PREFIX}{tag}{j}_{k}")
-            margs = tuple(margs)
-        out.append((method, margs))
-    return tuple(out)
-
-
-def _fill(queued: tuple, values: dict) -> tuple:
-    """`queued` with each _Lifted argument replaced by its resolved value."""
-    return tuple((m, tuple(values[a.name] if isinstance(a, _Lifted) else a for a in margs)) for m, margs in queued)
+from orchestration.transport import AFTER_PREFIX, LIFTED_PREFIX, RESULTS_KEY, fill, lift, put_large, send_tensors_as_arrays
 
 
 class _RoleHost:
@@ -181,7 +102,7 @@ class _RoleHost:
                 holder = args if isinstance(where, int) else kwargs
                 holder[where] = pick(holder[where][0], holder[where][3], key, carried_method)  # from the answer
             lifted = {k: kwargs.pop(k) for k in [k for k in kwargs if k.startswith(LIFTED_PREFIX)]}
-            before, then = _fill(before, lifted), _fill(then, lifted)
+            before, then = fill(before, lifted), fill(then, lifted)
         carried = {name: getattr(self.instance, name)(*margs) for name, margs in before}
         value = getattr(self.instance, method)(*args, **kwargs)
         carried.update({name: getattr(self.instance, name)(*margs) for name, margs in then})
@@ -222,37 +143,6 @@ def node_processes(plan: Any, node: int) -> int:
     """Processes planned on `node`: one per device slot in use there (colocated roles share one)."""
     return len({(r.device, n, d) for r in plan.roles.values() for n, d in zip(r.nodes, r.local_devices)
                 if n == node})
-
-
-# An argument shared by several ranks goes into the object store once from this size up; smaller
-# ones travel inside each call (Ray inlines arguments under 100 KiB anyway).
-SHARE_MIN_BYTES = 64 * 1024
-
-
-def _nbytes(x: Any, limit: int = SHARE_MIN_BYTES) -> int:
-    """Rough serialized size of `x`, counted until it reaches `limit`."""
-    if isinstance(x, np.ndarray):
-        return x.nbytes
-    if hasattr(x, "element_size") and hasattr(x, "numel"):  # a torch tensor
-        return x.numel() * x.element_size()
-    if isinstance(x, (str, bytes, bytearray)):
-        return len(x)
-    if dataclasses.is_dataclass(x) and not isinstance(x, type):
-        x = [getattr(x, f.name) for f in dataclasses.fields(x)]
-    elif isinstance(x, dict):
-        x = [*x.keys(), *x.values()]
-    if isinstance(x, (list, tuple)):
-        total = 8 * len(x)
-        for item in x:
-            if total >= limit:
-                break
-            total += _nbytes(item, limit - total)
-        return total
-    return 8
-
-
-def _put_large(x: Any) -> Any:
-    return ray.put(x) if not isinstance(x, ray.ObjectRef) and _nbytes(x) >= SHARE_MIN_BYTES else x
 
 
 def _visible_index() -> int | None:
@@ -380,7 +270,7 @@ class WorkerGroup(BaseWorkerGroup):
         # which Ray resolves before the call runs.
         waits = {f"{AFTER_PREFIX}{j}": ref for j, ref in enumerate(deps)}
         sent = dict(kwargs)  # with the deferred methods' ResultOf arguments beside the call's own
-        sent_before, sent_then = _lift(before, "b", sent), _lift(then, "t", sent)
+        sent_before, sent_then = lift(before, "b", sent), lift(then, "t", sent)
         results = {**{i: (a.key, a.carried) for i, a in enumerate(args) if isinstance(a, ResultOf)},
                    **{k: (v.key, v.carried) for k, v in sent.items() if isinstance(v, ResultOf)}}
         if results:
@@ -398,7 +288,7 @@ class WorkerGroup(BaseWorkerGroup):
         return not handles or len(ray.wait(handles, num_returns=len(handles), timeout=0)[0]) == len(handles)
 
     def _shared(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        return tuple(_put_large(a) for a in args), {k: _put_large(v) for k, v in kwargs.items()}
+        return tuple(put_large(a) for a in args), {k: put_large(v) for k, v in kwargs.items()}
 
     def memory(self) -> list:
         missing = [i for i in range(self.world_size) if self._memory.get(i) is None]
