@@ -1,13 +1,14 @@
 # The two commands a new user runs; each sets up .venv with pinned versions first.
 #   make quickstart   run the main job
-#   make test         run the test suite
+#   make test         run the test suite (CI), without the end-to-end runs marked slow
+#   make test-all     every test
 PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 ENGINES := $(VENV)/.engines
 
-.PHONY: quickstart test plan bench clean
+.PHONY: quickstart test test-all plan bench clean
 
 $(STAMP): setup.py constraints.txt
 	$(PY) -m venv $(VENV)
@@ -31,6 +32,9 @@ plan: $(STAMP)
 	$(BIN)/python -m orchestration.plan +experiment=grpo_colocate plan.launch=true
 
 test: $(ENGINES)
+	$(BIN)/python -m pytest -q -m "not slow" tests
+
+test-all: $(ENGINES)
 	$(BIN)/python -m pytest -q tests
 
 bench: $(STAMP)

@@ -182,6 +182,9 @@ def test_plan_cli_table_and_error(tmp_path):
     assert out.returncode == 0 and "teacher" in out.stdout and "not used here" in out.stderr
 
 
+# A command starting its own local Ray cluster runs in CI in test_cleanup (a killed driver) and
+# test_swift_args (`rayroles run` of the teacher-group file).
+@pytest.mark.slow
 def test_plan_cli_launch_places_on_a_fresh_local_cluster():
     """The quickstart's second command, end to end in its own process and Ray cluster."""
     out = run_cli("+experiment=gkd_colocated_teacher", "plan.launch=true", "placement.train.gpus=1",

@@ -135,6 +135,9 @@ def check_outputs(out_dir, record, prompts):
     assert 0.0 <= metrics[-1]["total/accuracy_all"] <= 1.0 and "time/generate" in metrics[-1]
 
 
+# In CI: the distill driver on Ray with device groups (test_experiments_run, distill_quickstart) and
+# vLLM's tensor-parallel engines (test_vllm_engine).
+@pytest.mark.slow
 def test_end_to_end_on_ray_with_a_tensor_parallel_vllm_sampler_and_a_cpu_reward_group(ray_cluster, tmp_path):
     """The sampler's two ranks hold one vLLM engine (device_groups.<group>.vllm_tensor_parallel_size);
     the PRM and ORM share a CPU group of two ranks. (The torch sampler on Ray: the distill

@@ -20,6 +20,9 @@ TINY_GRPO = ["+experiment=grpo_quickstart", "run.steps=2", "run.prompts_per_step
              "trainer.warmup_steps=0", "algorithm.beta=0.04"]  # the quickstart has no KL; this run does
 
 
+# Its parts run in CI: vLLM's tensor-parallel engines in test_vllm_engine, Megatron's dp2xtp2 ranks in
+# test_megatron_engine, GRPO on Ray in test_experiments_run (two nodes) and test_restarts.
+@pytest.mark.slow
 def test_grpo_quickstart_with_vllm_and_megatron_tensor_parallel_engines(ray_cluster, tmp_path):
     """One tensor-parallel vLLM engine over the 2 rollout ranks
     (placement.rollout.vllm_tensor_parallel_size=2), colocated with 2 Megatron TP=2 trainer

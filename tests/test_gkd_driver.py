@@ -202,6 +202,9 @@ def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, str]:
     return proc.returncode, out, err
 
 
+# The quickstart's settings run in CI in process (test_experiments_run) and GKD on Ray from an
+# ms-swift file in test_swift_args; this is the command itself, in its own process.
+@pytest.mark.slow
 def test_gkd_cli_quickstart_on_ray(ray_cluster, tmp_path):
     """The quickstart command with tiny settings, in its own process, joining the session's Ray
     cluster (cluster.address; the teacher warm-up included: an SFT run on a trainer actor)."""
@@ -216,6 +219,7 @@ def test_gkd_cli_quickstart_on_ray(ray_cluster, tmp_path):
     assert '"eval/accuracy"' in out.strip().splitlines()[-1]
 
 
+@pytest.mark.slow  # Hydra's sweep in a process of its own
 def test_gkd_multirun_sweeps_beta(tmp_path):
     """`--multirun algorithm.beta=0,1`: one run directory per value, each with its own
     resolved config and metrics (the teacher warm-up is cached once and reused)."""
@@ -257,6 +261,8 @@ def nothing_started(out: str, run_dir: Path) -> bool:
     return "cluster:" not in out and "teacher" not in out and not {"metrics.jsonl", "teacher_warmup"} & written
 
 
+# In CI the command line's config error is test_swift_args::test_the_command_line_stops_a_bad_file_in_one_line.
+@pytest.mark.slow
 def test_gkd_cli_unknown_key_is_refused_before_anything_starts(cli_errors):
     """An unknown override is Hydra's own error, raised while composing: exit 1 (not 2) and a
     short message naming the key."""

@@ -11,6 +11,7 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
+@pytest.mark.slow  # the benchmark script on CPU, each variant in a process of its own
 def test_generate_mode_runs_every_engine_on_the_same_fixed_size_work(tmp_path):
     pytest.importorskip("vllm")
     out = tmp_path / "generate.json"
@@ -45,6 +46,7 @@ def test_train_flops_count_every_weight_and_causal_attention(monkeypatch):
     assert bench.fastest_quarter([0.3, 0.2]) == 0.2
 
 
+@pytest.mark.slow  # the benchmark script on CPU, each variant in a process of its own
 def test_train_mode_runs_the_variants_profiles_each_step_and_measures_the_teacher_forward(tmp_path):
     """The plain step beside the trainer and a trainer variant (same losses), each step
     profiled, and the teacher forward plain and with its variants (same top-k values)."""

@@ -123,6 +123,7 @@ def test_ray_workers_log_at_the_runs_level(ray_cluster, level):
     assert ranks == [{"pid": r["pid"], "roles": want, "algorithms": want, "printed": True} for r in ranks]
 
 
+@pytest.mark.slow  # in CI: the driver's log file in process (test_sft_messages_and_metrics_lines_reach_the_log_file)
 def test_cli_run_writes_its_messages_to_the_hydra_job_log(tmp_path):
     """The documented command: <run dir>/sft.log holds the driver's lines and the metrics lines;
     the console shows the metrics lines without Hydra's prefix."""

@@ -231,6 +231,7 @@ def benchmark_module():
     return bench
 
 
+@pytest.mark.slow  # a benchmark's set-up on Ray
 def test_benchmark_grpo_warm_start_is_a_checkpoint(ray_cluster, tmp_path):
     """The benchmark's shared GRPO warm start runs the driver's SFT and returns its checkpoint."""
     bench = benchmark_module()

@@ -28,6 +28,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# In CI: a driver joining a running cluster (test_multi_gpu's joined cluster, the session's cluster
+# everywhere else).
+@pytest.mark.slow
 def test_ray_job_submit_runs_grpo_on_the_running_cluster(tmp_path):
     gcs, dashboard = free_port(), free_port()
     # Ports of its own for every server the head starts: the session's test cluster already

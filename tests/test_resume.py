@@ -256,6 +256,8 @@ def test_a_killed_cli_run_resumes_in_its_hydra_directory(tmp_path):
 # Sharded engines' save and reload, continuing as they went on before: DeepSpeed in
 # tests/test_deepspeed_engine.py::test_zero_two_ranks_match_the_torch_engine, Megatron TP=2 in
 # tests/test_megatron_engine.py::test_tensor_parallel_ranks_match_the_torch_engine.
+# In CI: every driver's stop and resume in process (test_stop_and_resume_equals_a_straight_run).
+@pytest.mark.slow
 def test_a_colocated_grpo_run_resumes_on_separate_devices(ray_cluster, tmp_path, monkeypatch):
     """Placement may change between the interruption and the resume (same rank counts): the
     resumed run on separate devices equals the colocated straight run."""
