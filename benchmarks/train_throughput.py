@@ -246,7 +246,10 @@ def train_variants(args) -> list[dict]:
 
 
 def train(args) -> dict:
-    model = build_model(args.model)
+    # Size and vocabulary from a copy without weights: a 2 GB model held on the host beside the
+    # measured one made the compiled 8 x 1024 step 1.2x slower on an H200 (72.5 ms against 59.4).
+    with torch.device("meta"):
+        model = build_model(args.model)
     params, vocab = sum(t.numel() for t in model.parameters()), model.config.vocab_size
     if args.variant_index is None:
         results, own = train_variants(args), []  # the teacher forward runs here
