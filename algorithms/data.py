@@ -1,12 +1,12 @@
 """Task selection for the drivers: `data:` config -> training and held-out examples.
 
 A generated task (arithmetic, gsm) draws data.train_size training and data.eval_size held-out
-examples. A user's data (task=files, read by algorithms/tasks.py) is used whole unless
+examples. A user's data (task=files, read by algorithms/user_data.py) is used whole unless
 data.max_rows caps it; its held-out rows are data.val_paths' rows, a seeded data.val_split
 share of its rows, or else its last data.eval_size rows; never a training row. data.eval_size
 caps the held-out prompts evaluated. `check_data_files` checks the paths before anything starts.
 
-Bad rows never stop a run. Rows a user file cannot give (algorithms/tasks.py SKIP_REASONS) are
+Bad rows never stop a run. Rows a user file cannot give (algorithms/user_data.py SKIP_REASONS) are
 skipped, and, given the run's `RowLimits`, so are rows longer than the run's models take:
 
 * a prompt generated from (training prompts of GRPO, GKD and distill, every held-out prompt)
@@ -30,8 +30,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from algorithms.common import chat_prompt, chat_texts
-from algorithms.tasks import (KNOWN_COLUMNS, SKIP_REASONS, ArithmeticConfig, Example, UnreadableData,
-                             arithmetic_examples, file_format, gsm_examples, load_user_data)
+from algorithms.tasks import ArithmeticConfig, Example, arithmetic_examples, gsm_examples
+from algorithms.user_data import KNOWN_COLUMNS, SKIP_REASONS, UnreadableData, file_format, load_user_data
 from orchestration.config import ConfigError
 
 

@@ -11,7 +11,8 @@ from algorithms import common, sft
 from algorithms.config import SFTRunConfig
 from algorithms.data import DataConfig, RowLimits, load_task, model_context, row_limits
 from algorithms.runlog import RunLog, read_metrics
-from algorithms.tasks import Example, load_user_data
+from algorithms.tasks import Example
+from algorithms.user_data import load_user_data
 from orchestration.config import ConfigError
 from roles.models import load_tokenizer
 from roles.rollout import Rollout

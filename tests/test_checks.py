@@ -8,7 +8,8 @@ import pytest
 from algorithms import common, grpo
 from algorithms.config import LoopConfig
 from algorithms.data import DataConfig
-from algorithms.tasks import Example, load_user_data
+from algorithms.tasks import Example
+from algorithms.user_data import load_user_data
 from algorithms.validation import check_data
 from orchestration.config import ConfigError
 from orchestration.launch import driver_group

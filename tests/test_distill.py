@@ -10,7 +10,8 @@ from algorithms.config import LoopConfig, prepare
 from algorithms.distill import (DistillAlgorithm, DistillRunConfig, validate, run, sample,
                                 select)
 from algorithms.runlog import RunLog, read_metrics
-from algorithms.tasks import arithmetic_examples, load_user_data
+from algorithms.tasks import arithmetic_examples
+from algorithms.user_data import load_user_data
 from orchestration.config import ConfigError, register_schema
 from roles.batch import Completions
 

@@ -13,7 +13,7 @@ from datasets import Dataset, DatasetDict
 
 from algorithms import common
 from algorithms.data import DataConfig, RowLimits, check_data_files, load_task
-from algorithms.tasks import SKIP_REASONS, load_user_data
+from algorithms.user_data import SKIP_REASONS, load_user_data
 from orchestration.config import ConfigError
 from roles.models import load_tokenizer
 
