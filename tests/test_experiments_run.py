@@ -4,7 +4,7 @@ runs one step with its driver's real validate() and run(), shrunk to a tiny mode
 The two-node layout and the distill quickstart's device groups run on the session's Ray
 cluster; the others run in-process (backend.workers=local). Separate groups, a standalone
 teacher group and sampling device groups run on Ray in test_overlap.py, test_restarts.py,
-test_swift_args.py (the gkd_teacher_group file) and test_distill.py. Every layout keeps its
+test_swift_args.py (the gkd_teacher_group file) and test_distill.py (in `make test-all`). Every layout keeps its
 form with one rank per group, GPU experiments run a CPU-sized model in fp32.
 """
 import importlib
