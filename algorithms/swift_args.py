@@ -14,367 +14,134 @@ onto this project's dotted keys (docs/ms_swift.md lists them all). A key is eith
 from __future__ import annotations
 
 import difflib
-import json
 import math
 import os
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Mapping
 
 import yaml
 
+from algorithms import swift_values as conv
 from orchestration.config import PLACEMENT_KEYS, ConfigError, split_config_file
 
-# (the key's value, the whole file, the composed config) -> {our dotted key: value}
-Mapper = Callable[[Any, Mapping, Any], dict]
-DRIVERS = ("grpo", "gkd", "sft", "distill")
-
-
-class Unsupported(ValueError):
-    """A value this project cannot honour; the message says why and what to use."""
-
-
-def to(*keys: str, convert: Callable[[Any], Any] = lambda v: v) -> Mapper:
-    """The value (converted) goes to each of `keys`."""
-    return lambda value, file, cfg: {k: convert(value) for k in keys}
-
-
-def _path(value: Any) -> str:
-    text = os.path.expanduser(str(value))
-    return os.path.abspath(text) if os.path.exists(text) else text
-
-
-def _split_count(item: str) -> tuple[str, Optional[int]]:
-    """'path#N' -> (path, N): ms-swift's row count after a dataset path."""
-    path, sep, count = str(item).rpartition("#")
-    if sep and count.isdigit() and not os.path.exists(str(item)):
-        return path, int(count)
-    return str(item), None
-
-
-def _paths(value: Any) -> list[str]:
-    items = value if isinstance(value, list) else [value]
-    paths = [_split_count(v)[0] for v in items]
-    if any(_split_count(v)[1] is not None for v in items):
-        raise Unsupported("a '#N' row count is read only on `dataset` here")
-    return [_path(p) for p in paths]
-
-
-def _dataset(value: Any, file: Mapping, cfg: Any) -> dict:
-    items = value if isinstance(value, list) else [value]
-    split = [_split_count(v) for v in items]
-    counts = {n for _, n in split}
-    out = {"data.task": "files", "data.paths": [_path(p) for p, _ in split]}
-    if counts != {None}:
-        if len(counts) != 1 or None in counts:
-            raise Unsupported("'#N' row counts must be the same on every file here (one data.max_rows cap)")
-        out["data.max_rows"] = counts.pop()  # the first N rows
-    return out
-
-
-def _split_ratio(value: Any, file: Mapping, cfg: Any) -> dict:
-    # 0 (ms-swift's default: no split) keeps this project's default held-out rows.
-    return {"data.val_split": float(value)} if float(value) > 0 else {}
-
-
-def _columns(value: Any) -> dict:
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as e:
-            raise Unsupported(f"is not a JSON object of old -> new column names ({e.msg})") from None
-    if not isinstance(value, dict):
-        raise Unsupported("must map old column names to new ones, e.g. {question: query}")
-    return dict(value)
-
-
-def _model(value: Any, file: Mapping, cfg: Any) -> dict:
-    # The folder (or hub id in the local cache) itself; the drivers resolve and check it.
-    return {"model.path": _path(value), "model.name": os.path.basename(os.path.normpath(str(value)))}
-
-
-def _rlhf_type(driver: str) -> Mapper:
-    def check(value: Any, file: Mapping, cfg: Any) -> dict:
-        if value != driver:
-            where = f"python -m algorithms.{value}" if value in DRIVERS else "no driver here"
-            raise Unsupported(f"is {value!r} but this is the {driver} driver ({where} runs it), and "
-                              f"`python -m algorithms.run config_file=...` picks the driver from rlhf_type")
-        return {}
-    return check
-
-
-def _neutral(values: tuple, why: str) -> Mapper:
-    """A feature this project does not have: only its neutral values are accepted."""
-    def check(value: Any, file: Mapping, cfg: Any) -> dict:
-        if value not in values:
-            raise Unsupported(f"{why}, only {' or '.join(repr(v) for v in values)} is accepted")
-        return {}
-    return check
-
-
-def _use_ray(value: Any, file: Mapping, cfg: Any) -> dict:
-    return {"backend.workers": "ray" if value in (True, "true", "1", 1) else "local"}
-
-
-def _advantage(value: Any, file: Mapping, cfg: Any) -> dict:
-    if value not in ("grpo", "rloo"):
-        raise Unsupported(f"{value!r}: the estimators here are grpo and rloo (algorithm.leave_one_out)")
-    return {"algorithm.leave_one_out": value == "rloo"}
-
-
-def _vllm_engine_kwargs(value: Any, file: Mapping, cfg: Any) -> dict:
-    value = json.loads(value) if isinstance(value, str) else dict(value)
-    known = {"max_logprobs": "vllm.max_logprobs", "max_num_seqs": "vllm.max_num_seqs",
-             "max_num_batched_tokens": "vllm.max_num_batched_tokens", "enforce_eager": "vllm.enforce_eager"}
-    unknown = sorted(set(value) - set(known))
-    if unknown:
-        raise Unsupported(f"{unknown}: the vLLM arguments read here are {sorted(known)} (vllm.*)")
-    return {known[k]: v for k, v in value.items()}
-
-
-def _sampler_engine(value: Any, file: Mapping, cfg: Any) -> dict:
-    engines = {"vllm": "vllm", "transformers": "torch", "pt": "torch"}
-    if value not in engines:
-        raise Unsupported(f"{value!r}: the sampler runs on a local engine here: vllm, or transformers (torch)")
-    return {"backend.rollout": engines[value]}
-
-
-def _train_type(value: Any, file: Mapping, cfg: Any) -> dict:
-    if value != "full":
-        raise Unsupported(f"{value!r}: only full-parameter training is supported (train_type: full)")
-    return {}
-
-
-def _loggers(value: Any, file: Mapping, cfg: Any) -> dict:
-    names = value if isinstance(value, list) else [v.strip() for v in str(value).split(",")]
-    if names in (["none"], []):
-        return {"run.loggers": ["jsonl"]}
-    if names == ["all"]:
-        names = ["tensorboard", "wandb"]
-    unknown = [n for n in names if n not in ("jsonl", "tensorboard", "wandb", "mlflow")]
-    if unknown:
-        raise Unsupported(f"{unknown}: the trackers here are tensorboard, wandb and mlflow (run.loggers)")
-    return {"run.loggers": ["jsonl"] + [n for n in names if n != "jsonl"]}
-
-
-def _use_vllm(value: Any, file: Mapping, cfg: Any) -> dict:
-    return {"backend.rollout": "vllm" if value else "torch"}
-
-
-def _vllm_mode(value: Any, file: Mapping, cfg: Any) -> dict:
-    if value != "colocate":
-        raise Unsupported(f"{value!r}: the rollout is a role on planned devices, never an external vLLM "
-                          "server: place it on its own devices instead (colocate_groups without rollout, "
-                          "or its own device group)")
-    return {}
-
-
-def _deepspeed(value: Any, file: Mapping, cfg: Any) -> dict:
-    text = str(value)
-    stages = {"zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3}
-    base = text.removesuffix("_offload")
-    if base not in stages:
-        raise Unsupported(f"{text!r}: name a ZeRO preset (zero0..zero3, zero2_offload, zero3_offload), "
-                          "a DeepSpeed JSON file is not read, set deepspeed.* keys instead")
-    out = {"backend.train": "deepspeed", "deepspeed.zero_stage": stages[base]}
-    if text.endswith("_offload"):
-        out["deepspeed.offload_optimizer"] = True
-        out["deepspeed.offload_param"] = base == "zero3"
-    return out
-
-
-def _dtype(value: Any) -> str:
-    names = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "auto": "auto"}
-    return names.get(str(value), str(value))
-
-
-def _flag_dtype(name: str) -> Mapper:
-    return lambda value, file, cfg: {"trainer.dtype": name} if value else {}
-
-
-def _attn(value: Any) -> str:
-    return {"flash_attn": "flash_attention_2", "flash_attention_2": "flash_attention_2",
-            "sdpa": "sdpa", "eager": "eager"}.get(str(value), str(value))
-
-
-def _tensor_parallel(value: Any, file: Mapping, cfg: Any) -> dict:
-    if int(value) == 1:
-        return {}
-    return {"backend.train": "megatron", "megatron.tensor_parallel_size": int(value)}
-
-
-def _vllm_tp(value: Any, file: Mapping, cfg: Any) -> dict:
-    if "device_groups" in file:
-        raise Unsupported("with device_groups, set vllm_tensor_parallel_size inside the rollout's device group")
-    return {"placement.rollout.vllm_tensor_parallel_size": int(value)}
-
-
-def _global_batch(driver: str) -> Mapper:
-    """global_batch_size: sequences per optimizer update. GRPO's are completions: prompts per
-    step = global_batch_size * steps_per_generation / num_generations."""
-    def convert(value: Any, file: Mapping, cfg: Any) -> dict:
-        if driver != "grpo":
-            return {"run.prompts_per_step": int(value)}
-        G = int(file.get("num_generations", cfg.algorithm.num_generations))
-        spg = int(file.get("steps_per_generation", cfg.algorithm.steps_per_generation))
-        completions = int(value) * spg
-        if completions % G:
-            raise Unsupported(f"{value} * steps_per_generation {spg} = {completions} completions per generation "
-                              f"is not a whole number of prompts of num_generations={G}, use a multiple of {G}")
-        return {"run.prompts_per_step": completions // G}
-    return convert
-
-
-def _generation_batch(value: Any, file: Mapping, cfg: Any) -> dict:
-    G = int(file.get("num_generations", cfg.algorithm.num_generations))
-    if int(value) % G:
-        raise Unsupported(f"{value} completions is not a whole number of prompts of num_generations={G}")
-    return {"run.prompts_per_step": int(value) // G}
-
-
-def _no_key(value: Any, file: Mapping, cfg: Any) -> dict:
-    # Read before Hydra starts (`output_run_dir`): the run directory is <value>/<time>.
-    return {}
-
-
-def _beta(index: int) -> Mapper:
-    """adam_beta1 / adam_beta2: one of trainer.betas (the other from the file or the config)."""
-    def convert(value: Any, file: Mapping, cfg: Any) -> dict:
-        betas = [float(file.get(f"adam_beta{i + 1}", cfg.trainer.betas[i])) for i in (0, 1)]
-        betas[index] = float(value)
-        return {"trainer.betas": betas}
-    return convert
-
-
-def _optim(value: Any, file: Mapping, cfg: Any) -> dict:
-    kernels = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw_fused", "adamw": "adamw", "adam": "adamw"}
-    if value not in kernels:
-        raise Unsupported(f"{value!r}: the optimizer here is AdamW (adamw_torch, adamw_torch_fused; "
-                          "trainer.optimizer picks its kernel)")
-    return {"trainer.optimizer": kernels[value]}
-
-
-def _warmup_fraction(value: Any, file: Mapping, cfg: Any) -> dict:
-    return {"trainer.warmup_ratio": float(value)}
-
-
 # Keys every driver reads (the ms-swift name, and its Megatron or Hugging Face alias).
-MAPPED: dict[str, Mapper] = {
-    "model": _model,
-    "dataset": _dataset,
-    "val_dataset": to("data.val_paths", convert=_paths),
-    "split_dataset_ratio": _split_ratio,
-    "columns": to("data.columns", convert=_columns),
-    "max_length": to("data.max_length", convert=int),
-    "system": to("data.system", convert=lambda v: _path(v) if str(v).endswith(".txt") else str(v)),
-    "seed": to("run.seed", "data.seed", "trainer.seed", convert=int),
-    "data_seed": to("data.seed", convert=int),
-    "lr": to("trainer.lr", convert=float),
-    "learning_rate": to("trainer.lr", convert=float),
-    "min_lr": to("trainer.min_lr", convert=float),
-    "lr_warmup_iters": to("trainer.warmup_steps", convert=int),
-    "warmup_steps": to("trainer.warmup_steps", convert=int),
-    "lr_warmup_fraction": _warmup_fraction,
-    "warmup_ratio": _warmup_fraction,
-    "lr_decay_style": to("trainer.schedule"),
-    "lr_scheduler_type": to("trainer.schedule"),
-    "weight_decay": to("trainer.weight_decay", convert=float),
-    "adam_epsilon": to("trainer.adam_eps", convert=float),
-    "adam_eps": to("trainer.adam_eps", convert=float),
-    "adam_beta1": _beta(0),
-    "adam_beta2": _beta(1),
-    "optim": _optim,
-    "clip_grad": to("trainer.grad_clip", convert=float),
-    "max_grad_norm": to("trainer.grad_clip", convert=float),
-    "micro_batch_size": to("trainer.micro_batch_per_device", convert=int),
-    "per_device_train_batch_size": to("trainer.micro_batch_per_device", convert=int),
-    "train_iters": to("run.steps", convert=int),
-    "max_steps": to("run.steps", convert=int),
-    "num_train_epochs": to("run.epochs", convert=float),
-    "save_interval": to("run.save_every", convert=int),
-    "save_steps": to("run.save_every", convert=int),
-    "save_total_limit": to("run.keep_last", convert=int),
-    "eval_interval": to("run.eval_every", convert=int),
-    "eval_steps": to("run.eval_every", convert=int),
-    "log_interval": to("run.log_every", convert=int),
-    "logging_steps": to("run.log_every", convert=int),
-    "report_to": _loggers,
-    "torch_dtype": to("model.dtype", convert=_dtype),
-    "bf16": _flag_dtype("bfloat16"),
-    "fp16": _flag_dtype("float16"),
-    "attn_impl": to("model.attn_implementation", convert=_attn),
-    "train_type": _train_type,
-    "tuner_type": _train_type,
-    "use_ray": _use_ray,
-    "save": _no_key,
-    "output_dir": _no_key,
-    "vllm_engine_kwargs": _vllm_engine_kwargs,
-    "deepspeed": _deepspeed,
-    "tensor_model_parallel_size": _tensor_parallel,
-    "pipeline_model_parallel_size": _neutral((1,), "there is no pipeline parallelism here"),
-    "context_parallel_size": _neutral((1,), "there is no context parallelism here"),
-    "expert_model_parallel_size": _neutral((1,), "there is no expert parallelism here"),
-    "sequence_parallel": _neutral((False,), "there is no sequence parallelism here"),
-    "use_vllm": _use_vllm,
-    "vllm_mode": _vllm_mode,
-    "vllm_gpu_memory_utilization": to("vllm.gpu_memory_utilization", convert=float),
-    "vllm_max_model_len": to("vllm.max_model_len", convert=int),
-    "vllm_enable_prefix_caching": to("vllm.enable_prefix_caching", convert=bool),
-    "vllm_max_num_seqs": to("vllm.max_num_seqs", convert=int),
-    "vllm_enforce_eager": to("vllm.enforce_eager", convert=bool),
-    "vllm_tensor_parallel_size": _vllm_tp,
+MAPPED: dict[str, conv.Mapper] = {
+    "model": conv.model,
+    "dataset": conv.dataset,
+    "val_dataset": conv.to("data.val_paths", convert=conv.paths),
+    "split_dataset_ratio": conv.split_ratio,
+    "columns": conv.to("data.columns", convert=conv.columns),
+    "max_length": conv.to("data.max_length", convert=int),
+    "system": conv.to("data.system", convert=lambda s: conv.path(s) if str(s).endswith(".txt") else str(s)),
+    "seed": conv.to("run.seed", "data.seed", "trainer.seed", convert=int),
+    "data_seed": conv.to("data.seed", convert=int),
+    "lr": conv.to("trainer.lr", convert=float),
+    "learning_rate": conv.to("trainer.lr", convert=float),
+    "min_lr": conv.to("trainer.min_lr", convert=float),
+    "lr_warmup_iters": conv.to("trainer.warmup_steps", convert=int),
+    "warmup_steps": conv.to("trainer.warmup_steps", convert=int),
+    "lr_warmup_fraction": conv.warmup_fraction,
+    "warmup_ratio": conv.warmup_fraction,
+    "lr_decay_style": conv.to("trainer.schedule"),
+    "lr_scheduler_type": conv.to("trainer.schedule"),
+    "weight_decay": conv.to("trainer.weight_decay", convert=float),
+    "adam_epsilon": conv.to("trainer.adam_eps", convert=float),
+    "adam_eps": conv.to("trainer.adam_eps", convert=float),
+    "adam_beta1": conv.beta(0),
+    "adam_beta2": conv.beta(1),
+    "optim": conv.optim,
+    "clip_grad": conv.to("trainer.grad_clip", convert=float),
+    "max_grad_norm": conv.to("trainer.grad_clip", convert=float),
+    "micro_batch_size": conv.to("trainer.micro_batch_per_device", convert=int),
+    "per_device_train_batch_size": conv.to("trainer.micro_batch_per_device", convert=int),
+    "train_iters": conv.to("run.steps", convert=int),
+    "max_steps": conv.to("run.steps", convert=int),
+    "num_train_epochs": conv.to("run.epochs", convert=float),
+    "save_interval": conv.to("run.save_every", convert=int),
+    "save_steps": conv.to("run.save_every", convert=int),
+    "save_total_limit": conv.to("run.keep_last", convert=int),
+    "eval_interval": conv.to("run.eval_every", convert=int),
+    "eval_steps": conv.to("run.eval_every", convert=int),
+    "log_interval": conv.to("run.log_every", convert=int),
+    "logging_steps": conv.to("run.log_every", convert=int),
+    "report_to": conv.loggers,
+    "torch_dtype": conv.to("model.dtype", convert=conv.dtype),
+    "bf16": conv.flag_dtype("bfloat16"),
+    "fp16": conv.flag_dtype("float16"),
+    "attn_impl": conv.to("model.attn_implementation", convert=conv.attn),
+    "train_type": conv.train_type,
+    "tuner_type": conv.train_type,
+    "use_ray": conv.use_ray,
+    "save": conv.no_key,
+    "output_dir": conv.no_key,
+    "vllm_engine_kwargs": conv.vllm_engine_kwargs,
+    "deepspeed": conv.deepspeed,
+    "tensor_model_parallel_size": conv.tensor_parallel,
+    "pipeline_model_parallel_size": conv.neutral((1,), "there is no pipeline parallelism here"),
+    "context_parallel_size": conv.neutral((1,), "there is no context parallelism here"),
+    "expert_model_parallel_size": conv.neutral((1,), "there is no expert parallelism here"),
+    "sequence_parallel": conv.neutral((False,), "there is no sequence parallelism here"),
+    "use_vllm": conv.use_vllm,
+    "vllm_mode": conv.vllm_mode,
+    "vllm_gpu_memory_utilization": conv.to("vllm.gpu_memory_utilization", convert=float),
+    "vllm_max_model_len": conv.to("vllm.max_model_len", convert=int),
+    "vllm_enable_prefix_caching": conv.to("vllm.enable_prefix_caching", convert=bool),
+    "vllm_max_num_seqs": conv.to("vllm.max_num_seqs", convert=int),
+    "vllm_enforce_eager": conv.to("vllm.enforce_eager", convert=bool),
+    "vllm_tensor_parallel_size": conv.vllm_tp,
 }
 
 # Keys of one driver.
-DRIVER_KEYS: dict[str, dict[str, Mapper]] = {
+DRIVER_KEYS: dict[str, dict[str, conv.Mapper]] = {
     "grpo": {
-        "rlhf_type": _rlhf_type("grpo"),
-        "num_generations": to("algorithm.num_generations", convert=int),
-        "global_batch_size": _global_batch("grpo"),
-        "generation_batch_size": _generation_batch,
-        "steps_per_generation": to("algorithm.steps_per_generation", convert=int),
-        "max_completion_length": to("algorithm.max_new_tokens", convert=int),
-        "temperature": to("algorithm.temperature", convert=float),
-        "beta": to("algorithm.beta", convert=float),
-        "epsilon": to("algorithm.epsilon", convert=float),
-        "epsilon_high": to("algorithm.epsilon_high", convert=float),
-        "loss_type": to("algorithm.loss_type"),
-        "scale_rewards": to("algorithm.scale_rewards", convert=lambda v: {True: "group", False: "none"}.get(v, v)),
-        "dynamic_sample": to("algorithm.dynamic_sample", convert=bool),
-        "max_resample_times": to("algorithm.max_resample_times", convert=int),
-        "reward_funcs": to("algorithm.reward_funcs", convert=lambda v: v if isinstance(v, list) else [v]),
-        "reward_weights": to("algorithm.reward_weights", convert=lambda v: [float(x) for x in v]),
-        "advantage_estimator": _advantage,
-        "importance_sampling_level": _neutral(("token",), "sequence-level ratios (GSPO) are not implemented"),
-        "overlong_filter": _neutral((False,), "truncated completions are not filtered from the loss here"),
-        "top_k": _neutral((-1, 0, None), "GRPO samples the full distribution (temperature only) here"),
-        "top_p": _neutral((1.0, 1, None), "GRPO samples the full distribution (temperature only) here"),
-        "repetition_penalty": _neutral((1.0, 1, None), "no repetition penalty in generation here"),
-        "num_iterations": _neutral((1,), "each generation is trained on once per update here "
+        "rlhf_type": conv.rlhf_type("grpo"),
+        "num_generations": conv.to("algorithm.num_generations", convert=int),
+        "global_batch_size": conv.global_batch("grpo"),
+        "generation_batch_size": conv.generation_batch,
+        "steps_per_generation": conv.to("algorithm.steps_per_generation", convert=int),
+        "max_completion_length": conv.to("algorithm.max_new_tokens", convert=int),
+        "temperature": conv.to("algorithm.temperature", convert=float),
+        "beta": conv.to("algorithm.beta", convert=float),
+        "epsilon": conv.to("algorithm.epsilon", convert=float),
+        "epsilon_high": conv.to("algorithm.epsilon_high", convert=float),
+        "loss_type": conv.to("algorithm.loss_type"),
+        "scale_rewards": conv.to("algorithm.scale_rewards", convert=lambda s: {True: "group", False: "none"}.get(s, s)),
+        "dynamic_sample": conv.to("algorithm.dynamic_sample", convert=bool),
+        "max_resample_times": conv.to("algorithm.max_resample_times", convert=int),
+        "reward_funcs": conv.to("algorithm.reward_funcs", convert=lambda s: s if isinstance(s, list) else [s]),
+        "reward_weights": conv.to("algorithm.reward_weights", convert=lambda s: [float(x) for x in s]),
+        "advantage_estimator": conv.advantage,
+        "importance_sampling_level": conv.neutral(("token",), "sequence-level ratios (GSPO) are not implemented"),
+        "overlong_filter": conv.neutral((False,), "truncated completions are not filtered from the loss here"),
+        "top_k": conv.neutral((-1, 0, None), "GRPO samples the full distribution (temperature only) here"),
+        "top_p": conv.neutral((1.0, 1, None), "GRPO samples the full distribution (temperature only) here"),
+        "repetition_penalty": conv.neutral((1.0, 1, None), "no repetition penalty in generation here"),
+        "num_iterations": conv.neutral((1,), "each generation is trained on once per update here "
                                    "(steps_per_generation splits it)"),
     },
     "gkd": {
-        "rlhf_type": _rlhf_type("gkd"),
-        "global_batch_size": _global_batch("gkd"),
-        "max_completion_length": to("algorithm.max_new_tokens", convert=int),
-        "temperature": to("algorithm.temperature", convert=float),
-        "lmbda": to("algorithm.lmbda", convert=float),
-        "beta": to("algorithm.beta", convert=float),
-        "seq_kd": to("algorithm.seq_kd", convert=bool),
-        "sft_alpha": to("algorithm.sft_alpha", convert=float),
+        "rlhf_type": conv.rlhf_type("gkd"),
+        "global_batch_size": conv.global_batch("gkd"),
+        "max_completion_length": conv.to("algorithm.max_new_tokens", convert=int),
+        "temperature": conv.to("algorithm.temperature", convert=float),
+        "lmbda": conv.to("algorithm.lmbda", convert=float),
+        "beta": conv.to("algorithm.beta", convert=float),
+        "seq_kd": conv.to("algorithm.seq_kd", convert=bool),
+        "sft_alpha": conv.to("algorithm.sft_alpha", convert=float),
     },
     "sft": {
-        "global_batch_size": _global_batch("sft"),
+        "global_batch_size": conv.global_batch("sft"),
     },
     "distill": {
-        **{k: to(f"algorithm.{k}") for k in ("num_return_sequences", "n_best_to_keep", "prm_threshold",
+        **{k: conv.to(f"algorithm.{k}") for k in ("num_return_sequences", "n_best_to_keep", "prm_threshold",
                                             "easy_query_threshold", "sampler_type", "temperature", "top_p",
                                             "output_file")},
-        "max_new_tokens": to("algorithm.max_new_tokens", convert=int),
-        "max_completion_length": to("algorithm.max_new_tokens", convert=int),
-        "sampler_engine": _sampler_engine,
-        "num_sampling_batch_size": to("run.prompts_per_step", convert=int),
-        "num_sampling_per_gpu_batch_size": to("run.prompts_per_step", convert=int),
-        "num_sampling_batches": to("run.steps", convert=int),
-        "num_sampling_per_gpu_batches": to("run.steps", convert=int),
+        "max_new_tokens": conv.to("algorithm.max_new_tokens", convert=int),
+        "max_completion_length": conv.to("algorithm.max_new_tokens", convert=int),
+        "sampler_engine": conv.sampler_engine,
+        "num_sampling_batch_size": conv.to("run.prompts_per_step", convert=int),
+        "num_sampling_per_gpu_batch_size": conv.to("run.prompts_per_step", convert=int),
+        "num_sampling_batches": conv.to("run.steps", convert=int),
+        "num_sampling_per_gpu_batches": conv.to("run.steps", convert=int),
     },
 }
 
@@ -439,7 +206,7 @@ REFUSED: dict[str, str] = {
 }
 
 
-def known_keys(driver: str) -> dict[str, Mapper]:
+def known_keys(driver: str) -> dict[str, conv.Mapper]:
     return {**MAPPED, **DRIVER_KEYS[driver]}
 
 
@@ -457,7 +224,7 @@ def translate(file: Mapping, driver: str, cfg: Any) -> tuple[dict, dict, list[st
         if key in keys:
             try:
                 mapped = keys[key](value, flat, cfg)
-            except (Unsupported, ValueError, TypeError) as e:
+            except (conv.Unsupported, ValueError, TypeError) as e:
                 problems.append(f"{where}={value!r}: {e}")
                 continue
             for ours, v in mapped.items():
@@ -505,7 +272,7 @@ def nearest(key: str, driver: str) -> str:
     close = difflib.get_close_matches(key, own, n=1, cutoff=0.6)
     if close:
         return f", did you mean '{close[0]}'?"
-    for other in DRIVERS:
+    for other in conv.DRIVERS:
         if other != driver and key in DRIVER_KEYS[other]:
             return f" (it is a key of the {other} driver)"
     return ""

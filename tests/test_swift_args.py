@@ -12,7 +12,7 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from algorithms import swift_args
+from algorithms import swift_args, swift_values
 from algorithms.config import GKDRunConfig, RunConfig, fit_epochs, prepare
 from algorithms.grpo import GRPORunConfig
 from algorithms.run import config_of, driver_of, write_example
@@ -161,7 +161,7 @@ def test_documented_keys_are_the_keys_read():
     doc = (ROOT / "docs" / "ms_swift.md").read_text()
     listed = {line.split("`")[1] for line in doc.splitlines() if line.startswith("| `")}
     read = set(NO_EFFECT) | set(REFUSED)
-    for driver in swift_args.DRIVERS:
+    for driver in swift_values.DRIVERS:
         read |= set(known_keys(driver))
     assert listed == read, (sorted(read - listed), sorted(listed - read))
 
