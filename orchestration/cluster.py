@@ -26,7 +26,10 @@ WORKER_PRIORITY_ENV = {"RAY_worker_niceness": "0"}
 # OpenMP threads that finished a parallel region sleep at once instead of spinning for the next
 # one: a local cluster's roles share the host's cores with each other and with the driver, and a
 # role's threads spinning after its call took those cores from whoever worked next (an exported
-# value wins). The driver's own threads are unchanged (its OpenMP started with torch's import).
+# value wins). The driver's own threads keep OpenMP's default: the cluster's processes take
+# these variables when they start, then they leave the driver's environment again (a driver
+# whose torch was imported after the cluster started took them too, and its in-process steps
+# ran 2-10x slower on a busy 2-core machine).
 WORKER_THREADS_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
@@ -211,14 +214,18 @@ def init_cluster(cfg: ClusterConfig, demand: dict[str, float] | None = None):
     if removed:
         print(f"cluster: removed {len(removed)} leftovers of earlier runs that were killed, e.g. {removed[0]}")
     cleanup.forget_session_at_exit()  # before ray.init: runs after Ray's own exit handler
-    for k, v in {**WORKER_PRIORITY_ENV, **WORKER_THREADS_ENV}.items():
-        os.environ.setdefault(k, v)
-    # address="local": always a new cluster, never one found running on this machine.
-    context = ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=cfg.dashboard,
-                       object_store_memory=cfg.object_store_mb * 2**20 if cfg.object_store_mb else None,
-                       _node_ip_address=cfg.node_ip, log_to_driver=cfg.log_to_driver,
-                       _system_config={"max_direct_call_object_size": int(cfg.inline_object_mb * 2**20)},
-                       configure_logging=True, logging_level="WARNING")
+    worker_env = {k: v for k, v in {**WORKER_PRIORITY_ENV, **WORKER_THREADS_ENV}.items() if k not in os.environ}
+    os.environ.update(worker_env)  # the cluster's processes inherit them from this one
+    try:
+        # address="local": always a new cluster, never one found running on this machine.
+        context = ray.init(address="local", num_cpus=num_cpus, num_gpus=num_gpus, include_dashboard=cfg.dashboard,
+                           object_store_memory=cfg.object_store_mb * 2**20 if cfg.object_store_mb else None,
+                           _node_ip_address=cfg.node_ip, log_to_driver=cfg.log_to_driver,
+                           _system_config={"max_direct_call_object_size": int(cfg.inline_object_mb * 2**20)},
+                           configure_logging=True, logging_level="WARNING")
+    finally:
+        for k in worker_env:
+            os.environ.pop(k, None)
     # Whoever finds this process gone removes the cluster's leftovers (orchestration.cleanup).
     cleanup.record_session(context.address_info["session_dir"])
     return ray

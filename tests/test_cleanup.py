@@ -143,7 +143,7 @@ def seen():
     return {k: os.environ.get(k) for k in [*NO_MULTICAST_ENV, "OMP_WAIT_POLICY"]}
 
 print("ready", json.dumps({"env": ray.get(seen.remote()), "actor_nice": roles["orm"].call("nice")[0],
-                           "driver_nice": os.nice(0),
+                           "driver_nice": os.nice(0), "driver_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
                            "inline": ray._private.worker._global_node._config["max_direct_call_object_size"]}),
       flush=True)
 time.sleep(300)
@@ -154,9 +154,9 @@ def test_a_killed_driver_leaves_nothing_running_after_cleanup(tmp_path):
     """A driver started a local cluster and was SIGKILLed: Ray's agents outlive it; the next
     cleanup ends every Ray process of that session. Before: its workers had the no-multicast
     variables (one exported before the run kept its value) and OpenMP threads that sleep
-    between parallel regions (OMP_WAIT_POLICY=PASSIVE), its actor ran at the driver's
-    niceness (Ray's default would put it at 15), and its calls carry objects up to
-    cluster.inline_object_mb inline."""
+    between parallel regions (OMP_WAIT_POLICY=PASSIVE; the driver's own environment is left
+    without it), its actor ran at the driver's niceness (Ray's default would put it at 15), and
+    its calls carry objects up to cluster.inline_object_mb inline."""
     import time
 
     from orchestration.cluster import NO_MULTICAST_ENV
@@ -172,6 +172,7 @@ def test_a_killed_driver_leaves_nothing_running_after_cleanup(tmp_path):
         seen = json.loads(seen)
         assert seen["env"] == {**NO_MULTICAST_ENV, "TORCH_SYMM_MEM_DISABLE_MULTICAST": "0", "OMP_WAIT_POLICY": "PASSIVE"}
         assert seen["actor_nice"] == seen["driver_nice"] and seen["inline"] == 2 * 2**20
+        assert seen["driver_wait_policy"] is None  # the driver's own OpenMP keeps its default
         [record] = tmp_path.glob(f"{cleanup.SESSION_PREFIX}{driver.pid}-*.json")
         session = cleanup.read_record(str(record))["session_dir"]
     finally:
