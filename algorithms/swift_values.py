@@ -31,18 +31,17 @@ def path(value: Any) -> str:
 
 def split_count(item: str) -> tuple[str, Optional[int]]:
     """'path#N' -> (path, N): ms-swift's row count after a dataset path."""
-    path, sep, count = str(item).rpartition("#")
+    head, sep, count = str(item).rpartition("#")
     if sep and count.isdigit() and not os.path.exists(str(item)):
-        return path, int(count)
+        return head, int(count)
     return str(item), None
 
 
 def paths(value: Any) -> list[str]:
     items = value if isinstance(value, list) else [value]
-    paths = [split_count(v)[0] for v in items]
     if any(split_count(v)[1] is not None for v in items):
         raise Unsupported("a '#N' row count is read only on `dataset` here")
-    return [path(p) for p in paths]
+    return [path(v) for v in items]
 
 
 def dataset(value: Any, file: Mapping, cfg: Any) -> dict:
