@@ -15,8 +15,7 @@ of the turn and waited for by the next turn's first call where that runs, not by
 sync over a path that lets the receive come later rides too: the send on the train turn's last
 call (`train_turn`), the receive on the rollout's next one (`rollout_turn`). It also closes each
 step (eval when due, the periodic save, memory figures as they came back with the roles' calls,
-the metrics record, with `calls/remote`: the remote calls the step made (`calls/compiled`: of
-those, the ones through compiled graphs, cluster.compiled_calls), `time/driver`: the
+the metrics record, with `calls/remote`: the remote calls the step made, `time/driver`: the
 step's wall time outside role calls, and `time/call_overhead`: the time role calls took beyond
 their methods' run on the ranks) and the run (the final save), and owns the run's weight-sync
 channel, whose shared-memory files and process groups live from the first sync to the end of
@@ -87,7 +86,7 @@ class Turns:
         self._outgoing: Optional[int] = None
         self._sent: Optional[tuple] = None
         self._pending: list = []  # (role, method, future) of offloads and sleeps not yet waited for
-        self._mark = (time.perf_counter(), CALLS.remote, CALLS.role_s, CALLS.rank_s, CALLS.compiled)  # the step's start
+        self._mark = (time.perf_counter(), CALLS.remote, CALLS.role_s, CALLS.rank_s)  # start of the step's accounting
         # Resume: the trainer continues from the checkpoint; the driver reads `resumed`.
         self.resumed_from = find_resume(log.dir, run.resume)
         self.resumed: dict = driver_state(self.resumed_from) if self.resumed_from else {}
@@ -331,13 +330,12 @@ class Turns:
         for name, group in self.roles.items():  # Ray groups answer from what their calls brought back
             self.log.memory(name, group.memory() if isinstance(group, BaseWorkerGroup) else group.call("memory"))
         now = time.perf_counter()
-        start, calls, role_s, rank_s, compiled = self._mark
+        start, calls, role_s, rank_s = self._mark
         metrics["calls/remote"] = CALLS.remote - calls
-        metrics["calls/compiled"] = CALLS.compiled - compiled
         metrics["time/driver"] = round(max(now - start - (CALLS.role_s - role_s), 0.0), 4)
         metrics["time/call_overhead"] = round(max((CALLS.role_s - role_s) - (CALLS.rank_s - rank_s), 0.0), 4)
         self._last = self.log.step(step, metrics)
-        self._mark = (time.perf_counter(), CALLS.remote, CALLS.role_s, CALLS.rank_s, CALLS.compiled)
+        self._mark = (time.perf_counter(), CALLS.remote, CALLS.role_s, CALLS.rank_s)
         return self._last
 
     def save(self, step: int, state: dict) -> Path:

@@ -7,14 +7,13 @@
 Parts, each measured interleaved (A, B, B, A, ...) so that both sides see the machine alike:
   drivers   the GRPO and GKD quickstart experiments, shortened (--steps steps of
             --prompts prompts, --max-new-tokens tokens, no SFT warm start, eval at step 0 and at
-            the end on --eval-size prompts), each round once per --backends side: local
-            (backend.workers=local), ray (a local Ray cluster) and ray_compiled (the same with
-            cluster.compiled_calls=true). Timed steps are 2..steps-1 (step 1 warms up, the last one
-            evaluates). Per workload and Ray side: the median step wall time and the ratio to local
-            (of the medians, the median of each round's own ratio, of the first quartiles and
+            the end on --eval-size prompts), each round once with backend.workers=local and once
+            on a local Ray cluster. Timed steps are 2..steps-1 (step 1 warms up, the last one
+            evaluates). Per workload: the median step wall time of each backend and the ratio
+            Ray/local (of the medians, the median of each round's own ratio, of the first quartiles and
             of the fastest steps), with the per-step breakdown from metrics.jsonl: time/driver (the driver's
-            own time outside role calls), calls/remote (calls/compiled of them), time/call_overhead (what the remote calls
-            took beyond their methods' run on the ranks), time/sync_weights. Final eval accuracy shows the sides computed the same run.
+            own time outside role calls), calls/remote, time/call_overhead (what the remote calls
+            took beyond their methods' run on the ranks), time/sync_weights. Final eval accuracy shows both backends computed the same run.
   dispatch  a group.call(..., dispatch='all') of a --dispatch-mb MB array to --workers CPU ranks
             against a single ray.put and one .remote(ref) per rank (the floor), and against
             the argument pickled into every rank's call (what dispatch='all' did before).
@@ -36,13 +35,10 @@ from pathlib import Path
 import numpy as np
 
 QUICKSTARTS = {"grpo": "grpo_quickstart", "gkd": "gkd_quickstart"}
-# Each side of the comparison: its backend and its overrides.
-SIDES = {"local": ("local", []), "ray": ("ray", []), "ray_compiled": ("ray", ["cluster.compiled_calls=true"])}
 
 
-def driver_overrides(args: argparse.Namespace, algo: str, side: str) -> list[str]:
-    backend, extra = SIDES[side]
-    items = [f"+experiment={QUICKSTARTS[algo]}", f"backend.workers={backend}", *extra, f"run.steps={args.steps}",
+def driver_overrides(args: argparse.Namespace, algo: str, backend: str) -> list[str]:
+    items = [f"+experiment={QUICKSTARTS[algo]}", f"backend.workers={backend}", f"run.steps={args.steps}",
              f"run.prompts_per_step={args.prompts}", "run.eval_every=0", "run.save_final=false",
              f"run.eval_max_new_tokens={args.max_new_tokens}", f"data.eval_size={args.eval_size}",
              f"algorithm.max_new_tokens={args.max_new_tokens}", "run.log_every=0", "cluster.log_to_driver=false",
@@ -79,7 +75,7 @@ def step_figures(records: list[dict]) -> dict:
             # The first quartile: on a machine that stalls now and then for longer than a step,
             # the steps no stall reached.
             "step_q1_s": walls[len(walls) // 4], "driver_s": mean("time/driver"),
-            "calls": mean("calls/remote"), "compiled": mean("calls/compiled"), "sync_s": mean("time/sync_weights"), "overhead_s": mean("time/call_overhead"),
+            "calls": mean("calls/remote"), "sync_s": mean("time/sync_weights"), "overhead_s": mean("time/call_overhead"),
             "eval_accuracy": records[-1].get("eval/accuracy")}
 
 
@@ -87,35 +83,32 @@ def bench_drivers(args: argparse.Namespace, out: Path) -> list[dict]:
     rows = []
     for rnd in range(args.rounds):
         for algo in args.algorithms:
-            for side in args.backends if rnd % 2 == 0 else args.backends[::-1]:
-                records = run_driver(algo, driver_overrides(args, algo, side), out / f"{algo}_{side}_{rnd}")
-                rows.append({"algo": algo, "backend": side, "round": rnd, **step_figures(records)})
-                print(f"bench: round {rnd} {algo} {side}: step {rows[-1]['step_s'] * 1e3:.1f} ms")
+            for backend in ("local", "ray") if rnd % 2 == 0 else ("ray", "local"):
+                records = run_driver(algo, driver_overrides(args, algo, backend), out / f"{algo}_{backend}_{rnd}")
+                rows.append({"algo": algo, "backend": backend, "round": rnd, **step_figures(records)})
+                print(f"bench: round {rnd} {algo} {backend}: step {rows[-1]['step_s'] * 1e3:.1f} ms")
     return rows
 
 
-def drivers_table(rows: list[dict], algos: list[str], sides: list[str]) -> str:
-    lines = ["| workload | side | step ms (local) | x local | x local, per round | x local, fastest quarter | "
-             "x local, fastest steps | driver ms (local) | remote calls/step (compiled) | call overhead ms | "
-             "sync ms (local) | eval acc (local) |",
+def drivers_table(rows: list[dict], algos: list[str]) -> str:
+    lines = ["| workload | local step ms | ray step ms | ray/local | ray/local, per round | ray/local, fastest quarter | ray/local, fastest steps | "
+             "driver ms local/ray | remote calls/step ray | call overhead ms ray | sync ms local/ray | eval acc local/ray |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for algo in algos:
-        by = {b: [r for r in rows if r["algo"] == algo and r["backend"] == b] for b in sides}
+        by = {b: [r for r in rows if r["algo"] == algo and r["backend"] == b] for b in ("local", "ray")}
 
         def med(b: str, k: str) -> float:
             return statistics.median(r[k] for r in by[b])
-        for side in [s for s in sides if s != "local"]:
-            # Each round's step over the same round's local step (they ran back to back, so a machine
-            # that slows down between rounds moves both), then the median over the rounds.
-            paired = statistics.median(r["step_s"] / local["step_s"] for r, local in zip(by[side], by["local"]))
-            lines.append(f"| {algo} | {side} | {med(side, 'step_s') * 1e3:.1f} ({med('local', 'step_s') * 1e3:.1f}) | "
-                         f"{med(side, 'step_s') / med('local', 'step_s'):.2f}x | {paired:.2f}x | "
-                         f"{med(side, 'step_q1_s') / med('local', 'step_q1_s'):.2f}x | "
-                         f"{med(side, 'step_min_s') / med('local', 'step_min_s'):.2f}x | "
-                         f"{med(side, 'driver_s') * 1e3:.1f} ({med('local', 'driver_s') * 1e3:.1f}) | "
-                         f"{med(side, 'calls'):.1f} ({med(side, 'compiled'):.1f}) | {med(side, 'overhead_s') * 1e3:.1f} | "
-                         f"{med(side, 'sync_s') * 1e3:.1f} ({med('local', 'sync_s') * 1e3:.1f}) | "
-                         f"{by[side][-1]['eval_accuracy']} ({by['local'][-1]['eval_accuracy']}) |")
+        # Each round's Ray step over the same round's local step (they ran back to back, so a machine
+        # that slows down between rounds moves both), then the median over the rounds.
+        paired = statistics.median(ray["step_s"] / local["step_s"] for ray, local in zip(by["ray"], by["local"]))
+        lines.append(f"| {algo} | {med('local', 'step_s') * 1e3:.1f} | {med('ray', 'step_s') * 1e3:.1f} | "
+                     f"{med('ray', 'step_s') / med('local', 'step_s'):.2f}x | {paired:.2f}x | "
+                     f"{med('ray', 'step_q1_s') / med('local', 'step_q1_s'):.2f}x | "
+                     f"{med('ray', 'step_min_s') / med('local', 'step_min_s'):.2f}x | "
+                     f"{med('local', 'driver_s') * 1e3:.1f} / {med('ray', 'driver_s') * 1e3:.1f} | "
+                     f"{med('ray', 'calls'):.1f} | {med('ray', 'overhead_s') * 1e3:.1f} | {med('local', 'sync_s') * 1e3:.1f} / {med('ray', 'sync_s') * 1e3:.1f} | "
+                     f"{by['local'][-1]['eval_accuracy']} / {by['ray'][-1]['eval_accuracy']} |")
     return "\n".join(lines)
 
 
@@ -209,9 +202,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--parts", nargs="+", default=["drivers", "dispatch", "start"])
     p.add_argument("--algorithms", nargs="+", default=["grpo", "gkd"])
-    p.add_argument("--rounds", type=int, default=3, help="interleaved rounds of every side per workload")
-    p.add_argument("--backends", nargs="+", default=list(SIDES), choices=list(SIDES),
-                   help="sides compared (local first: the others are given as ratios to it)")
+    p.add_argument("--rounds", type=int, default=3, help="interleaved local/ray rounds per workload")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--prompts", type=int, default=8, help="prompts per step (GRPO: x 8 completions)")
     p.add_argument("--max-new-tokens", type=int, default=4)
@@ -223,8 +214,6 @@ def main() -> None:
     p.add_argument("--start-rounds", type=int, default=2)
     p.add_argument("--out", default="benchmarks/results/ray_vs_local.json")
     args = p.parse_args()
-    if "local" not in args.backends:
-        p.error("--backends needs local: the other sides are measured against it")
 
     from orchestration.cluster import init_cluster
     from orchestration.config import ClusterConfig
@@ -236,7 +225,7 @@ def main() -> None:
         if "drivers" in args.parts:
             rows = bench_drivers(args, Path(tmp))
             results["drivers"] = rows
-            print(drivers_table(rows, args.algorithms, args.backends))
+            print(drivers_table(rows, args.algorithms))
     if "dispatch" in args.parts:
         d = results["dispatch"] = bench_dispatch(args)
         print(f"dispatch='all' of {d['mb']:.0f} MB to {d['workers']} ranks: group {d['group_ms']:.1f} ms, single "

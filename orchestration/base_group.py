@@ -94,8 +94,6 @@ class CallStats:
     """Running totals of this process's worker-group calls (read differences per step)."""
     # Remote calls submitted (one per rank called; in-process calls are not remote).
     remote: int = 0
-    # Of those, the ones sent through a compiled graph (cluster.compiled_calls).
-    compiled: int = 0
     # Seconds spent inside role calls: waiting for remote ranks, or running in-process ranks.
     role_s: float = 0.0
     # Of role_s, the seconds the ranks' methods ran (per call, its slowest rank's, as it reported

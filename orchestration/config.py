@@ -99,10 +99,6 @@ class ClusterConfig:
     # reports the first silent rank like a dead one (stopped, hung, stuck in a collective);
     # 0: no bound. Generous: a call may load a model or generate a long batch.
     call_timeout_s: float = 1800.0
-    # Calls to a role of one rank go through a Ray compiled graph where they can (about 0.45 ms
-    # a call instead of 1.3 ms on a local cluster; orchestration/compiled_calls.py says when they
-    # cannot). For short steps, where Ray's per-call cost shows.
-    compiled_calls: bool = False
 
 
 @dataclass

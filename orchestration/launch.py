@@ -78,8 +78,7 @@ def start_roles(cfg: Any, plan: Plan, roles: dict[str, tuple[type, dict]], resta
         for r, (cls, kw) in roles.items():
             started.groups[r] = WorkerGroup(cls, plan[r], kw, placement=placement,
                                             timeout_s=cfg.cluster.call_timeout_s,
-                                            restarts=restarts if restartable(cls, plan[r]) else 0, start=False,
-                                            compiled_calls=cfg.cluster.compiled_calls)
+                                            restarts=restarts if restartable(cls, plan[r]) else 0, start=False)
         for group in started.groups.values():
             group.begin_setup()
         for group in started.groups.values():

@@ -36,14 +36,12 @@ from __future__ import annotations
 import os
 import socket
 import sys
-import threading
 import time
 from typing import Any, Callable, Optional
 
 import ray
 
 from orchestration.base_group import CALLS, BaseWorkerGroup, ResultOf, WorkerError, pick
-from orchestration import compiled_calls as cc
 from orchestration.cluster import LOG_LEVEL_ENV, cluster_is_local, log_level_env, loopback_env, set_log_level
 from orchestration.placement import Placement
 from orchestration.planner import RolePlan
@@ -55,7 +53,6 @@ class _RoleHost:
 
     def __init__(self, name: str):
         self.name = name
-        self.lock = threading.Lock()  # a compiled graph's thread and the main one never run a call together
         send_tensors_as_arrays()
 
     def node_info(self, local: bool) -> dict:
@@ -88,22 +85,7 @@ class _RoleHost:
         self.instance = role_cls(*args, **kwargs)
         memory = getattr(self.instance, "memory", None)
         self.memory = memory if callable(memory) else None
-        self.threads = n
-        torch = sys.modules.get("torch")
-        self.cuda_device = torch.cuda.current_device() if torch and torch.cuda.is_initialized() else None
         return n
-
-    def fast_call(self, payload: tuple) -> tuple:
-        """`call` on a compiled graph's thread (orchestration/compiled_calls.py): the thread first
-        takes the torch threads and CUDA device the role was built with (both are per thread)."""
-        torch = sys.modules.get("torch")
-        if torch is not None:
-            if torch.get_num_threads() != self.threads:
-                torch.set_num_threads(self.threads)
-            if self.cuda_device is not None and torch.cuda.current_device() != self.cuda_device:
-                torch.cuda.set_device(self.cuda_device)
-        method, before, then, args, kwargs = payload
-        return self.call(method, before, then, *args, **kwargs)
 
     def call(self, method: str, before: tuple, then: tuple, /, *args: Any, **kwargs: Any) -> tuple[Any, Any, float, dict]:
         """The `before` methods ((method, args) pairs, e.g. a turn's onload), then `method`, then the
@@ -111,10 +93,6 @@ class _RoleHost:
         all (None: the role has none), the seconds all of it ran, and {method: result} of the
         `before` and `then` ones."""
         # Arguments arrive top-level, so Ray resolves an ObjectRef passed as one (nested ones stay refs).
-        with self.lock:
-            return self._call(method, before, then, args, kwargs)
-
-    def _call(self, method: str, before: tuple, then: tuple, args: tuple, kwargs: dict) -> tuple[Any, Any, float, dict]:
         start = time.perf_counter()
         for key in [k for k in kwargs if k.startswith(AFTER_PREFIX)]:  # calls waited for (`after`), done
             del kwargs[key]
@@ -200,11 +178,9 @@ _RemoteHost = ray.remote(_RoleHost)
 class WorkerGroup(BaseWorkerGroup):
     def __init__(self, role_cls: type, plan_entry: RolePlan, init_kwargs: dict | None = None, *,
                  placement: Placement, init_args: tuple = (), env: dict[str, str] | list[dict] | None = None,
-                 timeout_s: float | None = None, restarts: int = 0, start: bool = True, compiled_calls: bool = False):
+                 timeout_s: float | None = None, restarts: int = 0, start: bool = True):
         """With `start` False the actors are created but not yet set up: `begin_setup()` and
-        `end_setup()` finish the start (start_roles does so for several groups at once).
-        `compiled_calls`: a one-rank group's calls go through a compiled graph where they can
-        (orchestration/compiled_calls.py)."""
+        `end_setup()` finish the start (start_roles does so for several groups at once)."""
         self.role, self.plan_entry, self.placement = plan_entry.role, plan_entry, placement
         send_tensors_as_arrays()
         self.world_size = plan_entry.world_size
@@ -217,10 +193,6 @@ class WorkerGroup(BaseWorkerGroup):
         self._memory: dict[int, Any] = {}  # rank -> its memory() figures after its latest call
         self._carried: dict[int, dict] = {}  # rank -> results of the deferred methods its latest call ran
         self._init = (role_cls, init_args, init_kwargs or {}, env)
-        self.compiled_calls = compiled_calls and self.world_size == 1
-        self._graphs: list | None = None  # per rank, once set up with compiled_calls
-        self._in_flight: dict[int, list] = {}  # rank -> its graph calls not yet known finished
-        self._last_normal: dict[int, Any] = {}  # rank -> the ref of its latest normal call
         self.workers = [
             _RemoteHost.options(name=None, max_concurrency=1, **placement.slot(plan_entry, i).actor_options())
             .remote(f"{self.role} rank {i}") for i in range(self.world_size)]
@@ -256,20 +228,10 @@ class WorkerGroup(BaseWorkerGroup):
         """Wait until every rank has built its role; `threads` records each rank's torch threads."""
         self.threads = self._wait_once(self._pending, "__init__", list(range(self.world_size)), None)
         self._pending = []
-        if self.compiled_calls:
-            self._graphs = [cc.compile_rank(w) for w in self.workers]
-
-    def _drop_graphs(self) -> None:
-        """Tear the group's graphs down; its calls go the normal way from now on."""
-        graphs, self._graphs = self._graphs, None
-        self._in_flight.clear()  # calls of a torn-down graph: their own waits report them
-        for graph in graphs or ():
-            cc.teardown(graph)
 
     def restart_rank(self, index: int) -> None:
         """A fresh actor for rank `index` on its bundle, built as the first one was."""
         role_cls, envs, init_args, init_kwargs, serve, threads = self._setup
-        self._drop_graphs()
         try:
             ray.kill(self.workers[index], no_restart=True)
         except Exception:  # already gone
@@ -281,10 +243,6 @@ class WorkerGroup(BaseWorkerGroup):
         ray.get(self.workers[index].setup.remote(role_cls, envs[index], init_args, init_kwargs, serve[index],
                                                  threads[index]), timeout=self.timeout_s)
         self._memory.pop(index, None)
-        self._in_flight.pop(index, None)
-        self._last_normal.pop(index, None)
-        if self.compiled_calls:
-            self._graphs = [cc.compile_rank(w) for w in self.workers]
 
     def _local_rank(self, rank: int) -> int:
         """LOCAL_RANK agrees with what the rank sees: its GPU's index among its visible devices (0, as
@@ -310,7 +268,6 @@ class WorkerGroup(BaseWorkerGroup):
         start = time.perf_counter()
         # Calls to wait for, and other calls' answers used as arguments, go as top-level arguments,
         # which Ray resolves before the call runs.
-        deps = cc.settle(deps)
         waits = {f"{AFTER_PREFIX}{j}": ref for j, ref in enumerate(deps)}
         sent = dict(kwargs)  # with the deferred methods' ResultOf arguments beside the call's own
         sent_before, sent_then = lift(before, "b", sent), lift(then, "t", sent)
@@ -318,43 +275,17 @@ class WorkerGroup(BaseWorkerGroup):
                    **{k: (v.key, v.carried) for k, v in sent.items() if isinstance(v, ResultOf)}}
         if results:
             waits[RESULTS_KEY] = results
-        sent_args = tuple(cc.answer_of(a.future.handles[0]) if isinstance(a, ResultOf) else a for a in args)
-        sent = {k: cc.answer_of(v.future.handles[0]) if isinstance(v, ResultOf) else v for k, v in sent.items()}
-        if self._graph_ready(index, sent_args, sent, deps):
-            ref = cc.FastCall(self._graphs[index].execute((method, sent_before, sent_then, sent_args,
-                                                           {**sent, **waits})), index)
-            self._in_flight.setdefault(index, []).append(ref)
-            CALLS.compiled += 1
-        else:
-            for earlier in self._in_flight.pop(index, []):  # the rank runs calls in the order sent
-                try:
-                    earlier.wait(None)
-                except Exception:  # noqa: BLE001 - its own wait reports it
-                    pass
-            ref = self.workers[index].call.remote(method, sent_before, sent_then, *sent_args, **sent, **waits)
-            self._last_normal[index] = ref
+        ref = self.workers[index].call.remote(
+            method, sent_before, sent_then, *(a.future.handles[0] if isinstance(a, ResultOf) else a for a in args),
+            **{k: v.future.handles[0] if isinstance(v, ResultOf) else v for k, v in sent.items()}, **waits)
         CALLS.remote += 1
         CALLS.role_s += time.perf_counter() - start  # serializing the arguments is part of the call
         if self.restarts_left > 0:
             self._calls[ref] = (index, method, args, kwargs, before, deps, then)
         return ref
 
-    def _graph_ready(self, index: int, args: tuple, kwargs: dict, deps: tuple) -> bool:
-        """Whether this call to rank `index` goes through its graph (see compiled_calls)."""
-        if self._graphs is None or not cc.plain_call(args, kwargs, deps):
-            return False
-        flying = self._in_flight[index] = [c for c in self._in_flight.get(index, []) if not c.done()]
-        last = self._last_normal.get(index)
-        if last is not None and not ray.wait([last], timeout=0)[0]:
-            return False
-        self._last_normal.pop(index, None)
-        return len(flying) < cc.MAX_IN_FLIGHT
-
     def _ready(self, handles: list) -> bool:
-        fast = [h for h in handles if isinstance(h, cc.FastCall)]
-        handles = [h for h in handles if not isinstance(h, cc.FastCall)]
-        return all(h.done() for h in fast) and (
-            not handles or len(ray.wait(handles, num_returns=len(handles), timeout=0)[0]) == len(handles))
+        return not handles or len(ray.wait(handles, num_returns=len(handles), timeout=0)[0]) == len(handles)
 
     def _shared(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         return tuple(put_large(a) for a in args), {k: put_large(v) for k, v in kwargs.items()}
@@ -410,8 +341,6 @@ class WorkerGroup(BaseWorkerGroup):
 
     def _wait_once(self, handles: list, method: str, indices: list[int], timeout: float | None) -> list:
         timeout = self.timeout_s if timeout is None else timeout
-        if any(isinstance(h, cc.FastCall) for h in handles):
-            return self._wait_graph(handles, method, indices, timeout)
         start = time.monotonic()
         try:  # fast path: everything succeeds in time
             return ray.get(handles, timeout=timeout)
@@ -443,26 +372,6 @@ class WorkerGroup(BaseWorkerGroup):
             return ray.get(handles)
         raise WorkerError(self.role, indices[0], method, "failed, but no rank reported the error")
 
-    def _wait_graph(self, handles: list, method: str, indices: list[int], timeout: float | None) -> list:
-        """`_wait_once` for a one-rank group's call that went through its graph."""
-        (call,), (index,) = handles, indices
-        start = time.monotonic()
-        try:
-            return [call.wait(timeout)]
-        except TimeoutError:
-            self._drop_graphs()  # the answer still to come would be read by nobody
-            raise WorkerError(self.role, index, method, self._silence([index], time.monotonic() - start),
-                              lost=True) from None
-        except ray.exceptions.RayTaskError as e:
-            cause = getattr(e, "cause", None)
-            if not isinstance(cause, Exception) or isinstance(cause, ray.exceptions.RayError):
-                cause = e
-            raise WorkerError.raised(self.role, index, method, cause, str(e)) from None
-        except (ray.exceptions.RayChannelError, ray.exceptions.RayActorError) as e:
-            self._drop_graphs()
-            raise WorkerError(self.role, index, method, f"the actor process died ({e.__class__.__name__}); "
-                              "check its log for an out-of-memory kill or a crash", str(e), lost=True) from None
-
     def _silence(self, ranks: list[int], waited: float) -> str:
         infos = getattr(self, "infos", None)  # unknown while node_info itself is awaited
         where = f" (pid {infos[ranks[0]]['pid']})" if infos else ""
@@ -471,7 +380,6 @@ class WorkerGroup(BaseWorkerGroup):
                 "Check its log and stack (py-spy dump), or raise cluster.call_timeout_s (0: no bound)")
 
     def shutdown(self) -> None:
-        self._drop_graphs()
         for w in self.workers:
             ray.kill(w)
         self.workers = []
