@@ -33,7 +33,7 @@ class RoleDevices:
     # places it; the drivers accept only 1 for now (one engine per rank).
     vllm_tensor_parallel_size: int = 1
     # CPU cores each rank of the role computes with (torch/OpenMP threads); None: its share of
-    # its node's cores, cores / processes planned there (orchestration/worker_group.py).
+    # its node's cores, cores / processes planned there (orchestration/rank_process.py).
     num_cpus: Optional[float] = None
 
 

@@ -41,6 +41,7 @@ from typing import Any, Callable, Optional
 
 import ray
 
+from orchestration import rank_process as rp
 from orchestration.base_group import CALLS, BaseWorkerGroup, ResultOf, WorkerError, pick
 from orchestration.cluster import LOG_LEVEL_ENV, cluster_is_local, log_level_env, loopback_env, set_log_level
 from orchestration.placement import Placement
@@ -65,13 +66,13 @@ class _RoleHost:
         return {"ip": ip, "port": self.sockets[0].getsockname()[1], "tp_port": self.sockets[1].getsockname()[1],
                 "pid": os.getpid(), "node_id": ray.get_runtime_context().get_node_id(),
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
-                "visible_index": _visible_index()}
+                "visible_index": rp.visible_index()}
 
     def setup(self, role_cls: type, env: dict[str, str], args: tuple, kwargs: dict,
               serve: tuple[bool, bool] = (False, False), threads: tuple[float | None, int] = (None, 1)) -> int:
         """Build the role; returns the torch threads this rank computes with."""
         os.environ.update(env)
-        n = _set_threads(*threads)
+        n = rp.set_threads(*threads)
         if LOG_LEVEL_ENV in env:  # run.log_level, as the driver set it
             set_log_level(env[LOG_LEVEL_ENV])
         # The store torch.distributed would open on *:port for the group (engine) whose first rank
@@ -79,7 +80,7 @@ class _RoleHost:
         self.stores = []
         for sock, wanted in zip(self.sockets, serve):
             if wanted:
-                self.stores.append(_store_on(sock))
+                self.stores.append(rp.store_on(sock))
             else:
                 sock.close()
         self.instance = role_cls(*args, **kwargs)
@@ -112,64 +113,6 @@ class _RoleHost:
     def __repr__(self) -> str:
         # Ray prefixes each line a worker prints with this: "(train rank 1 pid=...)".
         return self.name
-
-
-def usable_cores() -> int:
-    """Cores this process may run on (its CPU affinity), else the machine's."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # no sched_getaffinity (macOS)
-        return os.cpu_count() or 1
-
-
-def _set_threads(num_cpus: float | None, node_procs: int) -> int:
-    """torch's threads for this rank: `num_cpus` (its role's, from the plan), else this node's
-    usable cores less one over the `node_procs` processes planned on it; OpenMP/MKL get the same
-    in the environment for the processes this one starts. The core left out is the driver's and
-    Ray's (raylet, object store): a rank whose threads take every core waits at each parallel
-    region for a thread the driver displaced (on 2 cores, 2 threads per rank made the quickstart
-    GRPO step on Ray 1.15x the in-process one, 1 thread 1.06x)."""
-    n = max(1, round(num_cpus)) if num_cpus else max(1, (usable_cores() - 1) // max(node_procs, 1))
-    os.environ.update({"OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n)})
-    try:
-        import torch
-    except ImportError:
-        return n
-    torch.set_num_threads(n)
-    return n
-
-
-def node_processes(plan: Any, node: int) -> int:
-    """Processes planned on `node`: one per device slot in use there (colocated roles share one)."""
-    return len({(r.device, n, d) for r in plan.roles.values() for n, d in zip(r.nodes, r.local_devices)
-                if n == node})
-
-
-def _visible_index() -> int | None:
-    """Where this actor's GPU is among the devices it sees (CUDA_VISIBLE_DEVICES): 0 when Ray shows
-    it only its own; None without a GPU."""
-    ids = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
-    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
-    if not ids:
-        return None
-    return visible.index(ids[0]) if ids[0] in visible else 0
-
-
-def _store_on(sock: socket.socket) -> Any:
-    """A TCPStore server listening on `sock` (only where it is bound), shared by every store that
-    this process opens on its port (multi_tenant); None where torch.distributed is missing."""
-    try:
-        import torch.distributed as dist
-    except ImportError:
-        dist = None
-    if dist is None or not dist.is_available():
-        sock.close()
-        return None
-    sock.listen(128)
-    store = dist.TCPStore("127.0.0.1", sock.getsockname()[1], None, True, wait_for_workers=False,
-                          multi_tenant=True, master_listen_fd=sock.fileno())
-    sock.detach()  # the store closes the descriptor
-    return store
 
 
 _RemoteHost = ray.remote(_RoleHost)
@@ -218,7 +161,7 @@ class WorkerGroup(BaseWorkerGroup):
         # Only in a local run: elsewhere torch's own store (every address, any family) stays as it was.
         serve = [(local and i == 0 and self.world_size > 1, local and tp > 1 and i % tp == 0)
                  for i in range(self.world_size)]
-        threads = [(self.plan_entry.num_cpus, node_processes(self.placement.plan, self.plan_entry.nodes[i]))
+        threads = [(self.plan_entry.num_cpus, rp.node_processes(self.placement.plan, self.plan_entry.nodes[i]))
                    for i in range(self.world_size)]
         self._setup = (role_cls, envs, init_args, init_kwargs, serve, threads)
         self._pending = [w.setup.remote(role_cls, envs[i], init_args, init_kwargs, serve[i], threads[i])

@@ -63,7 +63,8 @@ def test_threads_follow_num_cpus_else_the_node_share(ray_cluster):
     """A group's num_cpus sets its ranks' torch and OpenMP threads; the others split the cores, less
     one for the driver and Ray, by the processes planned on the node (here 1 + 2)."""
     from orchestration.placement import create_placement
-    from orchestration.worker_group import WorkerGroup, usable_cores
+    from orchestration.rank_process import usable_cores
+    from orchestration.worker_group import WorkerGroup
 
     plan = make_plan({"device_groups": {"nproc_per_node": 1,
                                         "a": {"device": "CPU", "ranks": 1, "workers": ["prm"], "num_cpus": 3},
