@@ -1,6 +1,7 @@
 """What a rank's process sets up for itself before its role is built: torch's threads, the index
-of its GPU among the devices it sees, the TCP store its group meets at. Used by the Ray worker
-groups' hosts (orchestration/worker_group.py)."""
+of its GPU among the devices it sees, the TCP store its group meets at; and `node_processes`, which
+the driver reads from the plan to size those threads. Used by the Ray worker groups
+(orchestration/worker_group.py)."""
 from __future__ import annotations
 
 import os
@@ -23,8 +24,9 @@ def set_threads(num_cpus: float | None, node_procs: int) -> int:
     usable cores less one over the `node_procs` processes planned on it; OpenMP/MKL get the same
     in the environment for the processes this one starts. The core left out is the driver's and
     Ray's (raylet, object store): a rank whose threads take every core waits at each parallel
-    region for a thread the driver displaced (on 2 cores, 2 threads per rank made the quickstart
-    GRPO step on Ray 1.15x the in-process one, 1 thread 1.06x)."""
+    region for a thread the driver displaced (on 2 cores, the GKD quickstart step on Ray measured
+    2.60x the in-process one with 2 threads per rank against 1.51x with 1, fastest quarter of the
+    steps; docs/benchmarks.md)."""
     n = max(1, round(num_cpus)) if num_cpus else max(1, (usable_cores() - 1) // max(node_procs, 1))
     os.environ.update({"OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n)})
     try:
