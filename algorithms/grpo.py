@@ -54,12 +54,12 @@ from orchestration.config import ConfigError, register_schema
 from orchestration.dispatch import flatten, slice_bounds
 from orchestration.launch import start_roles
 from orchestration.planner import Plan, make_plan, with_colocated_role
-from roles.batch import Completions, SamplingParams
+from roles.batch import Completions, SamplingParams, slice_batch
 from roles.models import load_tokenizer
 from roles.orm import ANSWER_KINDS, ORM
 from roles.prm import AGGREGATES, PRM
 from roles.rollout import Rollout
-from roles.trainer import Trainer, slice_batch
+from roles.trainer import Trainer
 
 logger = logging.getLogger("algorithms.grpo")  # not __name__: python -m runs this module as __main__
 

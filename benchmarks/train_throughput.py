@@ -40,10 +40,10 @@ from typing import Optional
 import torch
 
 from gpu_throughput import ROOT, peak_flops, sustained, sync
-from roles.batch import Batch
+from roles.batch import Batch, fitting_rows, token_bytes
 from roles.models import build_model
 from roles.teacher import Teacher, TeacherConfig
-from roles.trainer import Trainer, TrainerConfig, fitting_rows, token_bytes
+from roles.trainer import Trainer, TrainerConfig
 
 
 def train_batch(rows: int, tokens: int, vocab: int, ragged: bool, seed: int) -> Batch:

@@ -11,6 +11,7 @@ concatenate back (collect='flatten'), so every field is per-sample.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -100,3 +101,49 @@ def batch_from_completions(c: Completions, pad_id: int) -> Batch:
         if c.logprobs and c.logprobs[i]:
             old[i, len(p):len(p) + len(r)] = torch.tensor(c.logprobs[i], dtype=torch.float32)
     return Batch(input_ids=ids, attention_mask=mask, loss_mask=loss_mask, old_logprobs=old)
+
+
+def slice_batch(batch: Batch, start: int, stop: int, width: Optional[int] = None) -> Batch:
+    """Rows [start, stop) of every per-sample field; per-token fields ([B, T, ...]) cut to
+    the first `width` positions (right padding only, so nothing real is cut)."""
+    T = batch.input_ids.shape[1]
+    fields = {}
+    for f in dataclasses.fields(batch):
+        v = getattr(batch, f.name)
+        if isinstance(v, torch.Tensor) and v.ndim >= 1:
+            v = v[start:stop]
+            if width is not None and v.ndim >= 2 and v.shape[1] == T:
+                v = v[:, :width]
+        elif isinstance(v, list):
+            v = v[start:stop]
+        fields[f.name] = v
+    return dataclasses.replace(batch, **fields)
+
+
+def batch_to(batch: Batch, device: torch.device) -> Batch:
+    """`batch` with its host tensors on CUDA `device`, copied through pinned memory without
+    waiting (a plain copy waits until the device has run everything queued before it);
+    elsewhere `batch` itself (the engines move their inputs)."""
+    if device.type != "cuda":
+        return batch
+    moved = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+    for name, v in moved.items():
+        if isinstance(v, torch.Tensor) and v.device.type == "cpu":
+            moved[name] = v.pin_memory().to(device, non_blocking=True)
+    return dataclasses.replace(batch, **moved)
+
+
+def token_bytes(model: torch.nn.Module, backward: bool, logits: bool = True) -> float:
+    """Rough activation bytes per token of a forward (with `backward`, also what it keeps for the
+    backward): the fp32 logits and their softmax (unless `logits` is False: a chunked
+    log-softmax), plus a few hidden-size tensors per layer."""
+    c = getattr(model, "config", None)
+    vocab = getattr(c, "vocab_size", 32_000) if logits else 0
+    hidden, layers = getattr(c, "hidden_size", 1024), getattr(c, "num_hidden_layers", 24)
+    return 4.0 * ((3 if backward else 2) * vocab + (16 if backward else 4) * hidden * layers)
+
+
+def fitting_rows(rows: int, width: int, per_token: float, budget_mb: float) -> int:
+    """Rows per pass for an automatic micro-batch: all `rows` when `rows` x `width` tokens of
+    `per_token` bytes fit `budget_mb` MiB, else the most that fit (at least 1)."""
+    return max(1, min(rows, int(budget_mb * 2**20 // (max(width, 1) * per_token))))

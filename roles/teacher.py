@@ -23,13 +23,12 @@ from typing import Any, Mapping, Optional, Union
 import torch
 from omegaconf import OmegaConf
 
-from roles.batch import Batch
+from roles.batch import Batch, fitting_rows, token_bytes
 from roles.engines.options import TEACHER_ENGINES, MegatronOptions, check_engine
 from roles.engines.torch_engine import process_memory
 from roles.engines.torch_trainer import host_bytes, module_tensors, rank_device, to_device, to_host
 from roles.engines.train_kernels import chunked_vocab_logprobs, packed_forward, use_packing
 from roles.models import DTYPES, ModelSpec, build_model, load_tokenizer, resolve_config
-from roles.trainer import fitting_rows, token_bytes
 from roles.weight_transfer import WeightReceiver, load_named_weights
 
 # TeacherConfig fields only the torch engine honours.

@@ -34,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from roles.batch import Batch
+from roles.batch import Batch, batch_to, fitting_rows, slice_batch, token_bytes
 from roles.engines.options import TRAIN_ENGINES, check_engine
 from roles.engines.torch_engine import process_memory, token_entropy, token_logprobs
 from roles.engines.torch_trainer import OPTIMIZERS, TorchTrainEngine, rank_device, rng_state, set_rng_state
@@ -136,40 +136,11 @@ def resolve_trainer_config(config: Union[TrainerConfig, Mapping[str, Any], None]
     return cfg
 
 
-def token_bytes(model: torch.nn.Module, backward: bool, logits: bool = True) -> float:
-    """Rough activation bytes per token of a forward (with `backward`, also what it keeps for the
-    backward): the fp32 logits and their softmax (unless `logits` is False: a chunked
-    log-softmax), plus a few hidden-size tensors per layer."""
-    c = getattr(model, "config", None)
-    vocab = getattr(c, "vocab_size", 32_000) if logits else 0
-    hidden, layers = getattr(c, "hidden_size", 1024), getattr(c, "num_hidden_layers", 24)
-    return 4.0 * ((3 if backward else 2) * vocab + (16 if backward else 4) * hidden * layers)
-
-
-def fitting_rows(rows: int, width: int, per_token: float, budget_mb: float) -> int:
-    """Rows per pass for an automatic micro-batch: all `rows` when `rows` x `width` tokens of
-    `per_token` bytes fit `budget_mb` MiB, else the most that fit (at least 1)."""
-    return max(1, min(rows, int(budget_mb * 2**20 // (max(width, 1) * per_token))))
-
-
 def sft_loss(logprobs: torch.Tensor, batch: Batch, extras: dict) -> tuple[torch.Tensor, dict]:
     """Token-level negative log-likelihood over `loss_mask`, normalised by the loss tokens
     of the whole step (so micro-batching and data parallel do not change it)."""
     mask = batch.loss_mask.to(logprobs.device, logprobs.dtype)
     return -(logprobs * mask).sum() / max(extras["global_tokens"], 1.0), {}
-
-
-def batch_to(batch: Batch, device: torch.device) -> Batch:
-    """`batch` with its host tensors on CUDA `device`, copied through pinned memory without
-    waiting (a plain copy waits until the device has run everything queued before it);
-    elsewhere `batch` itself (the engines move their inputs)."""
-    if device.type != "cuda":
-        return batch
-    moved = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
-    for name, v in moved.items():
-        if isinstance(v, torch.Tensor) and v.device.type == "cpu":
-            moved[name] = v.pin_memory().to(device, non_blocking=True)
-    return dataclasses.replace(batch, **moved)
 
 
 def host_floats(values: Sequence[Union[float, torch.Tensor]]) -> list[float]:
@@ -178,23 +149,6 @@ def host_floats(values: Sequence[Union[float, torch.Tensor]]) -> list[float]:
     read = iter(torch.stack([t.detach().double().reshape(()).to(tensors[0].device) for t in tensors]).tolist()
                 if tensors else [])
     return [next(read) if isinstance(v, torch.Tensor) else float(v) for v in values]
-
-
-def slice_batch(batch: Batch, start: int, stop: int, width: Optional[int] = None) -> Batch:
-    """Rows [start, stop) of every per-sample field; per-token fields ([B, T, ...]) cut to
-    the first `width` positions (right padding only, so nothing real is cut)."""
-    T = batch.input_ids.shape[1]
-    fields = {}
-    for f in dataclasses.fields(batch):
-        v = getattr(batch, f.name)
-        if isinstance(v, torch.Tensor) and v.ndim >= 1:
-            v = v[start:stop]
-            if width is not None and v.ndim >= 2 and v.shape[1] == T:
-                v = v[:, :width]
-        elif isinstance(v, list):
-            v = v[start:stop]
-        fields[f.name] = v
-    return dataclasses.replace(batch, **fields)
 
 
 class Trainer(WeightSender):

@@ -56,7 +56,7 @@ def test_chunked_micro_batches_are_sized_without_the_logits():
     """Automatic micro-batches: without the [b, T, V] float32 logits more rows fit the budget,
     and the outputs are the same."""
     batch = ragged_batch()
-    from roles.trainer import fitting_rows, token_bytes
+    from roles.batch import fitting_rows, token_bytes
 
     t = Teacher(MODEL, TeacherConfig(device="cpu", micro_batch_memory_mb=2.0, chunked_logprobs=True))
     B, T = batch.input_ids.shape

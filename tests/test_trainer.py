@@ -122,7 +122,7 @@ def test_micro_batching_gives_the_same_loss_and_gradients(batch):
 def test_automatic_micro_batch_fits_the_budget_and_changes_nothing(batch):
     """micro_batch_per_device=0 takes the whole share when it fits micro_batch_memory_mb, else the
     most rows that fit; either way the step equals one pass over the whole batch."""
-    from roles.trainer import fitting_rows, token_bytes
+    from roles.batch import fitting_rows, token_bytes
 
     roomy = Trainer(MODEL, config(micro_batch_per_device=0))
     width = batch.input_ids.shape[1]
