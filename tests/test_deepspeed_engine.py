@@ -125,6 +125,19 @@ def test_zero_offload_one_rank_matches_the_torch_engine(tmp_path):
         close(ds.train_step(batch), plain.train_step(batch))
 
 
+def test_zero3_leaves_the_process_torch_functions_as_they_were():
+    """ZeRO-3 replaces torch.nn.functional.linear process-wide unless told not to; then every
+    other model of the process (a compiled one on the GPU trained wrong gradients) runs
+    DeepSpeed's linear."""
+    import torch.nn.functional as F
+
+    before = {k: v for k, v in vars(F).items() if callable(v)}
+    ds = Trainer(MODEL, config(), engine="deepspeed", engine_options={"zero_stage": 3})
+    ds.train_step(sft_batch(4))
+    assert F.linear is torch._C._nn.linear
+    assert [k for k, v in before.items() if getattr(F, k) is not v] == []
+
+
 # In CI: ZeRO-3 on two Ray ranks (test_zero_two_ranks_match_the_torch_engine) and the SFT driver in
 # process (test_experiments_run, test_resume).
 @pytest.mark.slow

@@ -134,7 +134,9 @@ class DeepSpeedTrainEngine(DataParallelCollectives):
 
     def _config(self, dtype: str) -> dict:
         o, cuda = self.options, self.device.type == "cuda"
-        zero: dict[str, Any] = {"stage": self.stage}
+        # ZeRO-3 would otherwise replace torch.nn.functional.linear for the whole process, for
+        # good: every model there (a compiled one's gradients included) ran DeepSpeed's linear.
+        zero: dict[str, Any] = {"stage": self.stage, "memory_efficient_linear": False}
         if o.offload_optimizer:
             zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
         if o.offload_param:
