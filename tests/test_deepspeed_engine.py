@@ -125,16 +125,20 @@ def test_zero_offload_one_rank_matches_the_torch_engine(tmp_path):
         close(ds.train_step(batch), plain.train_step(batch))
 
 
-def test_zero3_leaves_the_process_torch_functions_as_they_were():
-    """ZeRO-3 replaces torch.nn.functional.linear process-wide unless told not to; then every
-    other model of the process (a compiled one on the GPU trained wrong gradients) runs
-    DeepSpeed's linear."""
+def test_zero3_keeps_its_linear_to_its_own_forwards():
+    """ZeRO-3 replaces torch.nn.functional.linear process-wide (a linear that keeps no gathered
+    weight for the backward); every other model of the process then ran it, and a compiled one
+    trained wrong gradients on the GPU. The engine's own forwards still run it; after them,
+    and after the engine is built, the process has torch's."""
     import torch.nn.functional as F
 
     before = {k: v for k, v in vars(F).items() if callable(v)}
     ds = Trainer(MODEL, config(), engine="deepspeed", engine_options={"zero_stage": 3})
-    ds.train_step(sft_batch(4))
     assert F.linear is torch._C._nn.linear
+    seen = []
+    ds.model.model.layers[0].mlp.register_forward_pre_hook(lambda module, args: seen.append(F.linear))
+    ds.train_step(sft_batch(4))
+    assert seen and all(f.__module__ == "deepspeed.runtime.zero.linear" for f in seen)
     assert [k for k, v in before.items() if getattr(F, k) is not v] == []
 
 

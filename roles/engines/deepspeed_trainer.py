@@ -118,8 +118,15 @@ class DeepSpeedTrainEngine(DataParallelCollectives):
         optimizer = adamw([p for p in model.parameters() if p.requires_grad], lr, betas, weight_decay, eps, optimizer)
         self.groups = [list(g["params"]) for g in optimizer.param_groups]
         self.group_settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        torch_linear = torch.nn.functional.linear
         self.ds, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self._config(dtype),
                                                 dist_init_required=False)
+        # ZeRO-3 swaps torch.nn.functional.linear for its own (which keeps no gathered weight for
+        # the backward) in the whole process, for good: every other model there then ran it, and
+        # a compiled one trained wrong gradients on CUDA. It is put back; this engine's forwards
+        # alone run DeepSpeed's (`_zero_linear`).
+        self._linear = torch.nn.functional.linear
+        torch.nn.functional.linear = torch_linear
         self.model = self.ds.module
         self.zero = self.ds.optimizer          # ZeRO optimizer (partitions, gradient reduction)
         self.optimizer = self.zero.optimizer   # torch AdamW over this rank's flat partitions
@@ -134,9 +141,7 @@ class DeepSpeedTrainEngine(DataParallelCollectives):
 
     def _config(self, dtype: str) -> dict:
         o, cuda = self.options, self.device.type == "cuda"
-        # ZeRO-3 would otherwise replace torch.nn.functional.linear for the whole process, for
-        # good: every model there (a compiled one's gradients included) ran DeepSpeed's linear.
-        zero: dict[str, Any] = {"stage": self.stage, "memory_efficient_linear": False}
+        zero: dict[str, Any] = {"stage": self.stage}
         if o.offload_optimizer:
             zero["offload_optimizer"] = {"device": "cpu", "pin_memory": cuda}
         if o.offload_param:
@@ -159,9 +164,19 @@ class DeepSpeedTrainEngine(DataParallelCollectives):
     # ------------------------------------------------------------------ compute
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Logits [B, T, V] of the model (HF layout: row t predicts token t + 1)."""
-        out = self.ds(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
-                      use_cache=False)
+        with self._zero_linear():
+            out = self.ds(input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device),
+                          use_cache=False)
         return out.logits
+
+    @contextlib.contextmanager
+    def _zero_linear(self) -> Iterator[None]:
+        """torch.nn.functional.linear is DeepSpeed's ZeRO-3 one while this engine's model runs."""
+        outside, torch.nn.functional.linear = torch.nn.functional.linear, self._linear
+        try:
+            yield
+        finally:
+            torch.nn.functional.linear = outside
 
     def backward(self, loss: torch.Tensor) -> None:
         # ZeRO divides the reduced gradients by the world size; the loss is already a share of a sum.
