@@ -127,16 +127,19 @@ def test_compiled_decode_step_equals_the_eager_step():
 
 
 
-def test_compiled_decode_compiles_each_setting_past_dynamo_limit(monkeypatch):
+def test_compiled_decode_compiles_each_setting_past_dynamo_limit():
     """Each sampling setting compiles the decode step once; dynamo's own limit (shared by every
     rollout of the process; 1 here) does not send the later ones to the uncompiled step."""
     from torch._dynamo.utils import counters
 
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 1)
     model = build_model("tiny_qwen2").eval()
     decoder = torch_decode.StaticDecoder(compile=True)
     before = counters["stats"]["unique_graphs"]
-    for top_k in (3, 4):
-        torch_decode.generate_static(model, [[5, 6, 7]], temperature=0.8, top_k=top_k, top_p=1.0, max_new_tokens=3,
-                                     stop_ids=[2], pad_id=0, seeds=[1], graphs=False, decoder=decoder)
+    # config.patch, not monkeypatch: deleting a dynamo config key on undo hides it for good.
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for top_k in (3, 4):
+            torch_decode.generate_static(model, [[5, 6, 7]], temperature=0.8, top_k=top_k, top_p=1.0,
+                                         max_new_tokens=3, stop_ids=[2], pad_id=0, seeds=[1], graphs=False,
+                                         decoder=decoder)
     assert counters["stats"]["unique_graphs"] - before == 2
+    assert torch._dynamo.config.recompile_limit == 8
