@@ -1,4 +1,5 @@
-"""The data that crosses role boundaries: small dataclasses of tensors and lists.
+"""The data that crosses role boundaries: small dataclasses of tensors and lists, and what
+roles do with a Batch (slice it, move it to the device, size its micro-batches).
 
 Conventions (every role follows them):
 * Sequences are right-padded to one length T; `attention_mask` is 1 on real tokens.

@@ -126,7 +126,6 @@ def test_compiled_decode_step_equals_the_eager_step():
     assert decoder.decode is not torch_decode.decode_step
 
 
-
 def test_compiled_decode_compiles_each_setting_past_dynamo_limit():
     """Each sampling setting compiles the decode step once; dynamo's own limit (shared by every
     rollout of the process; 1 here) does not send the later ones to the uncompiled step."""

@@ -47,8 +47,9 @@ DONE_CHECK_EVERY = 16
 # A StaticDecoder's buffers serve a later call whose bucket they hold, unless they hold more than
 # this many times its rows x slots (each decode step attends over all of them).
 REUSE_SLACK = 2.0
-# Compilations of the decode step (compile=True) before dynamo decodes new buffer sizes and
-# sampling settings uncompiled; each one takes tens of seconds, so a run reaches few.
+# Compilations of the decode step (compile=True, one per buffer size and sampling setting) before
+# dynamo decodes new ones uncompiled. Its own limit (8 per function, shared by every rollout in
+# the process) did that from the ninth without a word; each takes tens of seconds, so few happen.
 RECOMPILE_LIMIT = 64
 # Calls that decoded with a graph / eagerly on this path, calls that replayed a graph captured by
 # an earlier call / reused its buffers, and the host seconds spent capturing (the eager first
@@ -216,16 +217,6 @@ class _Buffers:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def _compiled(step):
-    """`step` (compiled) run under RECOMPILE_LIMIT: every buffer size and sampling setting
-    compiles once, and dynamo's own limit (8 per function, shared by every rollout in the
-    process) would decode the ninth and later uncompiled, without a word in the output."""
-    def run(*args) -> None:
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            step(*args)
-    return run
-
-
 class StaticDecoder:
     """Decode buffers and the decode step's CUDA graph kept from one `generate_static` call to
     the next: a call whose bucket `fits` them reuses the buffers, and replays the graph when its
@@ -239,7 +230,10 @@ class StaticDecoder:
         self.graph: Optional["torch.cuda.CUDAGraph"] = None
         self.graph_key: Optional[tuple] = None
         self.stops: Optional[torch.Tensor] = None
-        self.decode = _compiled(torch.compile(decode_step, dynamic=False)) if compile else decode_step
+        self.decode = decode_step
+        if compile:  # the limit applies while the compiled step is called
+            limit = torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT)
+            self.decode = limit(torch.compile(decode_step, dynamic=False))
 
     def release(self) -> int:
         """Drop the buffers and the graph (its memory pool with it); returns the buffers' bytes."""
