@@ -124,6 +124,8 @@ def check_trainer(t: Any, prefix: str, updates: int, updates_key: str) -> None:
     require(t.adam_eps > 0, f"{prefix}.adam_eps", t.adam_eps, "must be > 0", f"set {prefix}.adam_eps=1e-8")
     require(t.dtype in COMPUTE_DTYPES, f"{prefix}.dtype", t.dtype, "is not a compute dtype",
             f"use one of {COMPUTE_DTYPES}")
+    require(t.compile or not t.cuda_graphs, f"{prefix}.cuda_graphs", True, "replays compiled graphs",
+            f"set {prefix}.compile=true too, or {prefix}.cuda_graphs=false")
     require(len(t.betas) == 2 and all(0.0 <= b < 1.0 for b in t.betas), f"{prefix}.betas", list(t.betas),
             "must be two values in [0, 1)", f"set {prefix}.betas=[0.9,0.999]")
     require(t.schedule == "constant" or t.warmup_steps < updates, f"{prefix}.warmup_steps", t.warmup_steps,

@@ -47,7 +47,7 @@ SCHEDULES = ("cosine", "linear", "constant")
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
 LOSS_INPUTS = ("logits", "entropy")
 # TrainerConfig fields only the torch engine honours.
-KERNEL_OPTIONS = ("packing", "compile", "activation_checkpointing", "chunked_logprobs")
+KERNEL_OPTIONS = ("packing", "compile", "cuda_graphs", "activation_checkpointing", "chunked_logprobs")
 STATE_FILE = "trainer_state.pt"
 
 
@@ -95,6 +95,10 @@ class TrainerConfig:
     packing: bool = False
     # torch.compile the model's forward (about a minute of compilation per new shape).
     compile: bool = False
+    # With compile, on CUDA: replay the compiled forward and backward as CUDA graphs (the host stops
+    # launching each kernel; docs/gpu.md). A graph per input shape: pair it with packing, whose
+    # lengths are rounded to 8 sizes per power of two. Its graphs' memory stays through offload.
+    cuda_graphs: bool = False
     # Recompute each layer's activations in the backward pass: less memory, more compute.
     activation_checkpointing: bool = False
     # Token logprobs from the last hidden states chunk by chunk, without the [B, T, V] float32
@@ -128,6 +132,8 @@ def resolve_trainer_config(config: Union[TrainerConfig, Mapping[str, Any], None]
                         f"for the {cfg.schedule} schedule")
     if not 0.0 <= cfg.min_lr <= cfg.lr:
         problems.append(f"min_lr={cfg.min_lr} must be in [0, lr={cfg.lr}]")
+    if cfg.cuda_graphs and not cfg.compile:
+        problems.append("cuda_graphs=true replays compiled graphs: set compile=true too")
     if len(cfg.betas) != 2:
         problems.append(f"betas={cfg.betas} must hold two values")
     if problems:
@@ -189,7 +195,7 @@ class Trainer(WeightSender):
             self.engine = DeepSpeedTrainEngine(build_model(self.model_config), options=engine_options or {}, **optim)
         else:
             self.engine = TorchTrainEngine(build_model(self.model_config), **optim)
-            self.engine.set_options(TrainKernelOptions(packing=c.packing, compile=c.compile,
+            self.engine.set_options(TrainKernelOptions(packing=c.packing, compile=c.compile, cuda_graphs=c.cuda_graphs,
                                                        activation_checkpointing=c.activation_checkpointing))
         self.model, self.device = self.engine.model, device
         self.rank, self.world_size = self.engine.rank, self.engine.world_size

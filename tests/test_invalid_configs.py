@@ -48,6 +48,7 @@ CASES = [
     ("sft", "trainer.schedule=step", "trainer.schedule"),
     ("sft", "trainer.min_lr=1.0", "trainer.min_lr"),
     ("sft", "backend.train=deepspeed trainer.packing=true", "trainer.packing"),
+    ("grpo", "trainer.cuda_graphs=true", "trainer.cuda_graphs"),
     ("gkd", "trainer.warmup_ratio=1.5", "trainer.warmup_ratio"),
     ("grpo", "run.log_level=LOUD", "run.log_level"),
     ("sft", "data.system=/no/such/system.txt", "data.system"),

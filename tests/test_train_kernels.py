@@ -76,6 +76,55 @@ def test_chunked_logprobs_equal_the_full_log_softmax_with_gradients(monkeypatch,
         torch.testing.assert_close(got[name], want[name], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("n, want", [(1, 1), (15, 15), (16, 16), (17, 18), (100, 104), (1024, 1024), (1025, 1152),
+                                     (8192, 8192), (8193, 9216), (20000, 20480)])
+def test_packed_lengths_round_up_to_eight_sizes_per_power_of_two(n, want):
+    assert train_kernels.pack_bucket(n) == want
+    assert want - n <= max(n // 8, 1) and train_kernels.pack_bucket(want) == want
+
+
+def test_bucketed_packing_gives_the_unbucketed_outputs_and_gradients():
+    """The padding row a bucketed packed forward adds changes no real token's output or gradient."""
+    engine = Trainer("tiny_qwen2", CFG).engine
+    engine.set_options(TrainKernelOptions(packing=True))
+    ids, mask = ragged(rows=6, width=23, seed=2)
+    assert train_kernels.pack_bucket(int(mask.sum())) > int(mask.sum())  # a padding row is added
+    outputs = {}
+    for bucket in (False, True):
+        engine.model.zero_grad(set_to_none=True)
+        logits = train_kernels.packed_forward(engine.model, ids, mask, bucket=bucket)
+        weighted_logprob_sum(token_logprobs(logits, ids, 0.7), mask).backward()
+        outputs[bucket] = logits.detach(), {n: p.grad.clone() for n, p in engine.model.named_parameters()}
+    torch.testing.assert_close(outputs[True][0], outputs[False][0], atol=2e-5, rtol=1e-5)
+    for name, grad in outputs[False][1].items():
+        torch.testing.assert_close(outputs[True][1][name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_cuda_graph_options_keep_gradient_buffers_and_train_as_the_plain_engine():
+    """cuda_graphs' engine side (on CPU torch.compile records no graphs, so without compile here):
+    gradients accumulate over several micro-batches into kept buffers, zeroed after each update
+    and dropped on offload; bucketed packing. The steps equal the plain trainer's."""
+    import dataclasses
+
+    cfg = dataclasses.replace(CFG, micro_batch_per_device=3)
+    plain, graphed = Trainer("tiny_qwen2", cfg), Trainer("tiny_qwen2", cfg)
+    graphed.engine.set_options(TrainKernelOptions(packing=True, cuda_graphs=True))
+    for step in range(3):
+        batch = sft_batch(10, seed=step)  # 4 micro-batches
+        a, b = plain.train_step(batch), graphed.train_step(batch)
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"],
+                                                                                                   rel=1e-4)
+        assert all(p.grad is None for p in plain.engine.params)
+        assert all(p.grad is not None and not p.grad.any() for p in graphed.engine.params)
+        if step == 1:
+            for t in (plain, graphed):
+                t.offload(model=True, optimizer=True)
+                t.onload()
+            assert all(p.grad is None for p in graphed.engine.params)
+    for (name, p), q in zip(plain.model.named_parameters(), graphed.model.parameters()):
+        torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4, msg=name)
+
+
 def test_train_steps_with_packing_and_checkpointing_follow_the_plain_ones():
     plain, packed = Trainer("tiny_qwen2", CFG), Trainer("tiny_qwen2", CFG)
     packed.engine.set_options(TrainKernelOptions(packing=True, activation_checkpointing=True))

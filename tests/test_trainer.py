@@ -59,6 +59,8 @@ def test_config_is_validated():
         resolve_trainer_config({"schedule": "step"})
     with pytest.raises(ValueError, match="min_lr"):
         resolve_trainer_config({"lr": 1e-4, "min_lr": 1e-3})
+    with pytest.raises(ValueError, match="cuda_graphs=true replays compiled graphs: set compile=true"):
+        resolve_trainer_config({"cuda_graphs": True})
     with pytest.raises(Exception, match="momentum"):
         resolve_trainer_config({"momentum": 0.9})
     cfg = resolve_trainer_config({"lr": 3e-4, "betas": [0.9, 0.95]})

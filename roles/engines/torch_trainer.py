@@ -31,6 +31,8 @@ GRAD_BUCKET_BYTES = 32 * 2**20
 # How long ranks wait for each other in a collective before the step fails.
 DIST_TIMEOUT = timedelta(minutes=30)
 AUTOCAST_DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Re-recordings of a CUDA graph (cuda_graphs) torch allows before it drops the graph: one per onload.
+RERECORD_LIMIT = 2**31 - 1
 
 
 def rank_device(preference: str) -> torch.device:
@@ -200,13 +202,25 @@ class TorchTrainEngine(DataParallelCollectives):
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         elif self.model.is_gradient_checkpointing:
             self.model.gradient_checkpointing_disable()
-        self._compiled = torch.compile(self.model) if options.compile else None
+        mode = "reduce-overhead" if options.cuda_graphs else None
+        self._compiled = torch.compile(self.model, mode=mode) if options.compile else None
+
+    def _graphs(self):
+        """Around a CUDA-graphed forward or backward: the graphs re-record whenever the weights
+        come back at new addresses (onload after offload), so torch's cap on re-recordings (128
+        per graph, then the graph is dropped for good) is lifted."""
+        if not self.kernels.cuda_graphs:
+            return contextlib.nullcontext()
+        return torch._inductor.config.patch({"triton.cudagraph_unexpected_rerecord_limit": RERECORD_LIMIT})
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Logits [B, T, V] of the model (HF layout: row t predicts token t + 1)."""
-        with self.autocast():  # packing indexes the mask where it is: from the host, without waiting
+        if self.kernels.cuda_graphs:  # the previous forward's outputs are no longer read
+            torch.compiler.cudagraph_mark_step_begin()
+        with self.autocast(), self._graphs():  # packing indexes the mask where it is: from the host
             if self.kernels.packing and bool(attention_mask.any()):
-                return packed_forward(self.model, input_ids, attention_mask, run=self._compiled)
+                return packed_forward(self.model, input_ids, attention_mask, run=self._compiled,
+                                      bucket=self.kernels.cuda_graphs)
             input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
             run = self.model if self._compiled is None else self._compiled
             out = run(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
@@ -228,7 +242,12 @@ class TorchTrainEngine(DataParallelCollectives):
 
     def backward(self, loss: torch.Tensor) -> None:
         """Accumulate this micro-batch's gradients (engines with their own hooks override it)."""
-        loss.backward()
+        if self.kernels.cuda_graphs:  # accumulated into buffers of our own, not the graph's outputs
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+        with self._graphs():
+            loss.backward()
 
     def current_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
@@ -275,7 +294,7 @@ class TorchTrainEngine(DataParallelCollectives):
         if applied:
             self.scheduler.step()
             self.step += 1
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=not self.kernels.cuda_graphs)
         return norm, applied
 
     # ------------------------------------------------------------------ memory
@@ -286,6 +305,7 @@ class TorchTrainEngine(DataParallelCollectives):
     def offload(self, model: bool, optimizer: bool) -> dict:
         start, moved = time.perf_counter(), {"model_bytes": 0, "optimizer_bytes": 0}
         if model and self._host_model is None:
+            self.optimizer.zero_grad(set_to_none=True)  # kept (zero) gradient buffers: cuda_graphs
             self._host_model = to_host(module_tensors(self.model))
             moved["model_bytes"] = host_bytes(self._host_model)
         if optimizer and self._host_optimizer is None:

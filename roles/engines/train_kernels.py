@@ -8,6 +8,11 @@
   and state dict stay as they are: offload, weight sync and checkpoints see no wrapper).
 * activation_checkpointing: each decoder layer recomputed in the backward (transformers'
   gradient checkpointing, non-reentrant): less activation memory for longer sequences.
+* cuda_graphs: the compiled forward and backward replayed as CUDA graphs (torch.compile's
+  'reduce-overhead' mode), so the host no longer launches each kernel. A graph is recorded per
+  input shape; packed micro-batches are padded to `pack_bucket` lengths so that ragged batches
+  reuse a few. The engine keeps gradient buffers of its own (a graph's outputs are overwritten
+  by its next replay, so gradients are accumulated into them, never taken from the graph).
 
 `chunked_token_logprobs` computes aligned token logprobs from the last hidden states and
 the output head a chunk of positions at a time, forward and backward, so that no [B, T, V]
@@ -35,6 +40,14 @@ class TrainKernelOptions:
     packing: bool = False
     compile: bool = False
     activation_checkpointing: bool = False
+    cuda_graphs: bool = False
+
+
+def pack_bucket(n: int) -> int:
+    """`n` rounded up to one of 8 evenly spaced sizes per power of two (at most 1/8 more): the
+    packed lengths a CUDA-graphed forward records graphs for."""
+    step = 1 << max(n.bit_length() - 4, 0)
+    return -(-n // step) * step
 
 
 def _varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int,
@@ -100,10 +113,12 @@ def use_packing(model, on: bool) -> None:
 
 
 def packed_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, run=None,
-                   base: bool = False) -> torch.Tensor:
+                   base: bool = False, bucket: bool = False) -> torch.Tensor:
     """The model's output for the real tokens packed into one sequence, scattered back to
     [B, T, ...] (zero on padding): logits, or with `base` the last hidden states of
     `model.base_model`. `run` calls the module (a compiled forward); default: the module.
+    `bucket`: the packed sequence is padded to `pack_bucket` length by one more row of padding
+    tokens (its outputs dropped), and the longest row rounded the same way.
     The packing indices are computed where `attention_mask` is: given host tensors, nothing
     here waits for the device (they reach it through pinned memory)."""
     if model.config._attn_implementation != PACKED_ATTENTION:
@@ -117,12 +132,19 @@ def packed_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     positions = (valid.long().cumsum(1) - 1)[valid][None]
     cu = F.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
     flat = valid.reshape(-1).nonzero()[:, 0]  # where each packed token sits in [B * T]
+    real = len(flat)
+    if bucket:
+        pad = pack_bucket(real) - real
+        ids = F.pad(ids, (0, pad))
+        positions = torch.cat([positions, torch.arange(pad, device=positions.device)[None]], 1)
+        cu = torch.cat([cu, cu.new_tensor([real + pad])])
+        longest = pack_bucket(max(longest, pad))
     ids, positions, cu, flat = (_to(t, device) for t in (ids, positions, cu, flat))
     target = model.base_model if base else model
     out = (target if run is None else run)(input_ids=ids, position_ids=positions, cu_seq_lens_q=cu,
                                            cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest,
                                            use_cache=False)
-    packed = (out.last_hidden_state if base else out.logits)[0]
+    packed = (out.last_hidden_state if base else out.logits)[0, :real]
     full = packed.new_zeros(valid.numel(), packed.shape[-1]).index_copy(0, flat, packed)
     return full.view(*valid.shape, packed.shape[-1])
 
