@@ -124,6 +124,21 @@ def kernel_kind(name: str) -> str:
     return next((kind for kind, pattern in KERNEL_KINDS if re.search(pattern, name, re.IGNORECASE)), "other")
 
 
+def device_times(events) -> dict:
+    """{name: [device seconds, count]} of every kernel, memcpy and memset among profiler events.
+    A region annotated on the host (`Optimizer.step#AdamW.step`) also appears on the device's
+    timeline, spanning the kernels it launched: it is left out, not counted twice."""
+    from torch.autograd import DeviceType
+
+    times: dict = {}
+    for e in events:
+        if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False):
+            t = times.setdefault(e.name, [0.0, 0])
+            t[0] += e.device_time_total / 1e6
+            t[1] += 1
+    return times
+
+
 def profile_call(fn, path: Path, cuda: bool, top: int = 30) -> dict:
     """Run `fn` once under torch.profiler and write a summary to `path`: the top kernels by
     device time (CPU: aten ops by self CPU time), the time share of each KERNEL_KINDS kind, and
@@ -138,13 +153,8 @@ def profile_call(fn, path: Path, cuda: bool, top: int = 30) -> dict:
             torch.cuda.synchronize()
         wall = time.perf_counter() - start
     times: dict = {}
-    if cuda:  # every kernel, memcpy and memset the call ran on the device
-        from torch.autograd import DeviceType
-        for e in trace.events():
-            if e.device_type == DeviceType.CUDA:
-                t = times.setdefault(e.name, [0.0, 0])
-                t[0] += e.device_time_total / 1e6
-                t[1] += 1
+    if cuda:
+        times = device_times(trace.events())
     else:
         for e in trace.key_averages():
             if e.self_cpu_time_total > 0:

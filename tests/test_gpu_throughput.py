@@ -46,6 +46,26 @@ def test_train_flops_count_every_weight_and_causal_attention(monkeypatch):
     assert bench.fastest_quarter([0.3, 0.2]) == 0.2
 
 
+def test_device_times_leave_out_regions_annotated_on_the_host(monkeypatch):
+    """A GPU trace holds `Optimizer.step#AdamW.step` on the device's timeline beside the AdamW
+    kernels it spans: the tally counts the kernels once, not the region on top."""
+    import importlib
+
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    bench = importlib.import_module("train_throughput")
+
+    def event(name, us, annotation=False, device=DeviceType.CUDA):
+        return FunctionEvent(id=0, name=name, thread=0, start_us=0, end_us=us, use_device="cuda",
+                             device_type=device, is_user_annotation=annotation)
+
+    events = [event("Optimizer.step#AdamW.step", 4500, annotation=True), event("multi_tensor_apply_kernel", 4000),
+              event("gemm", 1000), event("gemm", 500), event("aten::mm", 9000, device=DeviceType.CPU)]
+    assert bench.device_times(events) == {"multi_tensor_apply_kernel": [0.004, 1], "gemm": [0.0015, 2]}
+
+
 @pytest.mark.slow  # the benchmark script on CPU, each variant in a process of its own
 def test_train_mode_runs_the_variants_profiles_each_step_and_measures_the_teacher_forward(tmp_path):
     """The plain step beside the trainer and a trainer variant (same losses), each step
