@@ -44,7 +44,7 @@ from algorithms.tasks import Example
 from algorithms.validation import (AT_LEAST_1, NON_NEGATIVE, POSITIVE, check_run, check_scorer, require,
                                    require_all, require_roles)
 from orchestration.cluster import init_cluster, set_log_level
-from orchestration.config import ConfigError, register_schema
+from orchestration.config import ConfigError, checked_command_line, register_schema
 from orchestration.launch import start_roles
 from orchestration.planner import Plan, make_plan
 from roles.batch import SamplingParams
@@ -351,6 +351,7 @@ def validate(cfg: DistillRunConfig, plan: Plan) -> None:
 register_schema(DistillRunConfig)
 
 
+@checked_command_line(DistillRunConfig)
 @hydra.main(config_path="pkg://conf", config_name="config", version_base=None)
 @common.friendly_errors
 def main(cfg: DictConfig) -> None:

@@ -46,7 +46,7 @@ from algorithms.turns import Turns
 from algorithms.validation import (AT_LEAST_1, FRACTION, NON_NEGATIVE, POSITIVE, check_model, check_run,
                                    check_trainer, require, require_all, require_roles, vocab_size)
 from orchestration.cluster import init_cluster, set_log_level
-from orchestration.config import ConfigError, register_schema
+from orchestration.config import ConfigError, checked_command_line, register_schema
 from orchestration.launch import driver_group, start_roles
 from orchestration.planner import Plan, make_plan
 from roles.batch import SamplingParams
@@ -257,6 +257,7 @@ def gkd_loss(cfg: GKDRunConfig, plan: Plan):
 register_schema(GKDRunConfig)
 
 
+@checked_command_line(GKDRunConfig)
 @hydra.main(config_path="pkg://conf", config_name="config", version_base=None)
 @common.friendly_errors
 def main(cfg: DictConfig) -> None:

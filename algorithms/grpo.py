@@ -50,7 +50,7 @@ from algorithms.turns import Turns
 from algorithms.validation import (AT_LEAST_1, NON_NEGATIVE, POSITIVE, check_importable, check_run,
                                    check_trainer, require, require_all, require_roles)
 from orchestration.cluster import init_cluster, set_log_level
-from orchestration.config import ConfigError, register_schema
+from orchestration.config import ConfigError, checked_command_line, register_schema
 from orchestration.dispatch import flatten, slice_bounds
 from orchestration.launch import start_roles
 from orchestration.planner import Plan, make_plan, with_colocated_role
@@ -391,6 +391,7 @@ def validate(cfg: GRPORunConfig, plan: Plan) -> None:
 register_schema(GRPORunConfig)
 
 
+@checked_command_line(GRPORunConfig)
 @hydra.main(config_path="pkg://conf", config_name="config", version_base=None)
 @common.friendly_errors
 def main(cfg: DictConfig) -> None:

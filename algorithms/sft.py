@@ -28,7 +28,7 @@ from algorithms.swift_args import output_run_dir
 from algorithms.turns import Turns
 from algorithms.validation import check_run, require_roles
 from orchestration.cluster import set_log_level
-from orchestration.config import register_schema
+from orchestration.config import checked_command_line, register_schema
 from orchestration.launch import driver_group, start_roles
 from roles.models import load_tokenizer
 from roles.rollout import Rollout
@@ -89,6 +89,7 @@ def validate(cfg: SFTRunConfig, plan: Any) -> None:
 register_schema(SFTRunConfig)
 
 
+@checked_command_line(SFTRunConfig)
 @hydra.main(config_path="pkg://conf", config_name="config", version_base=None)
 @common.friendly_errors
 def main(cfg: DictConfig) -> None:

@@ -13,8 +13,8 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from orchestration.config import (ConfigError, PlanConfig, apply_placement, placement_dict, read_config_file,
-                                  register_schema, split_config_file, validate)
+from orchestration.config import (ConfigError, PlanConfig, apply_placement, checked_command_line, placement_dict,
+                                  read_config_file, register_schema, split_config_file, validate)
 from orchestration.planner import Plan, PlanError, make_plan
 
 COLUMNS = ("role", "device", "ranks", "nodes", "group", "colocated_with", "offload", "sleep", "tp", "model")
@@ -76,6 +76,7 @@ def plan_from_config(cfg: DictConfig) -> tuple[DictConfig, Plan, list[str]]:
 register_schema(PlanConfig)
 
 
+@checked_command_line(PlanConfig)
 @hydra.main(config_path="pkg://conf", config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
     try:

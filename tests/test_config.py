@@ -88,6 +88,24 @@ def test_unknown_key_and_wrong_type_name_the_key():
         validate({"backend": {"workers": "threads"}}, PlanConfig)
 
 
+@pytest.mark.parametrize("args, message", [
+    (["trainer.lrr=1"], "config key 'trainer.lrr'=1 is not a key of 'trainer' (did you mean 'trainer.lr'?). Fix:"),
+    (["run.steps=3", "traner.lr=1"], "config key 'traner.lr'=1 is not a key of the config (did you mean 'trainer'?)."),
+    (["placement.train.gpuz=2"], "(did you mean 'placement.train.gpus'?)"),
+    (["algorithm.zzz=1"], "config key 'algorithm.zzz'=1 is not a key of 'algorithm'. Fix: use a key of SFTRunConfig"),
+    # group choices, appended and deleted keys, Hydra's own, lists, free-form values and flags pass
+    (["placement=separate", "backend=local", "model=tiny_llama", "+experiment=sft_quickstart", "+new.key=1",
+      "~trainer.betas", "hydra.run.dir=.", "hydra/job_logging=none", "trainer.betas.0=0.5", "--cfg", "job",
+      "-m", "trainer.lr=1e-3,1e-4", "placement.train.gpus=2", "config_file=x.yaml", "run.loggers=[jsonl]"], None),
+])
+def test_an_unknown_command_line_key_names_the_nearest_one(args, message):
+    from algorithms.sft import SFTRunConfig
+    from orchestration.config import unknown_override
+
+    problem = unknown_override(args, SFTRunConfig)
+    assert problem == message if message is None else message in problem
+
+
 MS_SWIFT_MEGATRON = """
 rlhf_type: gkd
 model: Qwen/Qwen3-0.6B
@@ -176,6 +194,10 @@ def test_plan_cli_table_and_error(tmp_path):
     assert "teacher  GPU     4,5" in out.stdout and "teacher top-k 64" in out.stdout
     bad = run_cli("placement=colocate", "placement.rollout.gpus=2")
     assert bad.returncode == 2 and "colocated roles need equal device counts" in bad.stderr
+    typo = run_cli("plan.jsn=true")  # refused before Hydra composes, with the nearest key
+    assert typo.returncode == 2 and typo.stderr.strip() == (
+        "error: config key 'plan.jsn'=true is not a key of 'plan' (did you mean 'plan.json'?). Fix: use a key of "
+        "PlanConfig (python -m <driver> --cfg job lists them)")
     path = tmp_path / "swift.yaml"
     path.write_text(MS_SWIFT_MEGATRON)
     out = run_cli(f"config_file={path}")
