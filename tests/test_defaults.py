@@ -52,6 +52,7 @@ EXCEPTIONS = {
     ("roles/engines/train_kernels.py", "TrainKernelOptions", "packing"): "the plain forward",
     ("roles/engines/train_kernels.py", "TrainKernelOptions", "compile"): "the plain forward",
     ("roles/engines/train_kernels.py", "TrainKernelOptions", "activation_checkpointing"): "the plain forward",
+    ("roles/engines/train_kernels.py", "TrainKernelOptions", "cuda_graphs"): "the plain forward",
 }
 
 # Repeated defaults not removed yet: an entry goes together with its default. Each names the
