@@ -46,7 +46,7 @@ EXCEPTIONS = {
     # Ray cluster's address.
     ("roles/engines/vllm_build.py", "EngineGroup", "address"): "another address",
     # The device kind of a Swift-Ray device group (GPU/CPU), which no dataclass types.
-    ("orchestration/planner.py", "_plan_device_groups", "device"): "device kind of a group",
+    ("orchestration/device_groups.py", "plan_device_groups", "device"): "device kind of a group",
     # The torch engine's plain forward when nobody asks for more (benchmarks and tests build the
     # engine alone); a run's choice is TrainerConfig's, which the Trainer always passes.
     ("roles/engines/train_kernels.py", "TrainKernelOptions", "packing"): "the plain forward",

@@ -1,7 +1,8 @@
 """Planner table tests: valid layouts of both ms-swift forms, and invalid ones with their messages."""
 import pytest
 
-from orchestration.planner import PlanError, make_plan, parse_ranks
+from orchestration.device_groups import parse_ranks
+from orchestration.planner import PlanError, make_plan
 
 # The ms-swift documentation's own examples (reference/ms-swift-ray-support.md).
 SWIFT_COLOCATE_GRPO = {"colocate_groups": [["train", "rollout"]], "offload_model": True,
