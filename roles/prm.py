@@ -17,7 +17,7 @@ Kinds, chosen by `PRMConfig.kind`:
   before it are right, so scores are 0.0 from the first wrong step on. The answer step
   (with `answer_as_step`) is right when the chain so far is right and complete and the
   answer equals the last result.
-* 'model': a causal LM with a scalar head (roles.orm.ScalarHeadModel) read at the last
+* 'model': a causal LM with a scalar head (roles.scorer_model.ScalarHeadModel) read at the last
   separator token after each step; the score is sigmoid(scalar), trained with binary
   cross-entropy on 0/1 step labels by `train_steps`.
 * 'custom': `reward_fn`, a dotted path to fn(prompts, completions, references) ->
@@ -38,7 +38,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from roles.orm import ScalarHeadModel, ScorerModelConfig, load_reward_fn, typed_config
+from roles.orm import load_reward_fn
+from roles.scorer_model import ScalarHeadModel, ScorerModelConfig, typed_config
 
 KINDS = ("arithmetic", "model", "custom")
 AGGREGATES = ("min", "product", "last", "mean")
