@@ -1,5 +1,6 @@
 """The wire format of weight sync: buckets packed into flat byte buffers, their layout,
-and checksums (no Ray here; used by roles.weight_transfer on both sides).
+checksums, and the manifest's JSON form for the collective path (no Ray here; used by
+roles.weight_transfer on both sides).
 
 A bucket is a list of (HF name, tensor) pairs packed into one flat byte buffer, each
 tensor at a 64-byte aligned offset, so any dtype mix travels as bytes and is unpacked as
@@ -12,10 +13,12 @@ tensor by tensor (`bucket_checksum`).
 from __future__ import annotations
 
 import functools
+import json
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
+import numpy as np
 import torch
 
 ALIGN = 64
@@ -145,3 +148,54 @@ def verify(manifest: Manifest, index: int, pairs: Sequence[tuple[str, torch.Tens
             f"{len(manifest.buckets)} ({len(names)} tensors, first {names[:3]}) arrived corrupted: checksum "
             f"{got:#x}, sent {want:#x}. Nothing was loaded; the weights stay at the previous version. "
             "Check memory/disk health or switch weight_sync.path")
+
+
+# What a collective receiver reads from the store: plain JSON checked field by field, never
+# pickle (anyone who can reach the store could write it).
+DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
+                    "float8_e4m3fn", "float8_e5m2"})
+
+
+def manifest_to_json(m: Manifest) -> str:
+    return json.dumps({"seq": m.seq, "version": m.version, "path": m.path, "stride": m.stride,
+                       "buckets": [[b.names, [list(s) for s in b.shapes], b.dtypes, b.offsets, b.nbytes]
+                                   for b in m.buckets]})
+
+
+def manifest_from_json(raw: bytes, seq: int) -> Manifest:
+    """The manifest of sync `seq`; ValueError for anything but the layout manifest_to_json writes."""
+    try:
+        d = json.loads(raw)
+        _check(d["seq"] == seq and _is_int(d["version"]) and d["path"] == "collective" and _is_int(d["stride"], 1),
+               "seq, version, path or stride")
+        buckets = [_layout(*b) for b in d["buckets"]]
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"weight sync {seq}: the manifest in the store is malformed ({type(e).__name__}: {e}); "
+                         "only trainer rank 0's send_weights writes it") from None
+    return Manifest(seq, d["version"], "collective", buckets, [], "", d["stride"])
+
+
+def _layout(names: list, shapes: list, dtypes: list, offsets: list, nbytes: int) -> BucketLayout:
+    _check(len(names) == len(shapes) == len(dtypes) == len(offsets) and _is_int(nbytes, 0), "bucket lengths")
+    for name, shape, dtype, off in zip(names, shapes, dtypes, offsets):
+        _check(isinstance(name, str) and dtype in DTYPES and isinstance(shape, list) and
+               all(_is_int(n, 0) for n in shape) and _is_int(off, 0), f"tensor {name!r}")
+        size = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+        _check(off + size <= nbytes, f"tensor {name!r} ends past its bucket")
+    return BucketLayout(names, [tuple(s) for s in shapes], dtypes, offsets, nbytes)
+
+
+def checksums_from_json(raw: bytes, count: int) -> list[int]:
+    sums = json.loads(raw)
+    _check(isinstance(sums, list) and len(sums) in (0, count) and all(_is_int(x, 0) and x < 2**64 for x in sums),
+           f"checksums: want {count} integers in [0, 2**64)")
+    return sums
+
+
+def _check(ok: bool, what: str) -> None:
+    if not ok:
+        raise ValueError(f"bad {what}")
+
+
+def _is_int(x: Any, low: Optional[int] = None) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and (low is None or x >= low)

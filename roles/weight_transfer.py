@@ -35,8 +35,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
-from roles.weight_buckets import (PACKED_PATHS, STRIDES, BucketLayout, Manifest, bucket_checksum, layout_of, pack,
-                                  packed_checksum, unpack, verify)
+from roles.weight_buckets import (PACKED_PATHS, STRIDES, Manifest, bucket_checksum, checksums_from_json, layout_of,
+                                  manifest_from_json, manifest_to_json, pack, packed_checksum, unpack, verify)
 
 PATHS = ("cuda_ipc", "shm", "collective", "object_store", "file")
 SHM_PREFIX = "rayroles-weights-"
@@ -369,59 +369,8 @@ class WeightReceiver:
         for work in works:
             work.wait()
         raw = state["store"].get(f"w/{seq}/checksums")
-        manifest.checksums = _checksums_from_json(raw, len(manifest.buckets))
+        manifest.checksums = checksums_from_json(raw, len(manifest.buckets))
         return manifest, buckets
-
-
-# What a collective receiver reads from the store: plain JSON checked field by field, never
-# pickle (anyone who can reach the store could write it).
-DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
-                    "float8_e4m3fn", "float8_e5m2"})
-
-
-def manifest_to_json(m: Manifest) -> str:
-    return json.dumps({"seq": m.seq, "version": m.version, "path": m.path, "stride": m.stride,
-                       "buckets": [[b.names, [list(s) for s in b.shapes], b.dtypes, b.offsets, b.nbytes]
-                                   for b in m.buckets]})
-
-
-def manifest_from_json(raw: bytes, seq: int) -> Manifest:
-    """The manifest of sync `seq`; ValueError for anything but the layout manifest_to_json writes."""
-    try:
-        d = json.loads(raw)
-        _check(d["seq"] == seq and _is_int(d["version"]) and d["path"] == "collective" and _is_int(d["stride"], 1),
-               "seq, version, path or stride")
-        buckets = [_layout(*b) for b in d["buckets"]]
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"weight sync {seq}: the manifest in the store is malformed ({type(e).__name__}: {e}); "
-                         "only trainer rank 0's send_weights writes it") from None
-    return Manifest(seq, d["version"], "collective", buckets, [], "", d["stride"])
-
-
-def _layout(names: list, shapes: list, dtypes: list, offsets: list, nbytes: int) -> BucketLayout:
-    _check(len(names) == len(shapes) == len(dtypes) == len(offsets) and _is_int(nbytes, 0), "bucket lengths")
-    for name, shape, dtype, off in zip(names, shapes, dtypes, offsets):
-        _check(isinstance(name, str) and dtype in DTYPES and isinstance(shape, list) and
-               all(_is_int(n, 0) for n in shape) and _is_int(off, 0), f"tensor {name!r}")
-        size = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
-        _check(off + size <= nbytes, f"tensor {name!r} ends past its bucket")
-    return BucketLayout(names, [tuple(s) for s in shapes], dtypes, offsets, nbytes)
-
-
-def _checksums_from_json(raw: bytes, count: int) -> list[int]:
-    sums = json.loads(raw)
-    _check(isinstance(sums, list) and len(sums) in (0, count) and all(_is_int(x, 0) and x < 2**64 for x in sums),
-           f"checksums: want {count} integers in [0, 2**64)")
-    return sums
-
-
-def _check(ok: bool, what: str) -> None:
-    if not ok:
-        raise ValueError(f"bad {what}")
-
-
-def _is_int(x: Any, low: Optional[int] = None) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool) and (low is None or x >= low)
 
 
 def load_named_weights(module: torch.nn.Module, pairs: Sequence[tuple[str, torch.Tensor]], owner: str) -> None:

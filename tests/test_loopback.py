@@ -15,7 +15,7 @@ from orchestration.weight_sync import WeightSync
 from roles.rollout import Rollout
 from roles.trainer import Trainer
 from roles.weight_buckets import Manifest, layout_of
-from roles.weight_transfer import manifest_from_json, manifest_to_json
+from roles.weight_buckets import manifest_from_json, manifest_to_json
 
 MODEL = "tiny_qwen2"
 CPU = {"device": "cpu"}
