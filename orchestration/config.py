@@ -224,13 +224,14 @@ def unknown_override(args: list[str], schema: type) -> Optional[str]:
     """The error for the first command-line override `key=value` whose key `schema` lacks, with
     the nearest key, else None. (Hydra's own message for it suggests `+key=value`, which a typed
     config refuses too.) Group choices, `+`/`~` overrides, Hydra's keys and flags pass."""
+    top = OmegaConf.structured(schema)
     for arg in args:
         key, eq, value = arg.partition("=")
         parts = key.split(".")
         if not eq or arg.startswith(("-", "+", "~")) or "/" in key or parts[0] == "hydra" or (
                 len(parts) == 1 and parts[0] in config_groups()):
             continue
-        node: Any = OmegaConf.structured(schema)
+        node: Any = top
         for i, part in enumerate(parts):
             if not isinstance(node, DictConfig) or OmegaConf.get_type(node) is dict:
                 break  # a list, a value or a free-form mapping: not checked further
