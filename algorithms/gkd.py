@@ -46,6 +46,7 @@ from algorithms.turns import Turns
 from algorithms.validation import (AT_LEAST_1, FRACTION, NON_NEGATIVE, POSITIVE, check_model, check_run,
                                    check_trainer, require, require_all, require_roles, vocab_size)
 from orchestration.cluster import init_cluster, set_log_level
+from orchestration.base_group import Kept
 from orchestration.config import ConfigError, checked_command_line, register_schema
 from orchestration.launch import driver_group, start_roles
 from orchestration.planner import Plan, make_plan
@@ -68,6 +69,7 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
     # The coin of every step, drawn up front: generations may start max_staleness steps early.
     coin = random.Random(cfg.run.seed)
     on_policy = [False] + [coin.random() < algo.lmbda for _ in range(cfg.run.steps)]
+    keep = "teacher_logits" if getattr(teacher, "hosted_by", None) is trainer else None
     with Turns(plan, {"train": trainer, "rollout": rollout, "teacher": teacher}, cfg.run, cfg.weight_sync, log,
                       eval_set, data=cfg.data) as turns:
         # Prompts continue where a resumed run's checkpoint left them.
@@ -95,8 +97,11 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
                 # Teacher: logprobs at every position (top-k or full vocabulary). Top-k is taken from
                 # the tempered distribution (the loss leaves it as is); full-vocabulary logprobs come
                 # at temperature 1 and the loss tempers them.
+                # A teacher built in the trainer's processes keeps them there for the train call.
                 out = turns.call("teacher", "logits", batch, topk, temperature=algo.temperature if topk else 1.0,
-                                 dispatch="slice", collect="flatten", phase="teacher")
+                                 dispatch="slice", collect="flatten", phase="teacher", keep=keep)
+                if keep and topk:
+                    out = (Kept(keep, 0), Kept(keep, 1))
                 batch.teacher_logprobs, batch.teacher_indices = out if topk else (out, None)
                 # Train: one update of the student on the generalized JSD; then the weights go to the
                 # rollout when it samples before the next update (once generations started ahead
@@ -216,6 +221,9 @@ def validate(cfg: GKDRunConfig, plan: Plan) -> None:
         require(cfg.backend.teacher == "torch" or not getattr(t.engine, key), f"teacher.engine.{key}", True,
                 f"needs the torch engine (backend.teacher={cfg.backend.teacher})",
                 f"set backend.teacher=torch, or teacher.engine.{key}=false")
+    require(cfg.backend.teacher == "torch" or plan["teacher"].host is None, "placement.teacher_in_trainer_process",
+            True, f"needs the torch teacher engine (backend.teacher={cfg.backend.teacher})",
+            "set backend.teacher=torch, or placement.teacher_in_trainer_process=false")
     teacher_key = "placement.teacher_model" if plan["teacher"].model else "teacher.model"
     teacher_model = plan["teacher"].model or t.model
     check_model(teacher_key, teacher_model)

@@ -37,7 +37,7 @@ from typing import Any, Iterator, Optional
 from algorithms.checkpoints import driver_state, find_resume, save_checkpoint
 from algorithms.common import accuracy, record_event
 from algorithms.runlog import RunLog, timed_call
-from orchestration.base_group import CALLS, BaseWorkerGroup, ResultOf
+from orchestration.base_group import CALLS, BaseWorkerGroup, Kept, ResultOf
 from orchestration.config import WeightSyncConfig
 from orchestration.planner import Plan
 from orchestration.weight_sync import WeightSync, sync_metrics
@@ -86,6 +86,7 @@ class Turns:
         self._outgoing: Optional[int] = None
         self._sent: Optional[tuple] = None
         self._pending: list = []  # (role, method, future) of offloads and sleeps not yet waited for
+        self._kept: list = []  # (role, group, future) of calls whose answers the ranks kept, not yet waited for
         self._mark = (time.perf_counter(), CALLS.remote, CALLS.role_s, CALLS.rank_s)  # start of the step's accounting
         # Resume: the trainer continues from the checkpoint; the driver reads `resumed`.
         self.resumed_from = find_resume(log.dir, run.resume)
@@ -108,14 +109,15 @@ class Turns:
     # ------------------------------------------------------------------ turns
 
     @contextlib.contextmanager
-    def turn(self, role: str, phase: Optional[str] = None, one_call: bool = False) -> Iterator[Any]:
+    def turn(self, role: str, phase: Optional[str] = None, one_call: bool = False, waited: bool = True) -> Iterator[Any]:
         """`role` on its devices for the block (onload/offload when it offloads between turns),
         timed as `phase` when given. The trainer's turn leaves the rollout behind its weights
         until a sync. The onload rides on the role's first call of the block; the offload is
         sent at its end, and the next turn's first call waits for it where it runs, so no
         round trip of either is the driver's to wait for. With `one_call` (the block makes
         exactly one call of the role, waited for inside it) the offload rides on that call too,
-        after its method: the turn is one round trip."""
+        after its method: the turn is one round trip. `waited` False: that call is waited for later
+        (`call`'s `keep`), and what it moved is recorded then."""
         group, offload = self.roles[role], self.offload[role]
         if role == "train":  # weights sent before are not the ones the rollout should take any more
             self.behind, self._sent = True, None
@@ -129,17 +131,25 @@ class Turns:
         if offload is not None and not one_call:
             self._put_back(role, group, "onload", "offload", *offload)
             return
-        if offload is not None and not group.drop_deferred():  # the call carried both
-            for op in ("onload", "offload"):
-                self.log.moved(role, op, [r.get(op) for r in group.deferred_results()])
+        if offload is not None and not group.drop_deferred() and waited:  # the call carried both
+            self._moved_with_call(role, group)
         if role == "train" and self._outgoing is not None:
             self._send_weights()
 
-    def call(self, role: str, method: str, *args: Any, phase: Optional[str] = None, **kwargs: Any) -> Any:
+    def call(self, role: str, method: str, *args: Any, phase: Optional[str] = None, keep: Optional[str] = None,
+             **kwargs: Any) -> Any:
         """A turn of `role` that is one call of `method` (waited for; its value returned), timed as
-        `phase` when given: onload, method and offload in one round trip (`turn`'s `one_call`)."""
-        with self.turn(role, phase, one_call=True) as group:
-            return group.call(method, *args, **kwargs)
+        `phase` when given: onload, method and offload in one round trip (`turn`'s `one_call`).
+        With `keep` (a role built in the trainer's processes) each rank keeps its answer for the
+        trainer's next call, which names it (`Kept(keep)`, returned at once): the two calls go out
+        back to back and run in order there, so they share one round trip; this one is waited for
+        with the step's offloads (`_settle`), and its work shows in the phase that waits (train)."""
+        if keep is None:
+            with self.turn(role, phase, one_call=True) as group:
+                return group.call(method, *args, **kwargs)
+        with self.turn(role, phase, one_call=True, waited=False) as group:
+            self._kept.append((role, group, group.async_call(method, *args, keep=keep, **kwargs)))
+        return Kept(keep)
 
     @contextlib.contextmanager
     def train_turn(self, version: int, prefetch: Any, max_staleness: int, metrics: dict,
@@ -232,9 +242,19 @@ class Turns:
         """`group`'s next call starts once the offloads and sleeps sent before it have finished."""
         group.after([future for _, _, future in self._pending])
 
+    def _moved_with_call(self, role: str, group: Any) -> None:
+        for op in ("onload", "offload"):
+            self.log.moved(role, op, [r.get(op) for r in group.deferred_results()])
+
     def _settle(self) -> None:
-        """Wait for the offloads and sleeps sent and collect them (their moved bytes, errors, memory
-        figures); a wait is timed as the call's phase."""
+        """Wait for the calls whose answers were kept (they ran first), then the offloads and sleeps
+        sent, and collect them (their moved bytes, errors, memory figures); a wait of the latter is
+        timed as the call's phase."""
+        kept, self._kept = self._kept, []
+        for role, group, future in kept:
+            future.get()
+            if self.offload[role] is not None:
+                self._moved_with_call(role, group)
         pending, self._pending = self._pending, []
         for role, method, future in pending:
             with self.log.phase(method, role):

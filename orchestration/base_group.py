@@ -127,6 +127,20 @@ def pick(value: Any, carried: dict | None, key: str | None, method: str | None) 
     return chosen if key is None else chosen.get(key)
 
 
+# Keyword argument of a rank's call whose answer the rank keeps under that name (returning None).
+KEEP_KEY = "_keep_answer_as"
+
+
+@dataclass(frozen=True)
+class Kept:
+    """Stands for the answer each rank kept under `key` (`async_call(..., keep=key)`), or its
+    element `item` when the answer is a tuple: an argument of a later call to the same processes,
+    or a field of a batch dataclass passed as one, that each rank replaces with its own answer.
+    Not sliced by dispatch (it has no length)."""
+    key: str
+    item: int | None = None
+
+
 class GroupFuture:
     """Result of `async_call`: `get()` waits, collects and returns like `call` would. `handles`:
     the ranks' calls as the backend knows them (ObjectRefs on Ray), for another group's `after`
@@ -172,6 +186,11 @@ class BaseWorkerGroup:
     _carried: dict = {}
     # Handles of other groups' calls the next call waits for (`after`).
     _waits_for: tuple = ()
+    # The group whose processes hold this role's instance beside its own (a Ray WorkerGroup's
+    # `host`, placement.teacher_in_trainer_process); None: processes of its own.
+    hosted_by: "BaseWorkerGroup | None" = None
+    # Whether its ranks can keep a call's answer (`keep`): each rank is a process of its own.
+    keeps_answers: bool = False
 
     def call(self, method: str, *args: Any, dispatch: dsp.Dispatch = "all", execute: dsp.Execute = "all",
              collect: dsp.Collect = "none", **kwargs: Any) -> Any:
@@ -179,8 +198,14 @@ class BaseWorkerGroup:
         return self.async_call(method, *args, dispatch=dispatch, execute=execute, collect=collect, **kwargs).get()
 
     def async_call(self, method: str, *args: Any, dispatch: dsp.Dispatch = "all", execute: dsp.Execute = "all",
-                   collect: dsp.Collect = "none", **kwargs: Any) -> GroupFuture:
+                   collect: dsp.Collect = "none", keep: str | None = None, **kwargs: Any) -> GroupFuture:
+        """With `keep`, each rank keeps its answer under that name and the future's value is
+        `Kept(keep)`: a later call to the same processes names it (a hosted teacher's logits for
+        the trainer); every rank is called, an empty slice included, so every rank has one."""
         dsp.check_execute(execute)
+        if keep is not None and (execute == "first" or not self.keeps_answers or self.tensor_parallel != 1):
+            raise ValueError(f"{self.role}: keep={keep!r} needs ranks that are processes of their own (a Ray group), "
+                             "execute='all' and tensor parallel size 1")
         tp = self.tensor_parallel
         before, self._deferred = self._deferred, ()
         then, self._then = self._then, ()
@@ -196,8 +221,12 @@ class BaseWorkerGroup:
         if callable(dispatch):  # a custom dispatch is asked for every rank
             per_worker = dsp.split(dispatch, self.world_size, args, kwargs)
         else:  # one share per engine, the same for each of its ranks
-            shares = dsp.split(dispatch, self.world_size // tp, args, kwargs, keep_empty=method in self.lockstep)
+            shares = dsp.split(dispatch, self.world_size // tp, args, kwargs,
+                               keep_empty=method in self.lockstep or keep is not None)
             per_worker = [shares[i // tp] for i in range(self.world_size)]
+        if keep is not None:  # the same share object for the ranks that shared one
+            marked = {id(s): (s[0], {**s[1], KEEP_KEY: keep}) for s in per_worker if s is not None}
+            per_worker = [None if s is None else marked[id(s)] for s in per_worker]
         indices = [i for i, a in enumerate(per_worker) if a is not None]
         users: dict[int, int] = {}  # id of a share -> ranks receiving that very share
         for i in indices:
@@ -213,7 +242,8 @@ class BaseWorkerGroup:
 
         def finish(timeout: float | None) -> Any:
             results = self._finish(handles, label, indices, timeout, rest)
-            return dsp.collect(collect, [r for i, r in zip(indices, results) if i % tp == 0])
+            return Kept(keep) if keep is not None else dsp.collect(collect, [r for i, r in zip(indices, results)
+                                                                            if i % tp == 0])
         return GroupFuture(finish, (*handles, *rest[0]), lambda: self._ready([*handles, *rest[0]]))
 
     def defer(self, method: str, *args: Any, execute: dsp.Execute = "all") -> None:

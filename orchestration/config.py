@@ -55,6 +55,10 @@ class PlacementConfig:
     teacher_model: Optional[str] = None
     # Offload the colocated teacher between uses.
     offload_teacher_model: bool = False
+    # On Ray, build the colocated teacher inside the trainer's processes (one process per device
+    # instead of two): its logits stay on the ranks for the trainer's next call instead of
+    # travelling through the driver. Torch teacher engine only.
+    teacher_in_trainer_process: bool = False
     # Teacher logits kept per position for GKD; None: full vocabulary.
     gkd_logits_topk: Optional[int] = None
     # Number of nodes the layout spans; None: 1 (Megatron form) or derived from ranks.

@@ -57,7 +57,8 @@ def start_roles(cfg: Any, plan: Plan, roles: dict[str, tuple[type, dict]], resta
     """Build a worker group per role named in `roles` ({role: (class, init kwargs)}).
 
     `cfg` is the typed run config (its `backend` and `cluster` sections are read). On Ray,
-    `restarts` lost ranks of each restartable role (see `restartable`) are replaced on the fly.
+    `restarts` lost ranks of each restartable role (see `restartable`) are replaced on the fly,
+    and a role the plan hosts in another's processes (`RolePlan.host`) is built there.
     """
     missing = sorted(set(roles) - set(plan.roles))
     if missing:
@@ -75,10 +76,15 @@ def start_roles(cfg: Any, plan: Plan, roles: dict[str, tuple[type, dict]], resta
     started = Roles({}, placement)
     try:
         # Every role's actors are created before any is waited for: their processes start at once.
-        for r, (cls, kw) in roles.items():
+        # Hosts first: a hosted role's setup follows its host's on the same actors.
+        for r, (cls, kw) in sorted(roles.items(), key=lambda item: plan[item[0]].host is not None):
+            host = plan[r].host
+            if host is not None and host not in started.groups:
+                raise ValueError(f"role '{r}' is planned in the processes of '{host}', which this run does not start")
             started.groups[r] = WorkerGroup(cls, plan[r], kw, placement=placement,
                                             timeout_s=cfg.cluster.call_timeout_s,
-                                            restarts=restarts if restartable(cls, plan[r]) else 0, start=False)
+                                            restarts=restarts if restartable(cls, plan[r]) and host is None else 0,
+                                            start=False, host=started.groups.get(host) if host else None)
         for group in started.groups.values():
             group.begin_setup()
         for group in started.groups.values():

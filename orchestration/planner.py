@@ -20,7 +20,7 @@ MEGATRON_ROLES = ("train", "rollout", "teacher")
 VLLM_ROLES = ("rollout", "sampler", "teacher")
 # Keys shared by both forms, then the keys of each form.
 COMMON_KEYS = {"offload_model", "offload_optimizer", "sleep_level", "nnodes", "gkd_logits_topk"}
-MEGATRON_KEYS = COMMON_KEYS | {"colocate_groups", "teacher_model", "offload_teacher_model",
+MEGATRON_KEYS = COMMON_KEYS | {"colocate_groups", "teacher_model", "offload_teacher_model", "teacher_in_trainer_process",
                                "nproc_per_node", *MEGATRON_ROLES}
 SWIFT_KEYS = COMMON_KEYS | {"device_groups"}
 ROLE_ENTRY_KEYS = {"gpus", "model", "vllm_tensor_parallel_size", "num_cpus"}
@@ -56,6 +56,9 @@ class RolePlan:
     # CPU cores each rank computes with (its torch/OpenMP threads); None: its share of its
     # node's cores (orchestration.worker_group). Not used by backend=local.
     num_cpus: float | None = None
+    # Role whose processes this role is built in on Ray (a teacher with
+    # teacher_in_trainer_process: "train"); None: processes of its own.
+    host: str | None = None
 
     @property
     def world_size(self) -> int:
@@ -82,7 +85,8 @@ class Plan:
                  "nodes": sorted(set(r.nodes)), "group": r.group,
                  "colocated_with": list(r.colocated_with), "offload_model": r.offload_model,
                  "offload_optimizer": r.offload_optimizer, "sleep_level": r.sleep_level,
-                 "tensor_parallel_size": r.tensor_parallel_size, "model": r.model, "num_cpus": r.num_cpus}
+                 "tensor_parallel_size": r.tensor_parallel_size, "model": r.model, "num_cpus": r.num_cpus,
+                 "host": r.host}
                 for r in self.roles.values()]
 
     def demand(self) -> dict[str, float]:
@@ -223,6 +227,9 @@ def _plan_megatron(cfg: dict) -> Plan:
     if cfg.get("offload_teacher_model") and not colocated_teacher:
         raise PlanError("offload_teacher_model", "only a teacher colocated with the trainer is offloaded",
                         "set teacher_model (and no teacher group), or drop offload_teacher_model")
+    if cfg.get("teacher_in_trainer_process") and not colocated_teacher:
+        raise PlanError("teacher_in_trainer_process", "only a teacher colocated with the trainer runs in its processes",
+                        "set teacher_model (and no teacher group), or drop teacher_in_trainer_process")
     if colocated_teacher:
         if "train" not in entries:
             raise PlanError("teacher_model", "a colocated teacher shares the trainer's devices, "
@@ -297,6 +304,7 @@ def _plan_megatron(cfg: dict) -> Plan:
             offload_optimizer=bool(mates) and role == "train" and common["offload_optimizer"],
             sleep_level=common["sleep_level"] if (mates and role == "rollout") else 0,
             tensor_parallel_size=entries[role].get("vllm_tensor_parallel_size", default_tp),
-            model=entries[role].get("model"), num_cpus=_num_cpus(entries[role], role))
+            model=entries[role].get("model"), num_cpus=_num_cpus(entries[role], role),
+            host="train" if is_teacher and cfg.get("teacher_in_trainer_process") else None)
     return Plan(roles=roles, nnodes=nnodes, devices_per_node=per_node, form="megatron",
                 gkd_logits_topk=common["gkd_logits_topk"])

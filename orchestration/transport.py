@@ -7,6 +7,10 @@
 - Keyword arguments of a rank's call carry what Ray must resolve before the call starts: the
   calls it waits for (AFTER_PREFIX), other calls' answers (RESULTS_KEY), and the ResultOf
   arguments of deferred methods lifted to the top level (`lift`, then `fill` on the rank).
+- A role hosted in another role's processes (placement.teacher_in_trainer_process) can keep a
+  call's answer on its ranks (KEEP_KEY): each rank holds its own share, and a later call of
+  the host role names it with `Kept`, as an argument or a field of a batch argument, so the
+  answer never travels through the driver (`resolve_kept` on the rank).
 """
 from __future__ import annotations
 
@@ -16,7 +20,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from orchestration.base_group import ResultOf
+from orchestration.base_group import Kept, ResultOf
 
 
 def _array_of(t: Any) -> tuple:
@@ -91,6 +95,30 @@ def lift(queued: tuple, tag: str, kwargs: dict) -> tuple:
 def fill(queued: tuple, values: dict) -> tuple:
     """`queued` with each Lifted argument replaced by its resolved value."""
     return tuple((m, tuple(values[a.name] if isinstance(a, Lifted) else a for a in margs)) for m, margs in queued)
+
+
+def resolve_kept(args: tuple, kwargs: dict, kept: dict) -> tuple[tuple, dict, set]:
+    """`args` and `kwargs` with each Kept (top level, or a field of a dataclass argument)
+    replaced by the answer this rank keeps; returns them and the keys used."""
+    used: set = set()
+
+    def value(k: Kept) -> Any:
+        if k.key not in kept:
+            raise KeyError(f"no answer kept under {k.key!r} on this rank: the call that was to keep it did not "
+                           "run here before this one")
+        used.add(k.key)
+        answer = kept[k.key]
+        return answer if k.item is None else answer[k.item]
+
+    def one(x: Any) -> Any:
+        if isinstance(x, Kept):
+            return value(x)
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            marked = {f.name: value(getattr(x, f.name)) for f in dataclasses.fields(x)
+                      if isinstance(getattr(x, f.name), Kept)}
+            return dataclasses.replace(x, **marked) if marked else x
+        return x
+    return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}, used
 
 
 # An argument shared by several ranks goes into the object store once from this size up; smaller

@@ -25,6 +25,10 @@ it starts) to its role's `num_cpus` in the plan, or, unset, to its share of its 
 the cores it may use, less one for the driver and Ray's own processes, divided by the processes
 planned on that node (colocated roles share a process slot and take turns, so they count once).
 Ray itself would leave every actor one thread.
+A group built with `host` (another group of the same ranks; the plan's `RolePlan.host`, e.g. a
+colocated teacher with placement.teacher_in_trainer_process) holds its role in the host's
+processes: one process per rank for both roles, calls reaching the role by name, and an answer
+kept there (`keep`, base_group.Kept) read by the host's next call without crossing to the driver.
 A rank's memory() figures and the seconds its method ran come back with each call it answers,
 so the driver reads them (`memory()`) without a call of its own. `start_roles` starts the groups
 of a run together: every actor is created before any is waited for, so their processes start
@@ -42,18 +46,23 @@ from typing import Any, Callable, Optional
 import ray
 
 from orchestration import rank_process as rp
-from orchestration.base_group import CALLS, BaseWorkerGroup, ResultOf, WorkerError, pick
+from orchestration.base_group import CALLS, KEEP_KEY, BaseWorkerGroup, ResultOf, WorkerError, pick
 from orchestration.cluster import LOG_LEVEL_ENV, cluster_is_local, log_level_env, loopback_env, set_log_level
 from orchestration.placement import Placement
 from orchestration.planner import RolePlan
-from orchestration.transport import AFTER_PREFIX, LIFTED_PREFIX, RESULTS_KEY, fill, lift, put_large, send_tensors_as_arrays
+from orchestration.transport import (AFTER_PREFIX, LIFTED_PREFIX, RESULTS_KEY, fill, lift, put_large,
+                                     resolve_kept, send_tensors_as_arrays)
 
 
 class _RoleHost:
-    """Actor body: holds one instance of a plain role class."""
+    """Actor body: holds the instance of a plain role class, and those of the roles it hosts
+    (`add_role`), by role name."""
 
     def __init__(self, name: str):
         self.name = name
+        self.instances: dict[str, Any] = {}
+        self.memories: dict[str, Optional[Callable]] = {}  # role -> its memory() (None: it has none)
+        self.kept: dict[str, Any] = {}  # answers kept on this rank (transport.KEEP_KEY), by name
         send_tensors_as_arrays()
 
     def node_info(self, local: bool) -> dict:
@@ -68,11 +77,11 @@ class _RoleHost:
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
                 "visible_index": rp.visible_index()}
 
-    def setup(self, role_cls: type, env: dict[str, str], args: tuple, kwargs: dict,
+    def setup(self, role: str, role_cls: type, env: dict[str, str], args: tuple, kwargs: dict,
               serve: tuple[bool, bool] = (False, False), threads: tuple[float | None, int] = (None, 1)) -> int:
         """Build the role; returns the torch threads this rank computes with."""
         os.environ.update(env)
-        n = rp.set_threads(*threads)
+        self.threads = rp.set_threads(*threads)
         if LOG_LEVEL_ENV in env:  # run.log_level, as the driver set it
             set_log_level(env[LOG_LEVEL_ENV])
         # The store torch.distributed would open on *:port for the group (engine) whose first rank
@@ -83,18 +92,25 @@ class _RoleHost:
                 self.stores.append(rp.store_on(sock))
             else:
                 sock.close()
-        self.instance = role_cls(*args, **kwargs)
-        memory = getattr(self.instance, "memory", None)
-        self.memory = memory if callable(memory) else None
-        return n
+        return self.add_role(role, role_cls, args, kwargs)
 
-    def call(self, method: str, before: tuple, then: tuple, /, *args: Any, **kwargs: Any) -> tuple[Any, Any, float, dict]:
-        """The `before` methods ((method, args) pairs, e.g. a turn's onload), then `method`, then the
-        `then` methods (a turn's offload); returns its value, this rank's memory() figures after it
-        all (None: the role has none), the seconds all of it ran, and {method: result} of the
-        `before` and `then` ones."""
+    def add_role(self, role: str, role_cls: type, args: tuple, kwargs: dict) -> int:
+        """Build `role` in this process beside the roles it holds (a hosted role: it takes their
+        environment and threads); returns the torch threads this rank computes with."""
+        self.instances[role] = instance = role_cls(*args, **kwargs)
+        memory = getattr(instance, "memory", None)
+        self.memories[role] = memory if callable(memory) else None
+        return self.threads
+
+    def call(self, role: str, method: str, before: tuple, then: tuple, /, *args: Any,
+             **kwargs: Any) -> tuple[Any, Any, float, dict]:
+        """On `role`'s instance: the `before` methods ((method, args) pairs, e.g. a turn's onload),
+        then `method`, then the `then` methods (a turn's offload); returns its value (None when it
+        is kept, KEEP_KEY), this rank's memory() figures after it all (None: the role has none),
+        the seconds all of it ran, and {method: result} of the `before` and `then` ones."""
         # Arguments arrive top-level, so Ray resolves an ObjectRef passed as one (nested ones stay refs).
         start = time.perf_counter()
+        instance, keep = self.instances[role], kwargs.pop(KEEP_KEY, None)
         for key in [k for k in kwargs if k.startswith(AFTER_PREFIX)]:  # calls waited for (`after`), done
             del kwargs[key]
         if RESULTS_KEY in kwargs:  # arguments that are other calls' answers (ResultOf): their values
@@ -104,11 +120,17 @@ class _RoleHost:
                 holder[where] = pick(holder[where][0], holder[where][3], key, carried_method)  # from the answer
             lifted = {k: kwargs.pop(k) for k in [k for k in kwargs if k.startswith(LIFTED_PREFIX)]}
             before, then = fill(before, lifted), fill(then, lifted)
-        carried = {name: getattr(self.instance, name)(*margs) for name, margs in before}
-        value = getattr(self.instance, method)(*args, **kwargs)
-        carried.update({name: getattr(self.instance, name)(*margs) for name, margs in then})
+        args, kwargs, used = resolve_kept(tuple(args), kwargs, self.kept)  # answers kept here it names (Kept)
+        carried = {name: getattr(instance, name)(*margs) for name, margs in before}
+        value = getattr(instance, method)(*args, **kwargs)
+        carried.update({name: getattr(instance, name)(*margs) for name, margs in then})
+        for key in used:  # taken: the memory is free again
+            del self.kept[key]
+        if keep is not None:
+            self.kept[keep], value = value, None
         spent = time.perf_counter() - start
-        return value, (value if method == "memory" else self.memory() if self.memory else None), spent, carried
+        memory = self.memories[role]
+        return value, (value if method == "memory" else memory() if memory else None), spent, carried
 
     def __repr__(self) -> str:
         # Ray prefixes each line a worker prints with this: "(train rank 1 pid=...)".
@@ -119,11 +141,17 @@ _RemoteHost = ray.remote(_RoleHost)
 
 
 class WorkerGroup(BaseWorkerGroup):
+    keeps_answers = True
+
     def __init__(self, role_cls: type, plan_entry: RolePlan, init_kwargs: dict | None = None, *,
                  placement: Placement, init_args: tuple = (), env: dict[str, str] | list[dict] | None = None,
-                 timeout_s: float | None = None, restarts: int = 0, start: bool = True):
+                 timeout_s: float | None = None, restarts: int = 0, start: bool = True,
+                 host: Optional["WorkerGroup"] = None):
         """With `start` False the actors are created but not yet set up: `begin_setup()` and
-        `end_setup()` finish the start (start_roles does so for several groups at once)."""
+        `end_setup()` finish the start (start_roles does so for several groups at once). With
+        `host` (a group of the same ranks, its setup begun first) the role is built in the host's
+        processes instead of actors of its own: it takes their environment and threads (`env` is
+        not used), is never restarted, and its calls reach it there (`hosted_by`)."""
         self.role, self.plan_entry, self.placement = plan_entry.role, plan_entry, placement
         send_tensors_as_arrays()
         self.world_size = plan_entry.world_size
@@ -134,13 +162,21 @@ class WorkerGroup(BaseWorkerGroup):
         self.on_restart: Optional[Callable[["WorkerGroup", int], None]] = None
         self._calls: dict[Any, tuple] = {}  # pending ref -> (rank, method, args, kwargs, before, deps, then)
         self._memory: dict[int, Any] = {}  # rank -> its memory() figures after its latest call
-        self._carried: dict[int, dict] = {}  # rank -> results of the deferred methods its latest call ran
+        self._carried: dict[int, dict] = {}  # rank -> results of the deferred methods its latest call carried
         self._init = (role_cls, init_args, init_kwargs or {}, env)
-        self.workers = [
-            _RemoteHost.options(name=None, max_concurrency=1, **placement.slot(plan_entry, i).actor_options())
-            .remote(f"{self.role} rank {i}") for i in range(self.world_size)]
+        self.key = self.role  # the name the ranks hold this role's instance under (an alias keeps it)
+        self.hosted_by = host
         self._local = cluster_is_local()
-        self._pending = [w.node_info.remote(self._local) for w in self.workers]
+        if host is not None:
+            if restarts or host.world_size != self.world_size or host.tensor_parallel != 1 or self.tensor_parallel != 1:
+                raise ValueError(f"{self.role} cannot be hosted by {host.role}: a hosted role needs the host's ranks "
+                                 "(same world size, tensor parallel size 1) and no restarts")
+            self.workers, self._pending = host.workers, []
+        else:
+            self.workers = [
+                _RemoteHost.options(name=None, max_concurrency=1, **placement.slot(plan_entry, i).actor_options())
+                .remote(f"{self.role} rank {i}") for i in range(self.world_size)]
+            self._pending = [w.node_info.remote(self._local) for w in self.workers]
         if start:
             self.begin_setup()
             self.end_setup()
@@ -148,6 +184,10 @@ class WorkerGroup(BaseWorkerGroup):
     def begin_setup(self) -> None:
         """Wait until every rank's process runs, then ask each to build its role."""
         role_cls, init_args, init_kwargs, env = self._init
+        if self.hosted_by is not None:
+            self.infos = self.hosted_by.infos
+            self._pending = [w.add_role.remote(self.key, role_cls, init_args, init_kwargs) for w in self.workers]
+            return
         local = self._local
         self.infos = self._wait_once(self._pending, "node_info", list(range(self.world_size)), None)
         master = self.infos[0]
@@ -164,7 +204,7 @@ class WorkerGroup(BaseWorkerGroup):
         threads = [(self.plan_entry.num_cpus, rp.node_processes(self.placement.plan, self.plan_entry.nodes[i]))
                    for i in range(self.world_size)]
         self._setup = (role_cls, envs, init_args, init_kwargs, serve, threads)
-        self._pending = [w.setup.remote(role_cls, envs[i], init_args, init_kwargs, serve[i], threads[i])
+        self._pending = [w.setup.remote(self.key, role_cls, envs[i], init_args, init_kwargs, serve[i], threads[i])
                          for i, w in enumerate(self.workers)]
 
     def end_setup(self) -> None:
@@ -183,8 +223,8 @@ class WorkerGroup(BaseWorkerGroup):
         self.workers[index] = _RemoteHost.options(name=None, max_concurrency=1, **options).remote(
             f"{self.role} rank {index}")
         ray.get(self.workers[index].node_info.remote(cluster_is_local()), timeout=self.timeout_s)
-        ray.get(self.workers[index].setup.remote(role_cls, envs[index], init_args, init_kwargs, serve[index],
-                                                 threads[index]), timeout=self.timeout_s)
+        ray.get(self.workers[index].setup.remote(self.key, role_cls, envs[index], init_args, init_kwargs,
+                                                 serve[index], threads[index]), timeout=self.timeout_s)
         self._memory.pop(index, None)
 
     def _local_rank(self, rank: int) -> int:
@@ -219,7 +259,7 @@ class WorkerGroup(BaseWorkerGroup):
         if results:
             waits[RESULTS_KEY] = results
         ref = self.workers[index].call.remote(
-            method, sent_before, sent_then, *(a.future.handles[0] if isinstance(a, ResultOf) else a for a in args),
+            self.key, method, sent_before, sent_then, *(a.future.handles[0] if isinstance(a, ResultOf) else a for a in args),
             **{k: v.future.handles[0] if isinstance(v, ResultOf) else v for k, v in sent.items()}, **waits)
         CALLS.remote += 1
         CALLS.role_s += time.perf_counter() - start  # serializing the arguments is part of the call
@@ -323,6 +363,6 @@ class WorkerGroup(BaseWorkerGroup):
                 "Check its log and stack (py-spy dump), or raise cluster.call_timeout_s (0: no bound)")
 
     def shutdown(self) -> None:
-        for w in self.workers:
+        for w in self.workers if self.hosted_by is None else ():  # a hosted role's processes are its host's
             ray.kill(w)
         self.workers = []

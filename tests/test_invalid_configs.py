@@ -142,6 +142,12 @@ CASES = [
     ("gkd", "teacher.engine.micro_batch_memory_mb=0", "teacher.engine.micro_batch_memory_mb"),
     ("gkd", "backend.teacher=vllm placement.gkd_logits_topk=8 teacher.engine.chunked_logprobs=true",
      "teacher.engine.chunked_logprobs"),
+    # A teacher in the trainer's processes: the torch engine, and only a colocated teacher.
+    ("gkd", "backend.teacher=vllm placement.gkd_logits_topk=8 placement.teacher_in_trainer_process=true",
+     "placement.teacher_in_trainer_process"),
+    ("gkd", "placement.teacher_model=null placement.offload_teacher_model=false placement.teacher.gpus=1 "
+            "placement.teacher_in_trainer_process=true",
+     "teacher_in_trainer_process"),
     # Only vLLM engines span several ranks, each rank its own process, heads split evenly.
     ("gkd", VLLM_TP + "2", "placement.rollout.vllm_tensor_parallel_size"),
     ("gkd", "backend.rollout=vllm backend.workers=local " + VLLM_TP + "2",
