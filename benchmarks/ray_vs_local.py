@@ -3,6 +3,7 @@
     python benchmarks/ray_vs_local.py
     python benchmarks/ray_vs_local.py --rounds 3 --steps 20 --algorithms grpo gkd
     python benchmarks/ray_vs_local.py --extra algorithm.max_new_tokens=8
+    python benchmarks/ray_vs_local.py --parts drivers --algorithms gkd --ray-extra placement.teacher_in_trainer_process=true
 
 Parts, each measured interleaved (A, B, B, A, ...) so that both sides see the machine alike:
   drivers   the GRPO and GKD quickstart experiments, shortened (--steps steps of
@@ -14,6 +15,8 @@ Parts, each measured interleaved (A, B, B, A, ...) so that both sides see the ma
             of the fastest steps), with the per-step breakdown from metrics.jsonl: time/driver (the driver's
             own time outside role calls), calls/remote, time/call_overhead (what the remote calls
             took beyond their methods' run on the ranks), time/sync_weights. Final eval accuracy shows both backends computed the same run.
+            With --ray-extra, each round also runs Ray with those overrides (A, B, C, C, B, A, ...),
+            reported as a row of its own against the same local runs.
   dispatch  a group.call(..., dispatch='all') of a --dispatch-mb MB array to --workers CPU ranks
             against a single ray.put and one .remote(ref) per rank (the floor), and against
             the argument pickled into every rank's call (what dispatch='all' did before).
@@ -79,30 +82,40 @@ def step_figures(records: list[dict]) -> dict:
             "eval_accuracy": records[-1].get("eval/accuracy")}
 
 
+def sides(args: argparse.Namespace) -> tuple[str, ...]:
+    """The runs of a round: local, Ray, and with --ray-extra Ray with those overrides ("ray+")."""
+    return ("local", "ray", "ray+") if args.ray_extra else ("local", "ray")
+
+
 def bench_drivers(args: argparse.Namespace, out: Path) -> list[dict]:
     rows = []
     for rnd in range(args.rounds):
         for algo in args.algorithms:
-            for backend in ("local", "ray") if rnd % 2 == 0 else ("ray", "local"):
-                records = run_driver(algo, driver_overrides(args, algo, backend), out / f"{algo}_{backend}_{rnd}")
+            for backend in sides(args) if rnd % 2 == 0 else sides(args)[::-1]:
+                items = driver_overrides(args, algo, backend.rstrip("+")) + (args.ray_extra if backend == "ray+" else [])
+                records = run_driver(algo, items, out / f"{algo}_{backend.rstrip('+')}{'_extra' * backend.endswith('+')}_{rnd}")
                 rows.append({"algo": algo, "backend": backend, "round": rnd, **step_figures(records)})
                 print(f"bench: round {rnd} {algo} {backend}: step {rows[-1]['step_s'] * 1e3:.1f} ms")
     return rows
 
 
-def drivers_table(rows: list[dict], algos: list[str]) -> str:
+def drivers_table(rows: list[dict], algos: list[str], ray_sides: tuple[str, ...] = ("ray",),
+                  extra: tuple[str, ...] = ()) -> str:
+    """One row per workload and Ray side ("ray+": the side with `extra` overrides), each against
+    the local runs of the same rounds."""
     lines = ["| workload | local step ms | ray step ms | ray/local | ray/local, per round | ray/local, fastest quarter | ray/local, fastest steps | "
              "driver ms local/ray | remote calls/step ray | call overhead ms ray | sync ms local/ray | eval acc local/ray |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for algo in algos:
-        by = {b: [r for r in rows if r["algo"] == algo and r["backend"] == b] for b in ("local", "ray")}
+    for algo, side in [(a, side) for a in algos for side in ray_sides]:
+        by = {b: [r for r in rows if r["algo"] == algo and r["backend"] == (side if b == "ray" else b)]
+              for b in ("local", "ray")}
 
         def med(b: str, k: str) -> float:
             return statistics.median(r[k] for r in by[b])
         # Each round's Ray step over the same round's local step (they ran back to back, so a machine
         # that slows down between rounds moves both), then the median over the rounds.
         paired = statistics.median(ray["step_s"] / local["step_s"] for ray, local in zip(by["ray"], by["local"]))
-        lines.append(f"| {algo} | {med('local', 'step_s') * 1e3:.1f} | {med('ray', 'step_s') * 1e3:.1f} | "
+        lines.append(f"| {algo}{' ' + ' '.join(extra) if side == 'ray+' else ''} | {med('local', 'step_s') * 1e3:.1f} | {med('ray', 'step_s') * 1e3:.1f} | "
                      f"{med('ray', 'step_s') / med('local', 'step_s'):.2f}x | {paired:.2f}x | "
                      f"{med('ray', 'step_q1_s') / med('local', 'step_q1_s'):.2f}x | "
                      f"{med('ray', 'step_min_s') / med('local', 'step_min_s'):.2f}x | "
@@ -208,6 +221,8 @@ def main() -> None:
     p.add_argument("--max-new-tokens", type=int, default=4)
     p.add_argument("--eval-size", type=int, default=16)
     p.add_argument("--extra", nargs="*", default=[], help="more driver overrides, e.g. algorithm.lmbda=1.0")
+    p.add_argument("--ray-extra", nargs="*", default=[],
+                   help="a third run per round: Ray with these overrides too, e.g. placement.teacher_in_trainer_process=true")
     p.add_argument("--workers", type=int, default=4, help="ranks of the dispatch part")
     p.add_argument("--dispatch-mb", type=float, default=8.0)
     p.add_argument("--reps", type=int, default=20)
@@ -225,7 +240,7 @@ def main() -> None:
         if "drivers" in args.parts:
             rows = bench_drivers(args, Path(tmp))
             results["drivers"] = rows
-            print(drivers_table(rows, args.algorithms))
+            print(drivers_table(rows, args.algorithms, sides(args)[1:], tuple(args.ray_extra)))
     if "dispatch" in args.parts:
         d = results["dispatch"] = bench_dispatch(args)
         print(f"dispatch='all' of {d['mb']:.0f} MB to {d['workers']} ranks: group {d['group_ms']:.1f} ms, single "

