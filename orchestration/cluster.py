@@ -21,16 +21,11 @@ QUIET_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
 # Ray starts its worker processes at niceness 15, below every other process on the host, so a
 # role's compute would yield to anything else running there; the roles are the run's work, and
 # in backend=local they run at the driver's priority. A local cluster's workers keep the
-# driver's (an exported RAY_worker_niceness wins).
+# driver's (an exported RAY_worker_niceness wins). The cluster's processes take it when they
+# start; then it leaves the driver's environment again. Their OpenMP threads keep OpenMP's
+# default wait policy (spin briefly, then sleep): sleeping at once (PASSIVE) made a rank with 2
+# threads wake its second thread at every parallel region, 1.6x slower per GKD train call.
 WORKER_PRIORITY_ENV = {"RAY_worker_niceness": "0"}
-# OpenMP threads that finished a parallel region sleep at once instead of spinning for the next
-# one: a local cluster's roles share the host's cores with each other and with the driver, and a
-# role's threads spinning after its call took those cores from whoever worked next (an exported
-# value wins). The driver's own threads keep OpenMP's default: the cluster's processes take
-# these variables when they start, then they leave the driver's environment again (a driver
-# whose torch was imported after the cluster started took them too, and its in-process steps
-# ran 2-10x slower on a busy 2-core machine).
-WORKER_THREADS_ENV = {"OMP_WAIT_POLICY": "PASSIVE"}
 
 
 def quiet_ray_env() -> None:
@@ -214,7 +209,7 @@ def init_cluster(cfg: ClusterConfig, demand: dict[str, float] | None = None):
     if removed:
         print(f"cluster: removed {len(removed)} leftovers of earlier runs that were killed, e.g. {removed[0]}")
     cleanup.forget_session_at_exit()  # before ray.init: runs after Ray's own exit handler
-    worker_env = {k: v for k, v in {**WORKER_PRIORITY_ENV, **WORKER_THREADS_ENV}.items() if k not in os.environ}
+    worker_env = {k: v for k, v in WORKER_PRIORITY_ENV.items() if k not in os.environ}
     os.environ.update(worker_env)  # the cluster's processes inherit them from this one
     try:
         # address="local": always a new cluster, never one found running on this machine.

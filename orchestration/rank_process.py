@@ -21,13 +21,13 @@ def usable_cores() -> int:
 
 def set_threads(num_cpus: float | None, node_procs: int) -> int:
     """torch's threads for this rank: `num_cpus` (its role's, from the plan), else this node's
-    usable cores less one over the `node_procs` processes planned on it; OpenMP/MKL get the same
-    in the environment for the processes this one starts. The core left out is the driver's and
-    Ray's (raylet, object store): a rank whose threads take every core waits at each parallel
-    region for a thread the driver displaced (on 2 cores, the GKD quickstart step on Ray measured
-    2.60x the in-process one with 2 threads per rank against 1.51x with 1, fastest quarter of the
-    steps; docs/benchmarks.md)."""
-    n = max(1, round(num_cpus)) if num_cpus else max(1, (usable_cores() - 1) // max(node_procs, 1))
+    usable cores over the `node_procs` processes planned on it; OpenMP/MKL get the same in the
+    environment for the processes this one starts. No core is held back for the driver: it
+    waits while the ranks compute, and a rank's OpenMP threads spin only briefly once a call's
+    work ends (OpenMP's default policy; Ray's workers start with it). On 2 cores the GRPO
+    quickstart's one process slot computes with 2 threads: its fastest steps measured 1.07x the
+    in-process run's against 1.69x with 1 (docs/benchmarks.md, "Threads per rank")."""
+    n = max(1, round(num_cpus)) if num_cpus else max(1, usable_cores() // max(node_procs, 1))
     os.environ.update({"OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n)})
     try:
         import torch

@@ -22,8 +22,8 @@ gives a rollout its current weights there) and runs the rank's share of the call
 
 Threads: each rank sets torch's intra-op threads (and OMP_NUM_THREADS/MKL_NUM_THREADS for what
 it starts) to its role's `num_cpus` in the plan, or, unset, to its share of its node's cores:
-the cores it may use, less one for the driver and Ray's own processes, divided by the processes
-planned on that node (colocated roles share a process slot and take turns, so they count once).
+the cores it may use divided by the processes planned on that node (colocated roles share a
+process slot and take turns, so they count once).
 Ray itself would leave every actor one thread.
 A group built with `host` (another group of the same ranks; the plan's `RolePlan.host`, e.g. a
 colocated teacher with placement.teacher_in_trainer_process) holds its role in the host's

@@ -11,7 +11,8 @@ DRIVERS = {"sft": (sft, sft.SFTRunConfig, "sft_quickstart"), "grpo": (grpo, grpo
            "gkd": (gkd, gkd.GKDRunConfig, "gkd_quickstart"),
            "distill": (distill, distill.DistillRunConfig, "distill_quickstart")}
 VLLM_TP = "placement.train.gpus=2 placement.rollout.gpus=2 placement.rollout.vllm_tensor_parallel_size="
-GKD_TEACHER_GROUP = "placement.teacher_model=null placement.offload_teacher_model=false placement.teacher.gpus=1"
+GKD_TEACHER_GROUP = ("placement.teacher_model=null placement.offload_teacher_model=false placement.teacher.gpus=1 "
+                     "placement.teacher_in_trainer_process=false")
 
 # (driver, overrides, the key the message must name)
 CASES = [
@@ -98,7 +99,8 @@ CASES = [
     ("gkd", "placement.colocate_groups=[[train,rollout,critic]]", "colocate_groups"),
     ("gkd", "placement.train.gpus=2", "colocate_groups"),
     ("gkd", "placement.teacher.gpus=1", "offload_teacher_model"),
-    ("gkd", "placement.teacher_model=null placement.offload_teacher_model=false", "placement"),
+    ("gkd", "placement.teacher_model=null placement.offload_teacher_model=false placement.teacher_in_trainer_process=false",
+     "placement"),
     ("distill", "placement.train={gpus:1}", "train"),
     ("distill", "+placement.device_groups.sample_group.ranks=[0,0]", "device_groups.sample_group.ranks"),
     # GRPO

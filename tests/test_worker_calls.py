@@ -60,8 +60,8 @@ class Counter:
 
 
 def test_threads_follow_num_cpus_else_the_node_share(ray_cluster):
-    """A group's num_cpus sets its ranks' torch and OpenMP threads; the others split the cores, less
-    one for the driver and Ray, by the processes planned on the node (here 1 + 2)."""
+    """A group's num_cpus sets its ranks' torch and OpenMP threads; the others split the cores by
+    the processes planned on the node (here 1 + 2)."""
     from orchestration.placement import create_placement
     from orchestration.rank_process import usable_cores
     from orchestration.worker_group import WorkerGroup
@@ -79,7 +79,7 @@ def test_threads_follow_num_cpus_else_the_node_share(ray_cluster):
         for g in (prm, orm):
             g.end_setup()
         assert prm.call("threads") == [{"torch": 3, "omp": "3"}] and prm.threads == [3]
-        share = max(1, (usable_cores() - 1) // 3)
+        share = max(1, usable_cores() // 3)
         assert orm.call("threads") == [{"torch": share, "omp": str(share)}] * 2
         prm.shutdown(), orm.shutdown()
     finally:
