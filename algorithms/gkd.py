@@ -163,8 +163,20 @@ def teacher_spec(cfg: GKDRunConfig, plan: Plan) -> str:
     return local_model_path(plan["teacher"].model or cfg.teacher.model)
 
 
+def hosting(cfg: GKDRunConfig, plan: Plan) -> Plan:
+    """The plan as started: a teacher planned in the trainer's processes
+    (placement.teacher_in_trainer_process) gets processes of its own when its engine is not
+    torch's (vLLM starts a distributed group of its own), with a note saying so."""
+    if plan["teacher"].host is None or cfg.backend.teacher == "torch":
+        return plan
+    logger.warning(f"placement.teacher_in_trainer_process: the {cfg.backend.teacher} teacher engine runs in "
+                   "processes of its own (only the torch engine shares the trainer's)")
+    return replace(plan, roles={**plan.roles, "teacher": replace(plan["teacher"], host=None)})
+
+
 def run(cfg: GKDRunConfig, plan: Plan, out_dir: Path) -> dict:
     set_log_level(cfg.run.log_level)
+    plan = hosting(cfg, plan)
     train_set, eval_set, stats = load_task(cfg.data, row_limits(cfg, cfg.algorithm.max_new_tokens,
                                                                 replies=cfg.algorithm.lmbda < 1 and not cfg.algorithm.seq_kd,
                                                                 teacher=teacher_spec(cfg, plan)))
@@ -221,9 +233,6 @@ def validate(cfg: GKDRunConfig, plan: Plan) -> None:
         require(cfg.backend.teacher == "torch" or not getattr(t.engine, key), f"teacher.engine.{key}", True,
                 f"needs the torch engine (backend.teacher={cfg.backend.teacher})",
                 f"set backend.teacher=torch, or teacher.engine.{key}=false")
-    require(cfg.backend.teacher == "torch" or plan["teacher"].host is None, "placement.teacher_in_trainer_process",
-            True, f"needs the torch teacher engine (backend.teacher={cfg.backend.teacher})",
-            "set backend.teacher=torch, or placement.teacher_in_trainer_process=false")
     teacher_key = "placement.teacher_model" if plan["teacher"].model else "teacher.model"
     teacher_model = plan["teacher"].model or t.model
     check_model(teacher_key, teacher_model)

@@ -62,7 +62,7 @@ def main() -> None:
     def via_raw():
         chunks = np.array_split(batch, len(group.workers))
         # A rank's answer is (value, memory figures, seconds, deferred results): the value is first.
-        answers = ray.get([w.call.remote("echo", (), (), c) for w, c in zip(group.workers, chunks)])
+        answers = ray.get([w.call.remote(group.key, "echo", (), (), c) for w, c in zip(group.workers, chunks)])
         return np.concatenate([a[0] for a in answers])
 
     np.testing.assert_array_equal(via_group(), batch)

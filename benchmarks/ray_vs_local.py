@@ -160,10 +160,10 @@ def bench_dispatch(args: argparse.Namespace) -> dict:
 
     def one_put():
         ref = ray.put(data)
-        return ray.get([h.remote("size", (), ref) for h in handles])
+        return ray.get([h.remote(group.key, "size", (), (), ref) for h in handles])
 
     def per_rank():
-        return ray.get([h.remote("size", (), data) for h in handles])
+        return ray.get([h.remote(group.key, "size", (), (), data) for h in handles])
     times: dict[str, list[float]] = {"group": [], "put_once": [], "per_rank": []}
     paths = [("group", via_group), ("put_once", one_put), ("per_rank", per_rank)]
     for i in range(args.reps + 3):

@@ -21,11 +21,17 @@ QUIET_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
 # Ray starts its worker processes at niceness 15, below every other process on the host, so a
 # role's compute would yield to anything else running there; the roles are the run's work, and
 # in backend=local they run at the driver's priority. A local cluster's workers keep the
-# driver's (an exported RAY_worker_niceness wins). The cluster's processes take it when they
-# start; then it leaves the driver's environment again. Their OpenMP threads keep OpenMP's
-# default wait policy (spin briefly, then sleep): sleeping at once (PASSIVE) made a rank with 2
-# threads wake its second thread at every parallel region, 1.6x slower per GKD train call.
+# driver's (an exported RAY_worker_niceness wins).
 WORKER_PRIORITY_ENV = {"RAY_worker_niceness": "0"}
+# A rank's OpenMP threads spin 100k rounds for the next parallel region, then sleep: about half
+# of GNU OpenMP's default (300k), which, once a call's work had ended, kept both threads of a
+# 2-threads rank spinning for 5-7 ms of CPU while the driver had its own work to do (3 ms with
+# 100k; a loop of small ops ran as fast; 30k made it 1.2-1.5x slower). Sleeping at once
+# (OMP_WAIT_POLICY=PASSIVE) made a rank of 2 threads wake the second at every region, 1.6x
+# slower per GKD train call. An exported value wins. The cluster's processes take these
+# variables when they start; then they leave the driver's environment again (its own threads
+# keep OpenMP's default).
+WORKER_THREADS_ENV = {"GOMP_SPINCOUNT": "100000"}
 
 
 def quiet_ray_env() -> None:
@@ -209,7 +215,7 @@ def init_cluster(cfg: ClusterConfig, demand: dict[str, float] | None = None):
     if removed:
         print(f"cluster: removed {len(removed)} leftovers of earlier runs that were killed, e.g. {removed[0]}")
     cleanup.forget_session_at_exit()  # before ray.init: runs after Ray's own exit handler
-    worker_env = {k: v for k, v in WORKER_PRIORITY_ENV.items() if k not in os.environ}
+    worker_env = {k: v for k, v in {**WORKER_PRIORITY_ENV, **WORKER_THREADS_ENV}.items() if k not in os.environ}
     os.environ.update(worker_env)  # the cluster's processes inherit them from this one
     try:
         # address="local": always a new cluster, never one found running on this machine.

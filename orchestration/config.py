@@ -57,7 +57,7 @@ class PlacementConfig:
     offload_teacher_model: bool = False
     # On Ray, build the colocated teacher inside the trainer's processes (one process per device
     # instead of two): its logits stay on the ranks for the trainer's next call instead of
-    # travelling through the driver. Torch teacher engine only.
+    # travelling through the driver. Torch teacher engine only (another gets its own processes).
     teacher_in_trainer_process: bool = False
     # Teacher logits kept per position for GKD; None: full vocabulary.
     gkd_logits_topk: Optional[int] = None

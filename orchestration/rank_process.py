@@ -23,10 +23,10 @@ def set_threads(num_cpus: float | None, node_procs: int) -> int:
     """torch's threads for this rank: `num_cpus` (its role's, from the plan), else this node's
     usable cores over the `node_procs` processes planned on it; OpenMP/MKL get the same in the
     environment for the processes this one starts. No core is held back for the driver: it
-    waits while the ranks compute, and a rank's OpenMP threads spin only briefly once a call's
-    work ends (OpenMP's default policy; Ray's workers start with it). On 2 cores the GRPO
-    quickstart's one process slot computes with 2 threads: its fastest steps measured 1.07x the
-    in-process run's against 1.69x with 1 (docs/benchmarks.md, "Threads per rank")."""
+    waits while the ranks compute, and a local cluster's ranks spin only briefly once a call's
+    work ends (cluster.WORKER_THREADS_ENV). On 2 cores the GRPO quickstart's one process slot
+    computes with 2 threads: its fastest steps measured 1.05-1.07x the in-process run's against
+    1.68-1.69x with 1 (docs/benchmarks.md, "Threads per rank")."""
     n = max(1, round(num_cpus)) if num_cpus else max(1, usable_cores() // max(node_procs, 1))
     os.environ.update({"OMP_NUM_THREADS": str(n), "MKL_NUM_THREADS": str(n)})
     try:

@@ -140,10 +140,11 @@ roles = start_roles(cfg, plan, {"orm": (Niceness, {})})
 
 @ray.remote(num_cpus=0)
 def seen():
-    return {k: os.environ.get(k) for k in [*NO_MULTICAST_ENV, "OMP_WAIT_POLICY", "RAY_worker_niceness"]}
+    return {k: os.environ.get(k) for k in [*NO_MULTICAST_ENV, "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "RAY_worker_niceness"]}
 
 print("ready", json.dumps({"env": ray.get(seen.remote()), "actor_nice": roles["orm"].call("nice")[0],
-                           "driver_nice": os.nice(0), "driver_niceness_env": os.environ.get("RAY_worker_niceness"),
+                           "driver_nice": os.nice(0),
+                           "driver_env": [os.environ.get(k) for k in ("RAY_worker_niceness", "GOMP_SPINCOUNT")],
                            "inline": ray._private.worker._global_node._config["max_direct_call_object_size"]}),
       flush=True)
 time.sleep(300)
@@ -153,9 +154,9 @@ time.sleep(300)
 def test_a_killed_driver_leaves_nothing_running_after_cleanup(tmp_path):
     """A driver started a local cluster and was SIGKILLed: Ray's agents outlive it; the next
     cleanup ends every Ray process of that session. Before: its workers had the no-multicast
-    variables (one exported before the run kept its value) and OpenMP's default wait policy
-    (the driver's and theirs), its actor ran at the driver's niceness (Ray's default would put
-    it at 15; the variable saying so left the driver's environment), and its calls carry
+    variables (one exported before the run kept its value), OpenMP's default wait policy with a
+    shorter spin (GOMP_SPINCOUNT), its actor ran at the driver's niceness (Ray's default would
+    put it at 15; the variables saying so left the driver's environment), and its calls carry
     objects up to cluster.inline_object_mb inline."""
     import time
 
@@ -163,7 +164,7 @@ def test_a_killed_driver_leaves_nothing_running_after_cleanup(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     env = {k: v for k, v in os.environ.items()
-           if k not in (*NO_MULTICAST_ENV, "RAY_ADDRESS", "OMP_WAIT_POLICY", "RAY_worker_niceness")}
+           if k not in (*NO_MULTICAST_ENV, "RAY_ADDRESS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "RAY_worker_niceness")}
     env["TORCH_SYMM_MEM_DISABLE_MULTICAST"] = "0"  # exported before the run: kept
     driver = subprocess.Popen([sys.executable, "-c", DRIVER, str(tmp_path)], cwd=root, stdout=subprocess.PIPE,
                               text=True, env=env)
@@ -172,9 +173,9 @@ def test_a_killed_driver_leaves_nothing_running_after_cleanup(tmp_path):
         assert ready == "ready"
         seen = json.loads(seen)
         assert seen["env"] == {**NO_MULTICAST_ENV, "TORCH_SYMM_MEM_DISABLE_MULTICAST": "0", "OMP_WAIT_POLICY": None,
-                               "RAY_worker_niceness": "0"}
+                               "GOMP_SPINCOUNT": "100000", "RAY_worker_niceness": "0"}
         assert seen["actor_nice"] == seen["driver_nice"] and seen["inline"] == 2 * 2**20
-        assert seen["driver_niceness_env"] is None  # taken by the cluster's processes, then gone
+        assert seen["driver_env"] == [None, None]  # taken by the cluster's processes, then gone
         [record] = tmp_path.glob(f"{cleanup.SESSION_PREFIX}{driver.pid}-*.json")
         session = cleanup.read_record(str(record))["session_dir"]
     finally:

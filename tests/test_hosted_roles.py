@@ -87,6 +87,21 @@ def test_the_plan_hosts_a_colocated_teacher_in_the_trainers_processes_only_when_
         make_plan({"train": {"gpus": 1}, "teacher": {"gpus": 1}, "teacher_in_trainer_process": True})
 
 
+def test_a_teacher_engine_other_than_torchs_gets_processes_of_its_own(caplog):
+    from algorithms import gkd
+    from algorithms.config import GKDRunConfig
+    from tests.driver_helpers import TINY_GKD, prepared
+
+    _, typed, plan = prepared(GKDRunConfig, ["+experiment=gkd_quickstart", *TINY_GKD])
+    assert plan["teacher"].host == "train" and gkd.hosting(typed, plan) is plan  # the quickstart's torch teacher
+    _, typed, plan = prepared(GKDRunConfig, ["+experiment=gkd_quickstart", *TINY_GKD, "backend.teacher=vllm",
+                                             "placement.gkd_logits_topk=8"])
+    gkd.validate(typed, plan)
+    started = gkd.hosting(typed, plan)
+    assert started["teacher"].host is None and plan["teacher"].host == "train"
+    assert started["train"] == plan["train"] and "processes of its own" in caplog.text
+
+
 def test_keep_needs_ranks_of_their_own():
     group = LocalWorkerGroup(Keeper, make_plan({"train": {"gpus": 1}})["train"])
     with pytest.raises(ValueError, match="keep='t' needs ranks that are processes of their own"):
@@ -170,7 +185,8 @@ def test_turns_send_a_kept_call_and_the_trainers_call_back_to_back(ray_cluster, 
         assert log._sums["move/teacher_offload_bytes"] == 2 * 5 * 2  # the first offload and the turn's
 
         turns.call("teacher", "fail", batch_of(4), dispatch="slice", keep="t")
-        with pytest.raises(WorkerError, match=r"orm rank 0 failed in onload\+fail\+offload\(\).*the teacher cannot"):
+        # Both teacher ranks failed; the error names one that had answered when the driver looked.
+        with pytest.raises(WorkerError, match=r"orm rank [01] failed in onload\+fail\+offload\(\).*the teacher cannot"):
             with turns.turn("train", one_call=True):
                 trainer.call("train_step", batch, dispatch="slice")
         assert not turns._kept

@@ -144,9 +144,7 @@ CASES = [
     ("gkd", "teacher.engine.micro_batch_memory_mb=0", "teacher.engine.micro_batch_memory_mb"),
     ("gkd", "backend.teacher=vllm placement.gkd_logits_topk=8 teacher.engine.chunked_logprobs=true",
      "teacher.engine.chunked_logprobs"),
-    # A teacher in the trainer's processes: the torch engine, and only a colocated teacher.
-    ("gkd", "backend.teacher=vllm placement.gkd_logits_topk=8 placement.teacher_in_trainer_process=true",
-     "placement.teacher_in_trainer_process"),
+    # A teacher in the trainer's processes: only a colocated teacher.
     ("gkd", "placement.teacher_model=null placement.offload_teacher_model=false placement.teacher.gpus=1 "
             "placement.teacher_in_trainer_process=true",
      "teacher_in_trainer_process"),
