@@ -17,7 +17,7 @@ from orchestration.config import (ConfigError, PlanConfig, apply_placement, chec
                                   read_config_file, register_schema, split_config_file, validate)
 from orchestration.planner import Plan, PlanError, make_plan
 
-COLUMNS = ("role", "device", "ranks", "nodes", "group", "colocated_with", "offload", "sleep", "tp", "model")
+COLUMNS = ("role", "device", "ranks", "nodes", "group", "colocated_with", "offload", "sleep", "tp", "model", "process")
 
 
 def _compact(ranks: list[int]) -> str:
@@ -32,7 +32,7 @@ def format_table(plan: Plan) -> str:
         offload = "+".join(n for n, on in (("model", r["offload_model"]), ("optimizer", r["offload_optimizer"])) if on)
         rows.append((r["role"], r["device"], _compact(r["ranks"]), _compact(r["nodes"]), r["group"],
                      ",".join(r["colocated_with"]) or "-", offload or "-", str(r["sleep_level"] or "-"),
-                     str(r["tensor_parallel_size"]), r["model"] or "-"))
+                     str(r["tensor_parallel_size"]), r["model"] or "-", f"{r['host']}'s" if r["host"] else "own"))
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(COLUMNS)]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
     head = f"plan ({plan.form} form): {plan.nnodes} node(s) x {plan.devices_per_node} device(s)"

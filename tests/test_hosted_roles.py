@@ -9,6 +9,7 @@ import torch
 
 from orchestration.base_group import CALLS, Kept, WorkerError
 from orchestration.local import LocalWorkerGroup
+from orchestration.plan import format_table
 from orchestration.planner import PlanError, make_plan
 from orchestration.transport import resolve_kept
 from roles.batch import Batch
@@ -82,6 +83,8 @@ def test_the_plan_hosts_a_colocated_teacher_in_the_trainers_processes_only_when_
     plan = make_plan({"train": {"gpus": 2}, "teacher_model": "tiny_qwen2", "teacher_in_trainer_process": True})
     assert (plan["teacher"].host, plan["train"].host) == ("train", None)
     assert {r["role"]: r["host"] for r in plan.rows()} == {"train": None, "teacher": "train"}
+    table = format_table(plan).splitlines()  # python -m orchestration.plan
+    assert table[1].split()[-1] == "process" and table[-2].endswith("own") and table[-1].endswith("train's")
     assert make_plan({"train": {"gpus": 2}, "teacher_model": "tiny_qwen2"})["teacher"].host is None
     with pytest.raises(PlanError, match="teacher_in_trainer_process.*set teacher_model"):
         make_plan({"train": {"gpus": 1}, "teacher": {"gpus": 1}, "teacher_in_trainer_process": True})
