@@ -93,7 +93,7 @@ def bench_drivers(args: argparse.Namespace, out: Path) -> list[dict]:
         for algo in args.algorithms:
             for backend in sides(args) if rnd % 2 == 0 else sides(args)[::-1]:
                 items = driver_overrides(args, algo, backend.rstrip("+")) + (args.ray_extra if backend == "ray+" else [])
-                records = run_driver(algo, items, out / f"{algo}_{backend.rstrip('+')}{'_extra' * backend.endswith('+')}_{rnd}")
+                records = run_driver(algo, items, out / f"{algo}_{backend.replace('+', '_extra')}_{rnd}")
                 rows.append({"algo": algo, "backend": backend, "round": rnd, **step_figures(records)})
                 print(f"bench: round {rnd} {algo} {backend}: step {rows[-1]['step_s'] * 1e3:.1f} ms")
     return rows
