@@ -171,8 +171,35 @@ def test_trainer_forward_options_train_as_the_plain_engine(options):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-4) and a["grad_norm"] == pytest.approx(b["grad_norm"],
                                                                                                    rel=1e-3)
     torch.testing.assert_close(fast.logprobs(batch), plain.logprobs(batch), atol=1e-4, rtol=0)
-    lp = fast.engine.token_logprobs(batch.input_ids, batch.attention_mask, 1.0).detach().cpu()
+    lp = fast.engine.token_logprobs(batch.input_ids, batch.attention_mask, 1.0)[0].detach().cpu()
     torch.testing.assert_close(lp, plain.logprobs(batch), atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("options", [{}, {"packing": True},
+                                     {"packing": True, "cuda_graphs": True, "dtype": "bfloat16"}])
+def test_fused_logprobs_train_as_the_compiled_full_logits(options):
+    """trainer.fused_logprobs (the output head and log-softmax compiled with the model; ragged
+    rows, 4 micro-batches a step): the steps and logprobs of the compiled trainer that makes the
+    full logits, fp32 (close in bf16, where the two compiled graphs round differently)."""
+    import dataclasses
+
+    from torch._dynamo.utils import counters
+
+    from tests.test_train_kernels import loss_logging_entropy
+
+    cfg = dataclasses.replace(TrainerConfig(lr=1e-3, warmup_steps=0, total_steps=10, device="cuda", dtype="float32",
+                                            micro_batch_per_device=4, compile=True), **options)
+    rel = 1e-2 if cfg.dtype == "bfloat16" else 1e-4
+    kw = dict(loss_fn=loss_logging_entropy, loss_inputs=("entropy",))
+    full, fused = Trainer(MODEL, cfg, **kw), Trainer(MODEL, dataclasses.replace(cfg, fused_logprobs=True), **kw)
+    counters["inductor"].clear()
+    for step in range(4):
+        batch = sft_batch(16, seed=step)
+        a, b = full.train_step(batch), fused.train_step(batch)
+        assert a["loss"] == pytest.approx(b["loss"], rel=rel) and a["entropy"] == pytest.approx(b["entropy"], rel=rel)
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=10 * rel)
+    assert counters["inductor"]["cudagraph_skips"] == 0
+    torch.testing.assert_close(fused.logprobs(batch), full.logprobs(batch), atol=500 * rel / 100, rtol=0)
 
 
 def test_cuda_graphed_trainer_trains_as_the_compiled_one():

@@ -9,10 +9,10 @@ import torch
 
 from roles.batch import SamplingParams, batch_from_completions
 from roles.engines import train_kernels
-from roles.engines.torch_engine import token_logprobs
+from roles.engines.torch_engine import token_entropy, token_logprobs
 from roles.engines.train_kernels import TrainKernelOptions
 from roles.rollout import Rollout
-from roles.trainer import Trainer, TrainerConfig
+from roles.trainer import Trainer, TrainerConfig, sft_loss
 from tests.test_trainer import sft_batch
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -27,6 +27,13 @@ def ragged(rows=5, width=14, seed=0):
         mask[i, :n] = 1
     mask[0] = 1
     return ids * mask, mask
+
+
+def loss_logging_entropy(logprobs, batch, extras):
+    """The SFT loss, logging the mean entropy as GRPO's loss does (loss_inputs=('entropy',))."""
+    loss, _ = sft_loss(logprobs, batch, extras)
+    mask = batch.loss_mask.to(logprobs.device)
+    return loss, {"entropy": (extras["entropy"] * mask).sum() / mask.sum()}
 
 
 def weighted_logprob_sum(lp, mask):
@@ -69,11 +76,59 @@ def test_chunked_logprobs_equal_the_full_log_softmax_with_gradients(monkeypatch,
     want_lp = full().detach()
     want = grads(engine, lambda: weighted_logprob_sum(full(), mask))
     engine.set_options(TrainKernelOptions(packing=packing))
-    got_lp = engine.token_logprobs(ids, mask, 0.7)
+    got_lp, _ = engine.token_logprobs(ids, mask, 0.7)
     torch.testing.assert_close(got_lp.detach(), want_lp, atol=2e-5, rtol=0)
-    got = grads(engine, lambda: weighted_logprob_sum(engine.token_logprobs(ids, mask, 0.7), mask))
+    got = grads(engine, lambda: weighted_logprob_sum(engine.token_logprobs(ids, mask, 0.7)[0], mask))
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("packing, bucket", [(False, False), (True, False), (True, True)])
+def test_fused_logprobs_equal_the_full_log_softmax_with_gradients(packing, bucket):
+    """fused_token_logprobs' layout (the shift, packing, the bucket's padding row) with the
+    function it compiles run eagerly (compiled: tests/test_gpu.py and the trainer test below)."""
+    import functools
+
+    engine = Trainer("tiny_qwen2", CFG).engine
+    ids, mask = ragged(rows=6, width=23, seed=4)
+    full = lambda: torch.where(mask.bool(), token_logprobs(engine.forward(ids, mask), ids, 0.7), 0.0)  # noqa: E731
+    want_lp = full().detach()
+    want = grads(engine, lambda: weighted_logprob_sum(full(), mask))
+    engine.set_options(TrainKernelOptions(packing=packing))
+    run = functools.partial(train_kernels.next_token_logprobs, engine.model)
+    fused = lambda: train_kernels.fused_token_logprobs(engine.model, run, ids, mask, 0.7, packing, bucket,  # noqa: E731
+                                                       entropy=True)
+    got_lp, got_entropy = fused()
+    torch.testing.assert_close(got_lp.detach(), want_lp, atol=2e-5, rtol=0)
+    with torch.no_grad():
+        want_entropy = torch.where(mask.bool(), token_entropy(engine.forward(ids, mask), 0.7), 0.0)
+    assert not got_entropy.requires_grad
+    torch.testing.assert_close(got_entropy, want_entropy, atol=2e-5, rtol=0)
+    got = grads(engine, lambda: weighted_logprob_sum(fused()[0], mask))
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-4, rtol=1e-4, msg=name)
+
+
+def test_packed_fused_logprobs_give_a_rows_first_token_zero():
+    """Left padding: packed, nothing predicts a row's first real token, so it gets 0; every
+    later token equals the unpacked logprob."""
+    import functools
+
+    engine = Trainer("tiny_qwen2", CFG).engine
+    ids, mask = ragged(rows=4, width=9, seed=5)
+    ids, mask = ids.flip(1), mask.flip(1)  # real tokens at the end of each row
+    want = torch.where(mask.bool(), token_logprobs(engine.forward(ids, mask), ids, 1.0), 0.0).detach()
+    engine.set_options(TrainKernelOptions(packing=True))
+    run = functools.partial(train_kernels.next_token_logprobs, engine.model)
+    with torch.no_grad():
+        got, _ = train_kernels.fused_token_logprobs(engine.model, run, ids, mask, 1.0, packing=True)
+    first = mask.long().argmax(1)
+    rows = torch.arange(len(ids))
+    assert (got[rows, first] == 0).all() and (got[~mask.bool()] == 0).all()
+    later = mask.bool().clone()
+    later[rows, first] = False
+    assert later.any()
+    torch.testing.assert_close(got[later], want[later], atol=2e-5, rtol=0)
 
 
 @pytest.mark.parametrize("n, want", [(1, 1), (15, 15), (16, 16), (17, 18), (100, 104), (1024, 1024), (1025, 1152),
@@ -145,7 +200,7 @@ def test_packed_chunked_logprobs_match_the_rollouts():
     engine = Trainer("tiny_qwen2", CFG).engine
     engine.set_options(TrainKernelOptions(packing=True))
     with torch.no_grad():
-        lp = engine.token_logprobs(batch.input_ids, batch.attention_mask, 0.8)
+        lp, _ = engine.token_logprobs(batch.input_ids, batch.attention_mask, 0.8)
     mask = batch.loss_mask.bool()
     torch.testing.assert_close(lp[mask], batch.old_logprobs[mask], atol=1e-4, rtol=0)
 
@@ -174,6 +229,35 @@ def test_trainer_config_switches_the_options_on_and_chunked_logprobs_match():
     assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
     with pytest.raises(ValueError, match=r"trainer \['packing'\] need the torch engine, not deepspeed"):
         Trainer("tiny_qwen2", dataclasses.replace(CFG, packing=True), engine="deepspeed")
+
+
+def test_trainer_fused_logprobs_train_as_the_plain_trainer(monkeypatch):
+    """trainer.fused_logprobs reaches the engine and its compiled function takes the train step
+    and the logprobs (traced by dynamo and AOTAutograd; inductor's code: tests/test_gpu.py)."""
+    import dataclasses
+    import functools
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    kw = dict(loss_fn=loss_logging_entropy, loss_inputs=("entropy",))
+    plain = Trainer("tiny_qwen2", CFG, **kw)
+    fused = Trainer("tiny_qwen2", dataclasses.replace(CFG, compile=True, packing=True, fused_logprobs=True), **kw)
+    assert fused.engine._compiled_logprobs is not None
+    batch = sft_batch(12, seed=3)
+    a, b = plain.train_step(batch), fused.train_step(batch)
+    for key in ("loss", "grad_norm", "entropy"):
+        assert a[key] == pytest.approx(b[key], rel=1e-4), key
+    torch.testing.assert_close(fused.logprobs(batch), plain.logprobs(batch), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("keys, problem", [
+    ({"fused_logprobs": True}, "fused_logprobs=true is a compiled function: set compile=true too"),
+    ({"fused_logprobs": True, "compile": True, "chunked_logprobs": True}, "fused_logprobs and chunked_logprobs"),
+    ({"cuda_graphs": True}, "cuda_graphs=true replays compiled graphs: set compile=true too")])
+def test_logprob_and_graph_options_that_need_another_are_refused(keys, problem):
+    from roles.trainer import resolve_trainer_config
+
+    with pytest.raises(ValueError, match=problem):
+        resolve_trainer_config(keys)
 
 
 def test_the_varlen_kernel_and_its_parameter_names_are_read_once():

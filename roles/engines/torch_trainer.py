@@ -13,18 +13,20 @@ micro-batches.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import random
 import time
 from datetime import timedelta
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
 from roles.engines.torch_engine import pick_device
-from roles.engines.train_kernels import TrainKernelOptions, chunked_token_logprobs, packed_forward, use_packing
+from roles.engines.train_kernels import (TrainKernelOptions, check_plain_head, chunked_token_logprobs,
+                                        fused_token_logprobs, next_token_logprobs, packed_forward, use_packing)
 
 # Gradients are all-reduced in flat buckets of about this size.
 GRAD_BUCKET_BYTES = 32 * 2**20
@@ -193,6 +195,7 @@ class TorchTrainEngine(DataParallelCollectives):
     # Packing, compilation and activation checkpointing of the forward (set_options; all off).
     kernels = TrainKernelOptions()
     _compiled: Optional[torch.nn.Module] = None
+    _compiled_logprobs: Optional[Callable] = None
 
     def set_options(self, options: TrainKernelOptions) -> None:
         """Turn the forward's options (train_kernels) on or off."""
@@ -204,6 +207,10 @@ class TorchTrainEngine(DataParallelCollectives):
             self.model.gradient_checkpointing_disable()
         mode = "reduce-overhead" if options.cuda_graphs else None
         self._compiled = torch.compile(self.model, mode=mode) if options.compile else None
+        self._compiled_logprobs = None
+        if options.fused_logprobs:
+            check_plain_head(self.model, "fused_logprobs")
+            self._compiled_logprobs = torch.compile(functools.partial(next_token_logprobs, self.model), mode=mode)
 
     def _graphs(self):
         """Around a CUDA-graphed forward or backward: the graphs re-record whenever the weights
@@ -226,10 +233,21 @@ class TorchTrainEngine(DataParallelCollectives):
             out = run(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         return out.logits
 
-    def token_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                       temperature: float) -> torch.Tensor:
+    def token_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float,
+                       entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """`torch_engine.token_logprobs` of the model's logits (0 on padding) without the
-        [B, T, V] float32 logits: last hidden states, then the output head chunk by chunk."""
+        [B, T, V] float32 logits, and the entropies (`token_entropy`) where asked (else None):
+        with fused_logprobs in one compiled function of the model, its output head and the
+        log-softmax; else last hidden states, then the output head chunk by chunk (no entropy)."""
+        if self._compiled_logprobs is not None:
+            if self.kernels.cuda_graphs:  # the previous call's outputs are no longer read
+                torch.compiler.cudagraph_mark_step_begin()
+            with self.autocast(), self._graphs():
+                packing = self.kernels.packing and bool(attention_mask.any())
+                return fused_token_logprobs(self.model, self._compiled_logprobs, input_ids, attention_mask,
+                                            temperature, packing, bucket=self.kernels.cuda_graphs, entropy=entropy)
+        if entropy:
+            raise ValueError("chunked logprobs give no entropy: the loss needs the full logits")
         with self.autocast():
             if self.kernels.packing and bool(attention_mask.any()):
                 hidden = packed_forward(self.model, input_ids, attention_mask, base=True)
@@ -238,7 +256,7 @@ class TorchTrainEngine(DataParallelCollectives):
                 hidden = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask,
                                                use_cache=False).last_hidden_state
         return chunked_token_logprobs(hidden, self.model.get_output_embeddings(), input_ids.to(self.device),
-                                      attention_mask.to(self.device), temperature)
+                                      attention_mask.to(self.device), temperature), None
 
     def backward(self, loss: torch.Tensor) -> None:
         """Accumulate this micro-batch's gradients (engines with their own hooks override it)."""

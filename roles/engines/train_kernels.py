@@ -41,6 +41,7 @@ class TrainKernelOptions:
     compile: bool = False
     activation_checkpointing: bool = False
     cuda_graphs: bool = False
+    fused_logprobs: bool = False
 
 
 def pack_bucket(n: int) -> int:
@@ -112,17 +113,24 @@ def use_packing(model, on: bool) -> None:
         config._attn_implementation = model.unpacked_attention
 
 
-def packed_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, run=None,
-                   base: bool = False, bucket: bool = False) -> torch.Tensor:
-    """The model's output for the real tokens packed into one sequence, scattered back to
-    [B, T, ...] (zero on padding): logits, or with `base` the last hidden states of
-    `model.base_model`. `run` calls the module (a compiled forward); default: the module.
-    `bucket`: the packed sequence is padded to `pack_bucket` length by one more row of padding
-    tokens (its outputs dropped), and the longest row rounded the same way.
-    The packing indices are computed where `attention_mask` is: given host tensors, nothing
-    here waits for the device (they reach it through pinned memory)."""
+@dataclass
+class Packed:
+    """A micro-batch's real tokens as one sequence: the model's keyword inputs (on the model's
+    device) and where each packed token sits in the [B * T] layout (`flat`, the first `real`)."""
+    inputs: dict
+    flat: torch.Tensor
+    real: int
+    shape: torch.Size
+
+
+def pack(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, bucket: bool = False) -> Packed:
+    """The real tokens of `input_ids` packed into one [1, N] sequence for `model` (packing on),
+    position ids restarting per row. `bucket`: padded to `pack_bucket` length by one more row
+    of padding tokens, and the longest row rounded the same way. The indices are computed where
+    `attention_mask` is: given host tensors, nothing here waits for the device (they reach it
+    through pinned memory)."""
     if model.config._attn_implementation != PACKED_ATTENTION:
-        raise RuntimeError(f"packed_forward needs model.config._attn_implementation = '{PACKED_ATTENTION}' "
+        raise RuntimeError(f"packing needs model.config._attn_implementation = '{PACKED_ATTENTION}' "
                            "(use_packing sets it)")
     device = model.get_input_embeddings().weight.device
     valid = attention_mask.bool()
@@ -140,13 +148,77 @@ def packed_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         cu = torch.cat([cu, cu.new_tensor([real + pad])])
         longest = pack_bucket(max(longest, pad))
     ids, positions, cu, flat = (_to(t, device) for t in (ids, positions, cu, flat))
+    inputs = dict(input_ids=ids, position_ids=positions, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                  max_length_q=longest, max_length_k=longest, use_cache=False)
+    return Packed(inputs, flat, real, valid.shape)
+
+
+def packed_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, run=None,
+                   base: bool = False, bucket: bool = False) -> torch.Tensor:
+    """The model's output for the real tokens packed into one sequence (`pack`), scattered back
+    to [B, T, ...] (zero on padding): logits, or with `base` the last hidden states of
+    `model.base_model`. `run` calls the module (a compiled forward); default: the module."""
+    p = pack(model, input_ids, attention_mask, bucket)
     target = model.base_model if base else model
-    out = (target if run is None else run)(input_ids=ids, position_ids=positions, cu_seq_lens_q=cu,
-                                           cu_seq_lens_k=cu, max_length_q=longest, max_length_k=longest,
-                                           use_cache=False)
-    packed = (out.last_hidden_state if base else out.logits)[0, :real]
-    full = packed.new_zeros(valid.numel(), packed.shape[-1]).index_copy(0, flat, packed)
-    return full.view(*valid.shape, packed.shape[-1])
+    out = (target if run is None else run)(**p.inputs)
+    packed = (out.last_hidden_state if base else out.logits)[0, :p.real]
+    full = packed.new_zeros(p.shape.numel(), packed.shape[-1]).index_copy(0, p.flat, packed)
+    return full.view(*p.shape, packed.shape[-1])
+
+
+def next_token_logprobs(model, targets: torch.Tensor, temperature: float, entropy: bool,
+                        **inputs) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """log softmax(head(last hidden state) / temperature)[target] at every position of `inputs`
+    ([.., T] for targets [.., T]: the token each position predicts) and, with `entropy`, the
+    entropy of each position's distribution (no gradient: it is logged). Compiled as one
+    function (`fused_token_logprobs`), the output head, the float32 log-softmax and the pick
+    run as one pass over the 16-bit logits; no float32 [.., T, V] tensor is made."""
+    hidden = model.base_model(**inputs).last_hidden_state
+    logits = model.get_output_embeddings()(hidden).float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    lse = logits.logsumexp(-1)
+    picked = logits.gather(-1, targets[..., None])[..., 0] - lse
+    if not entropy:
+        return picked, None
+    logits, lse = logits.detach(), lse.detach()
+    return picked, lse - (torch.softmax(logits, -1) * logits).sum(-1)
+
+
+def check_plain_head(model, option: str) -> None:
+    """Raise unless the model's logits are its output head's projection of the last hidden
+    states (what the chunked and fused logprobs compute from)."""
+    if getattr(model.get_output_embeddings(), "bias", None) is not None or \
+            getattr(model.config, "final_logit_softcapping", None):
+        raise ValueError(f"{option} needs logits that are the output head's projection of the last hidden "
+                         "states (no bias, no logit soft-capping); turn it off for this model")
+
+
+def fused_token_logprobs(model, run: Callable, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                         temperature: float, packing: bool, bucket: bool = False,
+                         entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """[B, T] logprobs aligned like `torch_engine.token_logprobs` (out[:, t] = log p(ids[t] |
+    ids[:t]); 0 at t = 0 and wherever ids[t] is padding), and with `entropy` the entropies
+    aligned the same way (else None), through `run`, a compiled `next_token_logprobs` of
+    `model`. With `packing` the micro-batch runs packed (`pack`), and a row's first real token,
+    which nothing predicts in the packed sequence, gets 0."""
+    device = model.get_input_embeddings().weight.device
+    if packing:
+        p = pack(model, input_ids, attention_mask, bucket)
+        ids = p.inputs["input_ids"]
+        outs = run(F.pad(ids[:, 1:], (0, 1)), temperature, entropy, **p.inputs)
+        # Packed token j + 1 is predicted at j unless it starts a row (the positions restart).
+        follows = p.inputs["position_ids"][0, 1:p.real] > 0
+        aligned = []
+        for t in outs:
+            if t is not None:
+                out = torch.zeros(p.shape.numel(), dtype=torch.float32, device=device)
+                t = out.index_copy_(0, p.flat[1:], torch.where(follows, t[0, :p.real - 1], 0.0)).view(p.shape)
+            aligned.append(t)
+        return tuple(aligned)
+    ids, mask = input_ids.to(device), attention_mask.to(device)
+    outs = run(ids[:, 1:], temperature, entropy, input_ids=ids[:, :-1], attention_mask=mask[:, :-1], use_cache=False)
+    return tuple(t if t is None else torch.where(mask.bool(), F.pad(t, (1, 0)), 0.0) for t in outs)
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
