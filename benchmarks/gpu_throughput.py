@@ -439,6 +439,8 @@ def main() -> None:
     t.add_argument("--train-shape", nargs="+", default=["512x320", "8x1024"], help="ROWSxTOKENS per train step")
     t.add_argument("--train-variant", action="append", help="JSON dict of trainer keys (packing, compile, "
                    "activation_checkpointing, chunked_logprobs, optimizer, ...); repeat for several")
+    t.add_argument("--vocab-size", type=int, help="the model's vocabulary (default: its tokenizer's); "
+                   "151936 is Qwen2's, where the output head and log-softmax weigh")
     t.add_argument("--ragged", action="store_true", help="row lengths uniform in [TOKENS/4, TOKENS]")
     t.add_argument("--variant-index", type=int, help=argparse.SUPPRESS)  # a variant's own process
     t.add_argument("--warmup-steps", type=int, default=2)

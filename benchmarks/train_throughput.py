@@ -27,6 +27,7 @@ rows per forward, and the largest difference from the plain teacher's values
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import statistics
@@ -41,7 +42,7 @@ import torch
 
 from gpu_throughput import ROOT, peak_flops, sustained, sync
 from roles.batch import Batch, fitting_rows, token_bytes
-from roles.models import build_model
+from roles.models import build_model, resolve_config
 from roles.teacher import Teacher, TeacherConfig
 from roles.trainer import Trainer, TrainerConfig
 
@@ -191,7 +192,7 @@ def teacher_forward(args, rows: int, tokens: int, batches: list, flops_per_token
         try:
             config = TeacherConfig(device=args.device, dtype="bfloat16" if cuda else None,
                                    micro_batch_per_device=args.teacher_micro_batch, **json.loads(variant))
-            teacher = Teacher(args.model, config)
+            teacher = Teacher(train_model(args), config)
             per_token = token_bytes(teacher.model, backward=False, logits=not config.chunked_logprobs)
             micro = config.micro_batch_per_device or fitting_rows(rows, tokens, per_token, config.micro_batch_memory_mb)
             walls, warm, (values, _, _) = timed(lambda b: teacher.logits(b, topk=args.teacher_topk, tail=True),
@@ -227,6 +228,14 @@ def print_table(header: list[str], rows: list[dict], cells) -> None:
         print("| " + " | ".join([r["variant"], f"{r['rows']}x{r['tokens']}", *rest]) + " |")
 
 
+def train_model(args):
+    """The model spec trained: --model, its vocabulary replaced by --vocab-size where given
+    (a preset with the character tokenizer has about 100 tokens; a real Qwen2 has 151936)."""
+    if not args.vocab_size:
+        return args.model
+    return dataclasses.replace(resolve_config(args.model), vocab_size=args.vocab_size)
+
+
 def variants(args) -> list[tuple[str, Optional[str]]]:
     """(kind, trainer keys as JSON) of every variant: the plain step, the Trainer plain, then --train-variant."""
     return [("plain", None), ("trainer", "{}")] + [("trainer", v) for v in args.train_variant or []]
@@ -259,7 +268,7 @@ def train(args) -> dict:
     # Size and vocabulary from a copy without weights: a 2 GB model held on the host beside the
     # measured one made the compiled 8 x 1024 step 1.2x slower on an H200 (72.5 ms against 59.4).
     with torch.device("meta"):
-        model = build_model(args.model)
+        model = build_model(train_model(args))
     params, vocab = sum(t.numel() for t in model.parameters()), model.config.vocab_size
     if args.variant_index is None:
         results, own = train_variants(args), []  # the teacher forward runs here
@@ -276,9 +285,9 @@ def train(args) -> dict:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
             if kind == "plain":
-                runner = PlainStep(args.model, micro, args.device)
+                runner = PlainStep(train_model(args), micro, args.device)
             else:  # the variant's keys are TrainerConfig fields (kernel options, optimizer, ...)
-                runner = Trainer(args.model, TrainerConfig(lr=1e-5, warmup_steps=0, schedule="constant",
+                runner = Trainer(train_model(args), TrainerConfig(lr=1e-5, warmup_steps=0, schedule="constant",
                                                            device=args.device, dtype="bfloat16",
                                                            micro_batch_per_device=micro, **json.loads(variant)))
             try:

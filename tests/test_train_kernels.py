@@ -231,22 +231,29 @@ def test_trainer_config_switches_the_options_on_and_chunked_logprobs_match():
         Trainer("tiny_qwen2", dataclasses.replace(CFG, packing=True), engine="deepspeed")
 
 
-def test_trainer_fused_logprobs_train_as_the_plain_trainer(monkeypatch):
-    """trainer.fused_logprobs reaches the engine and its compiled function takes the train step
-    and the logprobs (traced by dynamo and AOTAutograd; inductor's code: tests/test_gpu.py)."""
+@pytest.mark.parametrize("option", ["fused_logprobs", "chunked_logprobs"])
+def test_compiled_logprob_options_train_as_the_plain_trainer(monkeypatch, option):
+    """trainer.fused_logprobs (the compiled function takes the train step, its logged entropy
+    and the logprobs) and chunked_logprobs with compile (the compiled base model under the
+    chunked head) give the plain trainer's step (traced by dynamo and AOTAutograd; inductor's
+    code: tests/test_gpu.py)."""
     import dataclasses
     import functools
 
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
-    kw = dict(loss_fn=loss_logging_entropy, loss_inputs=("entropy",))
+    kw = dict(loss_fn=loss_logging_entropy, loss_inputs=("entropy",)) if option == "fused_logprobs" else {}
     plain = Trainer("tiny_qwen2", CFG, **kw)
-    fused = Trainer("tiny_qwen2", dataclasses.replace(CFG, compile=True, packing=True, fused_logprobs=True), **kw)
-    assert fused.engine._compiled_logprobs is not None
+    fast = Trainer("tiny_qwen2", dataclasses.replace(CFG, compile=True, packing=True, **{option: True}), **kw)
+    compiled = {"fused_logprobs": "_compiled_logprobs", "chunked_logprobs": "_compiled_base"}[option]
+    calls = []
+    monkeypatch.setattr(fast.engine, compiled, functools.partial(
+        lambda run, *a, **k: calls.append(1) or run(*a, **k), getattr(fast.engine, compiled)))
     batch = sft_batch(12, seed=3)
-    a, b = plain.train_step(batch), fused.train_step(batch)
-    for key in ("loss", "grad_norm", "entropy"):
+    a, b = plain.train_step(batch), fast.train_step(batch)
+    assert calls, f"{option} did not run its compiled function"
+    for key in ("loss", "grad_norm", "entropy") if kw else ("loss", "grad_norm"):
         assert a[key] == pytest.approx(b[key], rel=1e-4), key
-    torch.testing.assert_close(fused.logprobs(batch), plain.logprobs(batch), atol=1e-5, rtol=0)
+    torch.testing.assert_close(fast.logprobs(batch), plain.logprobs(batch), atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("keys, problem", [

@@ -195,6 +195,7 @@ class TorchTrainEngine(DataParallelCollectives):
     # Packing, compilation and activation checkpointing of the forward (set_options; all off).
     kernels = TrainKernelOptions()
     _compiled: Optional[torch.nn.Module] = None
+    _compiled_base: Optional[torch.nn.Module] = None
     _compiled_logprobs: Optional[Callable] = None
 
     def set_options(self, options: TrainKernelOptions) -> None:
@@ -207,6 +208,8 @@ class TorchTrainEngine(DataParallelCollectives):
             self.model.gradient_checkpointing_disable()
         mode = "reduce-overhead" if options.cuda_graphs else None
         self._compiled = torch.compile(self.model, mode=mode) if options.compile else None
+        # The chunked logprobs' forward (compiled on its first call, if ever).
+        self._compiled_base = torch.compile(self.model.base_model, mode=mode) if options.compile else None
         self._compiled_logprobs = None
         if options.fused_logprobs:
             check_plain_head(self.model, "fused_logprobs")
@@ -248,13 +251,16 @@ class TorchTrainEngine(DataParallelCollectives):
                                             temperature, packing, bucket=self.kernels.cuda_graphs, entropy=entropy)
         if entropy:
             raise ValueError("chunked logprobs give no entropy: the loss needs the full logits")
-        with self.autocast():
+        if self.kernels.cuda_graphs:
+            torch.compiler.cudagraph_mark_step_begin()
+        with self.autocast(), self._graphs():
             if self.kernels.packing and bool(attention_mask.any()):
-                hidden = packed_forward(self.model, input_ids, attention_mask, base=True)
+                hidden = packed_forward(self.model, input_ids, attention_mask, run=self._compiled_base, base=True,
+                                        bucket=self.kernels.cuda_graphs)
             else:
                 input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
-                hidden = self.model.base_model(input_ids=input_ids, attention_mask=attention_mask,
-                                               use_cache=False).last_hidden_state
+                hidden = (self._compiled_base or self.model.base_model)(
+                    input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         return chunked_token_logprobs(hidden, self.model.get_output_embeddings(), input_ids.to(self.device),
                                       attention_mask.to(self.device), temperature), None
 
