@@ -131,6 +131,38 @@ def test_packed_fused_logprobs_give_a_rows_first_token_zero():
     torch.testing.assert_close(got[later], want[later], atol=2e-5, rtol=0)
 
 
+def test_chunked_logprobs_multiply_in_the_autocast_dtype_forward_and_backward():
+    """Under bf16 autocast (as the trainer on a GPU) every matmul of the chunked log-softmax,
+    the backward's too, runs in bf16 (a backward runs outside autocast: it used to multiply
+    float32 master weights in float32, several times slower on a GPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class MatmulDtypes(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.dtypes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+                self.dtypes.append(args[-2].dtype)
+            return func(*args, **(kwargs or {}))
+
+    engine = Trainer("tiny_qwen2", CFG).engine
+    head = engine.model.get_output_embeddings()
+    ids, mask = ragged(rows=3, width=9, seed=6)
+    hidden = torch.randn(3, 9, head.in_features, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with MatmulDtypes() as forward:
+            lp = train_kernels.chunked_token_logprobs(hidden, head, ids, mask, 0.7, chunk=4)
+        want = torch.where(mask.bool(), token_logprobs(head(hidden), ids, 0.7), 0.0)
+    with MatmulDtypes() as backward:
+        weighted_logprob_sum(lp, mask).backward()
+    assert forward.dtypes and backward.dtypes
+    assert set(forward.dtypes) == set(backward.dtypes) == {torch.bfloat16}
+    assert hidden.grad.dtype == torch.float32 and head.weight.grad.dtype == torch.float32
+    torch.testing.assert_close(lp, want, atol=0.05, rtol=0)  # the full logits' bf16 matmul
+
+
 @pytest.mark.parametrize("n, want", [(1, 1), (15, 15), (16, 16), (17, 18), (100, 104), (1024, 1024), (1025, 1152),
                                      (8192, 8192), (8193, 9216), (20000, 20480)])
 def test_packed_lengths_round_up_to_eight_sizes_per_power_of_two(n, want):

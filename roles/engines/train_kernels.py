@@ -230,32 +230,37 @@ def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 class _ChunkedLogprobs(torch.autograd.Function):
     """log softmax(hidden @ weight.T / temperature)[target], LOGPROB_CHUNK rows at a time;
-    the backward recomputes each chunk's softmax instead of keeping it."""
+    the backward recomputes each chunk's softmax instead of keeping it. The matmuls run in the
+    autocast dtype of the forward (the backward runs outside autocast: without this it would
+    multiply in float32), the softmax in float32."""
 
     @staticmethod
     def forward(ctx, hidden, weight, target, temperature, chunk):
-        w = weight.to(hidden.dtype)
+        kind = hidden.device.type
+        dtype = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else hidden.dtype
+        w = weight.to(dtype)
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        for s in range(0, hidden.shape[0], chunk):
-            logits = (hidden[s:s + chunk] @ w.T).float() / temperature
-            out[s:s + chunk] = logits.gather(-1, target[s:s + chunk, None])[:, 0] - logits.logsumexp(-1)
+        with torch.autocast(kind, enabled=False):
+            for s in range(0, hidden.shape[0], chunk):
+                logits = (hidden[s:s + chunk].to(dtype) @ w.T).float() / temperature
+                out[s:s + chunk] = logits.gather(-1, target[s:s + chunk, None])[:, 0] - logits.logsumexp(-1)
         ctx.save_for_backward(hidden, weight, target)
-        ctx.temperature, ctx.chunk = temperature, chunk
+        ctx.temperature, ctx.chunk, ctx.dtype = temperature, chunk, dtype
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         hidden, weight, target = ctx.saved_tensors
-        w = weight.to(hidden.dtype)
+        w = weight.to(ctx.dtype)
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         for s in range(0, hidden.shape[0], ctx.chunk):
-            h = hidden[s:s + ctx.chunk]
+            h = hidden[s:s + ctx.chunk].to(ctx.dtype)
             probs = ((h @ w.T).float() / ctx.temperature).softmax(-1)
             # d logp[target] / d logits = onehot(target) - softmax, scaled by 1 / temperature.
             g = -probs * grad_out[s:s + ctx.chunk, None]
             g.scatter_add_(-1, target[s:s + ctx.chunk, None], grad_out[s:s + ctx.chunk, None].float())
-            g = (g / ctx.temperature).to(hidden.dtype)
+            g = (g / ctx.temperature).to(ctx.dtype)
             if grad_hidden is not None:
                 grad_hidden[s:s + ctx.chunk] = g @ w
             if grad_weight is not None:
