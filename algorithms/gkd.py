@@ -49,7 +49,7 @@ from orchestration.cluster import init_cluster, set_log_level
 from orchestration.base_group import Kept
 from orchestration.config import ConfigError, checked_command_line, register_schema
 from orchestration.launch import driver_group, start_roles
-from orchestration.planner import Plan, make_plan
+from orchestration.planner import Plan, as_started, make_plan
 from roles.batch import SamplingParams
 from roles.models import load_tokenizer, resolve_config
 from roles.rollout import Rollout
@@ -167,11 +167,10 @@ def hosting(cfg: GKDRunConfig, plan: Plan) -> Plan:
     """The plan as started: a teacher planned in the trainer's processes
     (placement.teacher_in_trainer_process) gets processes of its own when its engine is not
     torch's (vLLM starts a distributed group of its own), with a note saying so."""
-    if plan["teacher"].host is None or cfg.backend.teacher == "torch":
-        return plan
-    logger.warning(f"placement.teacher_in_trainer_process: the {cfg.backend.teacher} teacher engine runs in "
-                   "processes of its own (only the torch engine shares the trainer's)")
-    return replace(plan, roles={**plan.roles, "teacher": replace(plan["teacher"], host=None)})
+    plan, notes = as_started(plan, {"teacher": cfg.backend.teacher})
+    for note in notes:
+        logger.warning(note)
+    return plan
 
 
 def run(cfg: GKDRunConfig, plan: Plan, out_dir: Path) -> dict:

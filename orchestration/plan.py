@@ -15,7 +15,7 @@ from omegaconf import DictConfig
 
 from orchestration.config import (ConfigError, PlanConfig, apply_placement, checked_command_line, placement_dict,
                                   read_config_file, register_schema, split_config_file, validate)
-from orchestration.planner import Plan, PlanError, make_plan
+from orchestration.planner import Plan, PlanError, as_started, make_plan
 
 COLUMNS = ("role", "device", "ranks", "nodes", "group", "colocated_with", "offload", "sleep", "tp", "model", "process")
 
@@ -63,14 +63,17 @@ def launch_report(cfg: DictConfig, plan: Plan) -> str:
         started.shutdown()
 
 
-def plan_from_config(cfg: DictConfig) -> tuple[DictConfig, Plan, list[str]]:
+def plan_from_config(cfg: DictConfig) -> tuple[DictConfig, Plan, list[str], list[str]]:
+    """The validated config, the plan as its roles start (`as_started`), the config file's
+    keys the planner does not read, and notes on roles the engines moved."""
     typed = validate(cfg, PlanConfig, sections=["placement", "cluster", "backend", "config_file", "plan"])
     unused = []
     if typed.config_file:
         placement, items = split_config_file(read_config_file(typed.config_file))
         apply_placement(typed, placement)
         unused = sorted(where for where, _, _ in items)
-    return typed, make_plan(placement_dict(typed)), unused
+    plan, notes = as_started(make_plan(placement_dict(typed)), {"teacher": typed.backend.teacher})
+    return typed, plan, unused, notes
 
 
 register_schema(PlanConfig)
@@ -80,7 +83,7 @@ register_schema(PlanConfig)
 @hydra.main(config_path="pkg://conf", config_name="config", version_base=None)
 def main(cfg: DictConfig) -> None:
     try:
-        typed, plan, unused = plan_from_config(cfg)
+        typed, plan, unused, notes = plan_from_config(cfg)
     except (ConfigError, PlanError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -90,6 +93,8 @@ def main(cfg: DictConfig) -> None:
         print(format_table(plan))
     if unused:
         print(f"note: the planner reads only placement keys; not used here: {unused}", file=sys.stderr)
+    for note in notes:
+        print(f"note: {note}", file=sys.stderr)
     if cfg.plan.launch:
         if typed.backend.workers == "local":
             print("note: backend=local runs every role in this process; nothing to place", file=sys.stderr)

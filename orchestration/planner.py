@@ -112,6 +112,25 @@ def with_colocated_role(plan: Plan, role: str, beside: str, offload_model: bool)
     return replace(plan, roles=roles)
 
 
+# Engines a role can be built with inside another role's processes (RolePlan.host); the others
+# (vLLM, Megatron) start distributed groups of their own.
+HOSTABLE_ENGINES = ("torch",)
+
+
+def as_started(plan: Plan, engines: Mapping[str, str]) -> tuple[Plan, list[str]]:
+    """The plan as its roles start: a role planned in another role's processes whose engine
+    (`engines[role]`, torch's where absent) cannot be hosted there gets processes of its own.
+    Returns the plan and a note per role moved."""
+    roles, notes = dict(plan.roles), []
+    for name, r in plan.roles.items():
+        engine = engines.get(name, "torch")
+        if r.host is not None and engine not in HOSTABLE_ENGINES:
+            roles[name] = replace(r, host=None)
+            notes.append(f"the {engine} {name} engine runs in processes of its own, not in the {r.host} role's "
+                         f"(only {', '.join(HOSTABLE_ENGINES)} engines share another role's processes)")
+    return (replace(plan, roles=roles) if notes else plan), notes
+
+
 def make_plan(cfg: Mapping[str, Any], *, any_role_names: bool = False) -> Plan:
     """Build a Plan from a placement mapping in either ms-swift form (None/False = unset).
 

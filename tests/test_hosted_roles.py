@@ -10,7 +10,7 @@ import torch
 from orchestration.base_group import CALLS, Kept, WorkerError
 from orchestration.local import LocalWorkerGroup
 from orchestration.plan import format_table
-from orchestration.planner import PlanError, make_plan
+from orchestration.planner import PlanError, as_started, make_plan
 from orchestration.transport import resolve_kept
 from roles.batch import Batch
 
@@ -103,6 +103,31 @@ def test_a_teacher_engine_other_than_torchs_gets_processes_of_its_own(caplog):
     started = gkd.hosting(typed, plan)
     assert started["teacher"].host is None and plan["teacher"].host == "train"
     assert started["train"] == plan["train"] and "processes of its own" in caplog.text
+
+
+@pytest.mark.parametrize("engine, hosted", [("torch", True), ("vllm", False), ("megatron", False), (None, True)])
+def test_a_hosted_role_keeps_its_host_only_with_an_engine_that_can_share(engine, hosted):
+    plan = make_plan({"train": {"gpus": 2}, "teacher_model": "tiny_qwen2", "teacher_in_trainer_process": True})
+    started, notes = as_started(plan, {} if engine is None else {"teacher": engine})
+    assert started["teacher"].host == ("train" if hosted else None) and started["train"] == plan["train"]
+    assert (started is plan) == hosted and len(notes) == (0 if hosted else 1)
+    if not hosted:
+        assert notes[0].startswith(f"the {engine} teacher engine runs in processes of its own, not in the train role's")
+    unhosted = make_plan({"train": {"gpus": 2}, "teacher_model": "tiny_qwen2"})
+    assert as_started(unhosted, {"teacher": "vllm"}) == (unhosted, [])
+
+
+def test_the_plan_command_shows_the_teacher_where_its_engine_starts():
+    from hydra import compose, initialize_config_module
+
+    from orchestration.plan import plan_from_config
+
+    for engine, process in (("torch", "train's"), ("vllm", "own")):
+        with initialize_config_module(config_module="conf", version_base=None):
+            cfg = compose(config_name="config", overrides=["+experiment=gkd_quickstart", f"backend.teacher={engine}"])
+        _, plan, _, notes = plan_from_config(cfg)  # python -m orchestration.plan +experiment=gkd_quickstart ...
+        assert format_table(plan).splitlines()[-1].endswith(process)
+        assert len(notes) == (engine != "torch")
 
 
 def test_keep_needs_ranks_of_their_own():
