@@ -53,6 +53,7 @@ EXCEPTIONS = {
     ("roles/engines/train_kernels.py", "TrainKernelOptions", "compile"): "the plain forward",
     ("roles/engines/train_kernels.py", "TrainKernelOptions", "activation_checkpointing"): "the plain forward",
     ("roles/engines/train_kernels.py", "TrainKernelOptions", "cuda_graphs"): "the plain forward",
+    ("roles/engines/train_kernels.py", "TrainKernelOptions", "fused_logprobs"): "the plain forward",
 }
 
 # Repeated defaults not removed yet: an entry goes together with its default. Each names the
