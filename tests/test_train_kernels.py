@@ -109,6 +109,17 @@ def test_fused_logprobs_equal_the_full_log_softmax_with_gradients(packing, bucke
         torch.testing.assert_close(got[name], want[name], atol=1e-4, rtol=1e-4, msg=name)
 
 
+def test_fused_logprobs_of_one_position_are_zero():
+    """A micro-batch cut to one position (rows of one token, or only padding) predicts nothing."""
+    import functools
+
+    engine = Trainer("tiny_qwen2", CFG).engine
+    run = functools.partial(train_kernels.next_token_logprobs, engine.model)
+    ids, mask = torch.tensor([[5], [6]]), torch.tensor([[1], [0]])
+    lp, entropy = train_kernels.fused_token_logprobs(engine.model, run, ids, mask, 1.0, False, entropy=True)
+    assert lp.shape == entropy.shape == (2, 1) and not lp.any() and not entropy.any()
+
+
 def test_packed_fused_logprobs_give_a_rows_first_token_zero():
     """Left padding: packed, nothing predicts a row's first real token, so it gets 0; every
     later token equals the unpacked logprob."""

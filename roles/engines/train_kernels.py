@@ -217,6 +217,9 @@ def fused_token_logprobs(model, run: Callable, input_ids: torch.Tensor, attentio
             aligned.append(t)
         return tuple(aligned)
     ids, mask = input_ids.to(device), attention_mask.to(device)
+    if ids.shape[1] < 2:  # one position: nothing is predicted (the model takes no empty sequence)
+        zero = torch.zeros(ids.shape, dtype=torch.float32, device=device)
+        return zero, zero.clone() if entropy else None
     outs = run(ids[:, 1:], temperature, entropy, input_ids=ids[:, :-1], attention_mask=mask[:, :-1], use_cache=False)
     return tuple(t if t is None else torch.where(mask.bool(), F.pad(t, (1, 0)), 0.0) for t in outs)
 
