@@ -24,9 +24,10 @@ import torch
 from omegaconf import OmegaConf
 
 from roles.batch import Batch, fitting_rows, token_bytes
+from roles.engines.host_copies import host_bytes, module_tensors, to_device, to_host
 from roles.engines.options import TEACHER_ENGINES, MegatronOptions, check_engine
 from roles.engines.torch_engine import process_memory
-from roles.engines.torch_trainer import host_bytes, module_tensors, rank_device, to_device, to_host
+from roles.engines.torch_trainer import rank_device
 from roles.engines.train_kernels import chunked_vocab_logprobs, packed_forward, use_packing
 from roles.models import DTYPES, ModelSpec, build_model, load_tokenizer, resolve_config
 from roles.weight_transfer import WeightReceiver, load_named_weights

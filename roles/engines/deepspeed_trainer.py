@@ -40,9 +40,9 @@ from typing import Any, Iterator, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from roles.engines.host_copies import to_device, to_host
 from roles.engines.options import DeepSpeedOptions
-from roles.engines.torch_trainer import (DIST_TIMEOUT, DataParallelCollectives, adamw, init_data_parallel,
-                                         lr_schedule, to_device, to_host)
+from roles.engines.torch_trainer import DIST_TIMEOUT, DataParallelCollectives, adamw, init_data_parallel, lr_schedule
 
 # Parameters are gathered (ZeRO-3) in groups of about this size.
 GATHER_BUCKET_BYTES = 64 * 2**20

@@ -24,6 +24,7 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from roles.engines.host_copies import host_bytes, module_tensors, optimizer_tensors, to_device, to_host
 from roles.engines.torch_engine import pick_device
 from roles.engines.train_kernels import (TrainKernelOptions, check_plain_head, chunked_token_logprobs,
                                         fused_token_logprobs, next_token_logprobs, packed_forward, use_packing)
@@ -79,49 +80,6 @@ def lr_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps
     """The learning-rate schedule of every engine: `lr_multiplier` of the optimizer step."""
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_multiplier(s, warmup_steps, total_steps, schedule, floor))
-
-
-def module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
-    """Parameters then buffers, each tensor once (tied weights are one Parameter)."""
-    seen, out = set(), []
-    for t in list(module.parameters()) + list(module.buffers()):
-        if id(t) not in seen:
-            seen.add(id(t))
-            out.append(t)
-    return out
-
-
-def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    return [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-
-
-def to_host(tensors: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor, torch.device]]:
-    """Copy each tensor into a host buffer (pinned when it lives on CUDA), then swap its
-    storage for an empty one so the device memory is released while every reference to
-    the tensor object (module, optimizer state) stays valid. Returns what `to_device` needs."""
-    saved = []
-    for t in tensors:
-        host = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=t.is_cuda)
-        host.copy_(t.data, non_blocking=t.is_cuda)
-        saved.append((t, host, t.device))
-    if any(dev.type == "cuda" for _, _, dev in saved):
-        torch.cuda.synchronize()
-    for t, _, dev in saved:
-        t.data = torch.empty(0, dtype=t.dtype, device=dev)
-    return saved
-
-
-def to_device(saved: list[tuple[torch.Tensor, torch.Tensor, torch.device]]) -> int:
-    """Put host buffers back where `to_host` found them; returns the bytes moved."""
-    for t, host, dev in saved:
-        t.data = host.to(dev, non_blocking=True)
-    if any(dev.type == "cuda" for _, _, dev in saved):
-        torch.cuda.synchronize()
-    return sum(host.numel() * host.element_size() for _, host, _ in saved)
-
-
-def host_bytes(saved) -> int:
-    return sum(host.numel() * host.element_size() for _, host, _ in saved)
 
 
 def rng_state() -> dict:
