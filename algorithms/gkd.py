@@ -70,6 +70,8 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
     coin = random.Random(cfg.run.seed)
     on_policy = [False] + [coin.random() < algo.lmbda for _ in range(cfg.run.steps)]
     keep = "teacher_logits" if getattr(teacher, "hosted_by", None) is trainer else None
+    # The student's top-k logprobs come at the trainer's temperature: the loss's, then.
+    train_temperature = algo.temperature if student_topk(cfg, plan) else 1.0
     with Turns(plan, {"train": trainer, "rollout": rollout, "teacher": teacher}, cfg.run, cfg.weight_sync, log,
                       eval_set, data=cfg.data) as turns:
         # Prompts continue where a resumed run's checkpoint left them.
@@ -108,7 +110,8 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
                 # finish). The trainer's onload, the weights' send and its offload ride on the call.
                 with turns.train_turn(step, prefetch, algo.max_staleness, metrics, one_call=True):
                     with log.phase("train", "train"):
-                        result = trainer.call("train_step", batch, dispatch="slice", collect=common.first)
+                        result = trainer.call("train_step", batch, train_temperature, dispatch="slice",
+                                              collect=common.first)
                         metrics.update({f"train/{k}": v for k, v in result.items()})
             turns.end_step(step, metrics, {"stream": prefetch.position()})
         return turns.finish({"stream": prefetch.position()})
@@ -264,10 +267,19 @@ def validate(cfg: GKDRunConfig, plan: Plan) -> None:
     gkd_loss(cfg, plan)
 
 
+def student_topk(cfg: GKDRunConfig, plan: Plan) -> bool:
+    """Whether the student's loss reads its log-softmax at the teacher's top-k tokens instead of
+    its full logits: a top-k teacher, the torch trainer with fused_logprobs (which then never
+    makes the [B, T, V] logits), and no SFT term (it needs the whole distribution)."""
+    return (plan.gkd_logits_topk is not None and cfg.trainer.fused_logprobs and cfg.backend.train == "torch"
+            and cfg.algorithm.sft_alpha == 0)
+
+
 def gkd_loss(cfg: GKDRunConfig, plan: Plan):
     a = cfg.algorithm
     return make_loss("gkd", beta=a.beta, temperature=a.temperature, sft_alpha=a.sft_alpha, topk_mode=a.topk_mode,
-                     teacher_temperature_applied=plan.gkd_logits_topk is not None)
+                     teacher_temperature_applied=plan.gkd_logits_topk is not None,
+                     student_topk=student_topk(cfg, plan))
 
 
 register_schema(GKDRunConfig)

@@ -35,6 +35,7 @@ from typing import Literal, Optional, Union
 import torch
 
 from roles.batch import Batch
+from roles.engines.train_kernels import topk_logprobs
 
 Reduction = Literal["mean", "sum"]
 StepReduction = Literal["global", "mean", "sum"]
@@ -205,40 +206,40 @@ def generalized_jsd(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tens
     return beta * _kl(teacher_logprobs, mixture) + (1 - beta) * _kl(student_logprobs, mixture)
 
 
-def _topk_distributions(student_logits, teacher_logprobs, teacher_indices, temperature, topk_mode,
+def _topk_distributions(student, teacher_logprobs, teacher_indices, temperature, topk_mode,
                         teacher_temperature_applied):
     """Student and teacher log-distributions over the k teacher tokens ('renorm') or the k
-    tokens plus one tail bucket ('tail'), both at the loss temperature. Inputs are [N, V] / [N, k]."""
-    if topk_mode == "renorm":
-        s = torch.log_softmax(student_logits.gather(-1, teacher_indices) / temperature, dim=-1)
-        t = teacher_logprobs if teacher_temperature_applied else teacher_logprobs / temperature
-        return s, torch.log_softmax(t, dim=-1)
-    if temperature != 1.0 and not teacher_temperature_applied:
+    tokens plus one tail bucket ('tail'), both at the loss temperature. The student as logits
+    [N, V], or as its log-softmax at the teacher's tokens and the log mass outside them at that
+    temperature, ([N, k], [N]) (`topk_logprobs`); the teacher's values [N, k]."""
+    if topk_mode == "tail" and temperature != 1.0 and not teacher_temperature_applied:
         raise ValueError(
             "topk_mode='tail' with temperature != 1 needs the teacher's top-k logprobs taken at that "
             "temperature (the tail mass at another temperature is unknown from k values): have the "
             "teacher apply the temperature and pass teacher_temperature_applied=True, or use topk_mode='renorm'")
+    if topk_mode == "renorm":  # the student's log-sum-exp over the vocabulary cancels here
+        s_top = student[0] if isinstance(student, tuple) else student.gather(-1, teacher_indices) / temperature
+        t = teacher_logprobs if teacher_temperature_applied else teacher_logprobs / temperature
+        return torch.log_softmax(s_top, dim=-1), torch.log_softmax(t, dim=-1)
+    s_top, s_rest = student if isinstance(student, tuple) else topk_logprobs(student / temperature, teacher_indices)
     # Both tails are floored at the same tiny mass: when k covers (nearly) the whole vocabulary a
     # rounding-level teacher tail against an exactly-zero student tail would otherwise give inf.
-    floor = math.log(torch.finfo(student_logits.dtype).tiny)
-    scaled = student_logits / temperature
-    lse = torch.logsumexp(scaled, dim=-1, keepdim=True)
-    s_top = scaled.gather(-1, teacher_indices) - lse
-    # The student's tail exactly: logsumexp over the vocabulary with the k tokens removed.
-    rest = scaled.scatter(-1, teacher_indices, torch.finfo(scaled.dtype).min)
-    s_tail = (torch.logsumexp(rest, dim=-1, keepdim=True) - lse).clamp(min=floor)
+    floor = math.log(torch.finfo(s_top.dtype).tiny)
+    s_tail = s_rest[:, None].clamp(min=floor)
     t_mass = torch.logsumexp(teacher_logprobs, dim=-1, keepdim=True)
     t_tail = torch.log(-torch.expm1(t_mass.clamp(max=0))).clamp(min=floor)  # log(1 - sum p_topk)
     t = torch.log_softmax(torch.cat([teacher_logprobs, t_tail], dim=-1), dim=-1)  # absorbs rounding
     return torch.cat([s_top, s_tail], dim=-1), t
 
 
-def gkd_loss(student_logits: torch.Tensor, teacher_logprobs: torch.Tensor, loss_mask: torch.Tensor, *,
+def gkd_loss(student_logits: Union[torch.Tensor, tuple], teacher_logprobs: torch.Tensor, loss_mask: torch.Tensor, *,
              beta: float, temperature: float, topk_mode: str, teacher_indices: Optional[torch.Tensor] = None,
              teacher_temperature_applied: bool = False, reduction: Reduction = "mean") -> tuple[torch.Tensor, dict]:
     """Generalized JSD between student and teacher next-token distributions, masked token mean.
 
-    All inputs are aligned with each other: student_logits [B, T, V], loss_mask [B, T], and
+    All inputs are aligned with each other: student_logits [B, T, V] (or, against a top-k
+    teacher, the student's log-softmax at the loss temperature at the teacher's tokens and the
+    log mass outside them, ([B, T, k], [B, T]): `Trainer` loss input 'student_topk'), loss_mask [B, T], and
     the teacher either full vocabulary (teacher_logprobs [B, T, V], teacher_indices None; exact)
     or top-k (teacher_logprobs and teacher_indices [B, T, k]):
     * 'renorm': both distributions restricted to the k teacher tokens and renormalised;
@@ -253,6 +254,8 @@ def gkd_loss(student_logits: torch.Tensor, teacher_logprobs: torch.Tensor, loss_
     _check_reduction(reduction)
     if temperature <= 0:
         raise ValueError(f"GKD temperature must be > 0, got {temperature}")
+    if isinstance(student_logits, tuple) and (teacher_indices is None or student_logits[0].shape != teacher_indices.shape):
+        raise ValueError("the student's top-k logprobs need a top-k teacher whose teacher_indices have their shape")
     if teacher_indices is None and teacher_logprobs.shape != student_logits.shape:
         raise ValueError(f"full-vocabulary teacher logprobs {tuple(teacher_logprobs.shape)} must match the "
                          f"student logits {tuple(student_logits.shape)}")
@@ -263,8 +266,12 @@ def gkd_loss(student_logits: torch.Tensor, teacher_logprobs: torch.Tensor, loss_
         raise ValueError(f"topk_mode must be one of {TOPK_MODES}, got {topk_mode!r}")
     # Select the loss positions first: prompt and padding rows cost nothing and cannot leak nan.
     active = loss_mask > 0
-    dtype = torch.promote_types(student_logits.dtype, torch.float32)
-    s_logits = student_logits[active].to(dtype)
+    if isinstance(student_logits, tuple):
+        s_logits = tuple(t[active].float() for t in student_logits)
+        dtype = torch.float32
+    else:
+        dtype = torch.promote_types(student_logits.dtype, torch.float32)
+        s_logits = student_logits[active].to(dtype)
     t_logp = teacher_logprobs[active].to(dtype)
     metrics = {}
     if teacher_indices is None:
@@ -348,7 +355,8 @@ class GKDLoss:
     loss_inputs: tuple = ("logits",)
 
     def __init__(self, *, beta: float, temperature: float, sft_alpha: float, topk_mode: str,
-                 teacher_temperature_applied: bool = False, reduction: StepReduction = "global"):
+                 teacher_temperature_applied: bool = False, reduction: StepReduction = "global",
+                 student_topk: bool = False):
         _check_step_reduction(reduction)
         if not 0.0 <= beta <= 1.0:
             raise ValueError(f"GKD beta must be in [0, 1], got {beta}")
@@ -360,12 +368,22 @@ class GKDLoss:
             raise ValueError(f"GKD temperature must be > 0, got {temperature}")
         self.beta, self.temperature, self.sft_alpha = beta, temperature, sft_alpha
         self.topk_mode, self.teacher_temperature_applied, self.reduction = topk_mode, teacher_temperature_applied, reduction
+        if student_topk and sft_alpha > 0:
+            raise ValueError("GKD student_topk gives the student's distribution at the teacher's top-k tokens only; "
+                             "sft_alpha > 0 needs the full logits (student_topk=False)")
+        # Against a top-k teacher the trainer may give the student's log-softmax at the teacher's
+        # tokens (at this loss's temperature: the driver trains at it) instead of the full logits,
+        # which its fused_logprobs path never makes.
+        self.student_topk = student_topk
+        self.loss_inputs = ("student_topk",) if student_topk else ("logits",)
 
     def denominator(self, batch: Batch) -> float:
         return loss_denominator("dapo", batch.loss_mask)
 
     def __call__(self, logprobs: torch.Tensor, batch: Batch, extras: Optional[dict] = None):
         extras = extras or {}
+        if self.student_topk:
+            return self._from_student_topk(batch, extras)
         logits = extras.get("logits")
         if logits is None:
             raise ValueError("GKD loss needs extras['logits'] (the student's aligned [B, T, V] logits); "
@@ -393,6 +411,26 @@ class GKDLoss:
                 batch.sft_weight.to(device, mask.dtype)[:, None].expand_as(mask))
             numerator = numerator + self.sft_alpha * (nll * weight[active]).sum()
             metrics["sft_nll"] = nll.detach().mean() if nll.numel() else 0.0
+        return _step_reduce(numerator, self.reduction, "global_tokens", self.denominator(batch), extras), metrics
+
+
+    def _from_student_topk(self, batch: Batch, extras: dict):
+        student = extras.get("student_topk")
+        if student is None:
+            raise ValueError("GKD loss with student_topk needs extras['student_topk']; give the trainer "
+                             "loss_inputs=loss_fn.loss_inputs")
+        if batch.teacher_logprobs is None or batch.teacher_indices is None:
+            raise ValueError("GKD loss with student_topk needs a top-k teacher's batch.teacher_logprobs and "
+                             "batch.teacher_indices (from Teacher.logits with topk)")
+        if float(extras.get("temperature", 1.0)) != self.temperature:
+            raise ValueError(f"GKD student_topk comes at the trainer's temperature {extras.get('temperature', 1.0)}; "
+                             f"train at the loss temperature {self.temperature}")
+        device = student[0].device
+        mask = batch.loss_mask.to(device)
+        numerator, metrics = gkd_loss(
+            student, batch.teacher_logprobs.to(device), mask, teacher_indices=batch.teacher_indices.to(device),
+            beta=self.beta, temperature=self.temperature, topk_mode=self.topk_mode,
+            teacher_temperature_applied=self.teacher_temperature_applied, reduction="sum")
         return _step_reduce(numerator, self.reduction, "global_tokens", self.denominator(batch), extras), metrics
 
 

@@ -38,14 +38,17 @@ from roles.batch import Batch, batch_to, fitting_rows, slice_batch, token_bytes
 from roles.engines.options import TRAIN_ENGINES, check_engine
 from roles.engines.torch_engine import process_memory, token_entropy, token_logprobs
 from roles.engines.torch_trainer import OPTIMIZERS, TorchTrainEngine, rank_device, rng_state, set_rng_state
-from roles.engines.train_kernels import TrainKernelOptions
+from roles.engines.train_kernels import TrainKernelOptions, topk_logprobs
 from roles.models import ModelConfig, ModelSpec, build_model, load_tokenizer, resolve_config, save_checkpoint
 from roles.weight_transfer import WeightSender
 
 LossFn = Callable[[torch.Tensor, Batch, dict], Tuple[torch.Tensor, dict]]
 SCHEDULES = ("cosine", "linear", "constant")
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
-LOSS_INPUTS = ("logits", "entropy")
+# What a loss may ask for beyond the token logprobs: the aligned logits [b, t, V] (divided by
+# the temperature), the entropy [b, t] (logged), and the log-softmax at batch.teacher_indices
+# with the log mass outside them, ([b, t, k], [b, t]) (GKD's student against a top-k teacher).
+LOSS_INPUTS = ("logits", "entropy", "student_topk")
 # TrainerConfig fields only the torch engine honours.
 KERNEL_OPTIONS = ("packing", "compile", "cuda_graphs", "activation_checkpointing", "chunked_logprobs",
                   "fused_logprobs")
@@ -242,16 +245,27 @@ class Trainer(WeightSender):
         dev = on_device if on_device is not None else mb
         ids, valid = dev.input_ids.to(self.device), dev.attention_mask.to(self.device).bool()
         zero = torch.zeros((), device=self.device)
+        topk = "student_topk" in inputs
+        if topk and mb.teacher_indices is None:
+            raise ValueError("the loss asks for student_topk: the batch needs teacher_indices (a top-k teacher)")
         if (self.config.fused_logprobs and "logits" not in inputs) or \
                 (self.config.chunked_logprobs and not set(inputs) & set(LOSS_INPUTS)):
-            logprobs, entropy = self.engine.token_logprobs(mb.input_ids, mb.attention_mask, temperature,
-                                                           entropy="entropy" in inputs)
-            return torch.where(valid, logprobs, zero), {} if entropy is None else {"entropy": entropy}
+            logprobs, entropy, top, rest = self.engine.token_logprobs(
+                mb.input_ids, mb.attention_mask, temperature, entropy="entropy" in inputs,
+                topk_indices=mb.teacher_indices if topk else None)
+            out = {} if entropy is None else {"entropy": entropy}
+            if topk:
+                out["student_topk"] = (top, rest)
+            return torch.where(valid, logprobs, zero), out
         logits = self.engine.forward(mb.input_ids, mb.attention_mask)
         out = {}
         logprobs = torch.where(valid, token_logprobs(logits, ids, temperature), zero)
         if "entropy" in inputs:
             out["entropy"] = torch.where(valid, token_entropy(logits, temperature), zero)
+        if topk:  # row t of the logits is aligned position t + 1's distribution
+            top, rest = topk_logprobs(logits[:, :-1].float() / temperature,
+                                      dev.teacher_indices.to(self.device)[:, 1:].long())
+            out["student_topk"] = (F.pad(top, (0, 0, 1, 0)), F.pad(rest, (1, 0)))
         if "logits" in inputs:
             # Row t holds the distribution of token t: HF's row t - 1, shifted down by one.
             out["logits"] = F.pad(logits[:, :-1].float() / temperature, (0, 0, 1, 0))

@@ -48,7 +48,7 @@ class FakeTrainer:
         if self.offloaded:
             raise RuntimeError(f"fake trainer is offloaded; call onload() before {what}()")
 
-    def train_step(self, batch):
+    def train_step(self, batch, temperature=1.0):
         self._live("train_step")
         assert len(batch) > 0 and batch.loss_mask.sum() > 0
         if self.needs_teacher:

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from algorithms import gkd
@@ -283,6 +284,27 @@ def test_gkd_topk_tail_mode_runs(tmp_path):
     gkd.run(typed, plan, tmp_path)
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert len(records) == 2 and math.isfinite(records[1]["train/loss"])
+
+
+def test_gkd_student_topk_with_fused_logprobs_follows_the_full_logits_run(tmp_path, monkeypatch):
+    """trainer.fused_logprobs against a top-k teacher: the student's loss reads its log-softmax at
+    the teacher's tokens (trained at the loss temperature) and never the full logits; the losses
+    are the full-logits run's (torch.compile traced by dynamo and AOTAutograd here)."""
+    import functools
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
+    base = ["+experiment=gkd_quickstart", *TINY_GKD, "backend=local", "teacher.warmup_steps=0", "run.steps=2",
+            "trainer.warmup_steps=0", "run.save_final=false", "placement.gkd_logits_topk=4", "algorithm.lmbda=0",
+            "trainer.compile=true"]
+    losses = {}
+    for fused in (False, True):
+        _, typed, plan = prepared(GKDRunConfig, base + [f"trainer.fused_logprobs={str(fused).lower()}"])
+        gkd.validate(typed, plan)
+        assert gkd.student_topk(typed, plan) == fused and gkd.gkd_loss(typed, plan).loss_inputs == (
+            ("student_topk",) if fused else ("logits",))
+        gkd.run(typed, plan, tmp_path / str(fused))
+        losses[fused] = [r["train/loss"] for r in read_metrics(tmp_path / str(fused) / "metrics.jsonl")[1:]]
+    assert len(losses[True]) == 2 and losses[True] == pytest.approx(losses[False], rel=1e-4)
 
 
 def test_two_sleeping_vllm_engines_in_one_gpu_process_are_refused_before_start(monkeypatch):

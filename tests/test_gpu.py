@@ -202,6 +202,38 @@ def test_fused_logprobs_train_as_the_compiled_full_logits(options):
     torch.testing.assert_close(fused.logprobs(batch), full.logprobs(batch), atol=500 * rel / 100, rtol=0)
 
 
+@pytest.mark.parametrize("mode", ["renorm", "tail"])
+def test_gkd_student_topk_trains_as_the_compiled_full_logits(mode):
+    """GKD's student against a top-k teacher with fused_logprobs (bf16, packing, inductor): the
+    log-softmax at the teacher's tokens from the compiled function gives the steps of the
+    compiled trainer that makes the full logits."""
+    import dataclasses
+
+    from algorithms.losses import GKDLoss
+
+    cfg = TrainerConfig(lr=1e-3, warmup_steps=0, total_steps=10, device="cuda", dtype="bfloat16",
+                        micro_batch_per_device=4, compile=True, packing=True)
+    loss = dict(beta=0.5, temperature=0.9, sft_alpha=0.0, topk_mode=mode, teacher_temperature_applied=True)
+    full = Trainer(MODEL, cfg, loss_fn=GKDLoss(**loss), loss_inputs=("logits",))
+    fused = Trainer(MODEL, dataclasses.replace(cfg, fused_logprobs=True), loss_fn=GKDLoss(**loss, student_topk=True),
+                    loss_inputs=("student_topk",))
+    teacher = Trainer(MODEL, TrainerConfig(device="cuda", dtype="float32"))
+    torch.manual_seed(0)
+    with torch.no_grad():  # another model than the student
+        for p in teacher.model.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    for step in range(3):
+        batch = sft_batch(16, seed=step)
+        with torch.no_grad():
+            logits = teacher.engine.forward(batch.input_ids, batch.attention_mask).float().cpu()
+        top = torch.topk(torch.log_softmax(logits[:, :-1] / 0.9, -1), k=4, dim=-1)
+        batch.teacher_logprobs = torch.nn.functional.pad(top.values, (0, 0, 1, 0))
+        batch.teacher_indices = torch.nn.functional.pad(top.indices, (0, 0, 1, 0))
+        a, b = full.train_step(batch, 0.9), fused.train_step(batch, 0.9)
+        assert a["loss"] == pytest.approx(b["loss"], rel=2e-2) and a["grad_norm"] == pytest.approx(b["grad_norm"],
+                                                                                                   rel=1e-1)
+
+
 def test_cuda_graphed_trainer_trains_as_the_compiled_one():
     """trainer.cuda_graphs (bf16, packing, ragged rows, 4 micro-batches a step): the compiled
     forward and backward replay as CUDA graphs (torch reports no skipped graph), and the steps

@@ -286,6 +286,39 @@ def test_gkd_topk_with_k_equal_vocab_is_full_vocab(beta, mode):
                   teacher_temperature_applied=True)[0]
     close(float(got), full_t)
 
+@pytest.mark.parametrize("mode", ["renorm", "tail"])
+def test_gkd_from_the_students_topk_logprobs_equals_the_logits_path(mode):
+    """The trainer's 'student_topk' input (log-softmax at the teacher's tokens and the mass
+    outside them, at the loss temperature) gives the loss and the logits' gradient that the
+    full logits give; GKDLoss(student_topk=True) reads it, trained at its temperature."""
+    from roles.engines.train_kernels import topk_logprobs
+
+    s, t, mask = _gkd_inputs(seed=3)
+    values, indices = torch.topk(torch.log_softmax(t / 0.9, dim=-1), k=4, dim=-1)
+    kw = dict(teacher_indices=indices, beta=0.5, temperature=0.9, topk_mode=mode, teacher_temperature_applied=True)
+    s_full, s_top = s.clone().requires_grad_(), s.clone().requires_grad_()
+    want, want_m = gkd_loss(s_full, values, mask, **kw)
+    got, got_m = gkd_loss(topk_logprobs(s_top / 0.9, indices), values, mask, **kw)
+    close(float(got), float(want))
+    close(float(got_m["jsd"]), float(want_m["jsd"]))
+    want.backward()
+    got.backward()
+    torch.testing.assert_close(s_top.grad, s_full.grad)
+
+    batch = Batch(input_ids=torch.zeros(2, 5, dtype=torch.long), attention_mask=torch.ones(2, 5), loss_mask=mask,
+                  teacher_logprobs=values, teacher_indices=indices)
+    fn = GKDLoss(beta=0.5, temperature=0.9, sft_alpha=0.0, topk_mode=mode, teacher_temperature_applied=True,
+                 student_topk=True)
+    assert fn.loss_inputs == ("student_topk",)
+    extras = {"global_tokens": float(mask.sum()), "temperature": 0.9,
+              "student_topk": topk_logprobs(s / 0.9, indices)}
+    close(float(fn(None, batch, extras)[0]), float(want))  # a mean over the loss tokens, as the step
+    with pytest.raises(ValueError, match="trainer's temperature 1.0; train at the loss temperature 0.9"):
+        fn(None, batch, {**extras, "temperature": 1.0})
+    with pytest.raises(ValueError, match="sft_alpha > 0 needs the full logits"):
+        GKDLoss(beta=0.5, temperature=0.9, sft_alpha=0.1, topk_mode=mode, student_topk=True)
+
+
 
 @pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("mode", ["renorm", "tail"])

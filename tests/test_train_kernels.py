@@ -76,7 +76,7 @@ def test_chunked_logprobs_equal_the_full_log_softmax_with_gradients(monkeypatch,
     want_lp = full().detach()
     want = grads(engine, lambda: weighted_logprob_sum(full(), mask))
     engine.set_options(TrainKernelOptions(packing=packing))
-    got_lp, _ = engine.token_logprobs(ids, mask, 0.7)
+    got_lp = engine.token_logprobs(ids, mask, 0.7)[0]
     torch.testing.assert_close(got_lp.detach(), want_lp, atol=2e-5, rtol=0)
     got = grads(engine, lambda: weighted_logprob_sum(engine.token_logprobs(ids, mask, 0.7)[0], mask))
     for name in want:
@@ -98,13 +98,50 @@ def test_fused_logprobs_equal_the_full_log_softmax_with_gradients(packing, bucke
     run = functools.partial(train_kernels.next_token_logprobs, engine.model)
     fused = lambda: train_kernels.fused_token_logprobs(engine.model, run, ids, mask, 0.7, packing, bucket,  # noqa: E731
                                                        entropy=True)
-    got_lp, got_entropy = fused()
+    got_lp, got_entropy, _, _ = fused()
     torch.testing.assert_close(got_lp.detach(), want_lp, atol=2e-5, rtol=0)
     with torch.no_grad():
         want_entropy = torch.where(mask.bool(), token_entropy(engine.forward(ids, mask), 0.7), 0.0)
     assert not got_entropy.requires_grad
     torch.testing.assert_close(got_entropy, want_entropy, atol=2e-5, rtol=0)
     got = grads(engine, lambda: weighted_logprob_sum(fused()[0], mask))
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-4, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("packing, bucket", [(False, False), (True, False), (True, True)])
+def test_fused_logprobs_at_the_teachers_tokens_equal_the_full_log_softmax_with_gradients(packing, bucket):
+    """With topk_indices (GKD's student against a top-k teacher): the log-softmax at those tokens
+    and the mass outside them, aligned like the logprobs, as the full logits give them."""
+    import functools
+
+    import torch.nn.functional as F
+
+    engine = Trainer("tiny_qwen2", CFG).engine
+    ids, mask = ragged(rows=6, width=23, seed=7)
+    vocab = engine.model.config.vocab_size
+    indices = torch.stack([torch.randperm(vocab, generator=torch.Generator().manual_seed(i))[:4]
+                           for i in range(ids.numel())]).view(*ids.shape, 4)
+    valid = mask.bool()
+
+    def full():
+        top, rest = train_kernels.topk_logprobs(engine.forward(ids, mask)[:, :-1].float() / 0.7, indices[:, 1:])
+        return torch.where(valid[..., None], F.pad(top, (0, 0, 1, 0)), 0.0), torch.where(valid, F.pad(rest, (1, 0)), 0.0)
+
+    def weighted(top, rest):
+        return (top * torch.arange(1, 5)).mul(valid[..., None]).sum() + (rest * valid).sum() * 0.3
+
+    want_top, want_rest = (t.detach() for t in full())
+    want = grads(engine, lambda: weighted(*full()))
+    engine.set_options(TrainKernelOptions(packing=packing))
+    run = functools.partial(train_kernels.next_token_logprobs, engine.model)
+    fused = lambda: train_kernels.fused_token_logprobs(engine.model, run, ids, mask, 0.7, packing, bucket,  # noqa: E731
+                                                       topk_indices=indices)[2:]
+    got_top, got_rest = fused()
+    assert got_top.shape == (*ids.shape, 4) and got_rest.shape == ids.shape
+    torch.testing.assert_close(got_top.detach(), want_top, atol=2e-5, rtol=0)
+    torch.testing.assert_close(got_rest.detach(), want_rest, atol=2e-5, rtol=0)
+    got = grads(engine, lambda: weighted(*fused()))
     for name in want:
         torch.testing.assert_close(got[name], want[name], atol=1e-4, rtol=1e-4, msg=name)
 
@@ -116,7 +153,7 @@ def test_fused_logprobs_of_one_position_are_zero():
     engine = Trainer("tiny_qwen2", CFG).engine
     run = functools.partial(train_kernels.next_token_logprobs, engine.model)
     ids, mask = torch.tensor([[5], [6]]), torch.tensor([[1], [0]])
-    lp, entropy = train_kernels.fused_token_logprobs(engine.model, run, ids, mask, 1.0, False, entropy=True)
+    lp, entropy, _, _ = train_kernels.fused_token_logprobs(engine.model, run, ids, mask, 1.0, False, entropy=True)
     assert lp.shape == entropy.shape == (2, 1) and not lp.any() and not entropy.any()
 
 
@@ -132,7 +169,7 @@ def test_packed_fused_logprobs_give_a_rows_first_token_zero():
     engine.set_options(TrainKernelOptions(packing=True))
     run = functools.partial(train_kernels.next_token_logprobs, engine.model)
     with torch.no_grad():
-        got, _ = train_kernels.fused_token_logprobs(engine.model, run, ids, mask, 1.0, packing=True)
+        got = train_kernels.fused_token_logprobs(engine.model, run, ids, mask, 1.0, packing=True)[0]
     first = mask.long().argmax(1)
     rows = torch.arange(len(ids))
     assert (got[rows, first] == 0).all() and (got[~mask.bool()] == 0).all()
@@ -243,7 +280,7 @@ def test_packed_chunked_logprobs_match_the_rollouts():
     engine = Trainer("tiny_qwen2", CFG).engine
     engine.set_options(TrainKernelOptions(packing=True))
     with torch.no_grad():
-        lp, _ = engine.token_logprobs(batch.input_ids, batch.attention_mask, 0.8)
+        lp = engine.token_logprobs(batch.input_ids, batch.attention_mask, 0.8)[0]
     mask = batch.loss_mask.bool()
     torch.testing.assert_close(lp[mask], batch.old_logprobs[mask], atol=1e-4, rtol=0)
 

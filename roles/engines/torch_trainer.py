@@ -195,20 +195,23 @@ class TorchTrainEngine(DataParallelCollectives):
         return out.logits
 
     def token_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float,
-                       entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                       entropy: bool = False, topk_indices: Optional[torch.Tensor] = None) -> tuple:
         """`torch_engine.token_logprobs` of the model's logits (0 on padding) without the
-        [B, T, V] float32 logits, and the entropies (`token_entropy`) where asked (else None):
-        with fused_logprobs in one compiled function of the model, its output head and the
-        log-softmax; else last hidden states, then the output head chunk by chunk (no entropy)."""
+        [B, T, V] float32 logits, the entropies (`token_entropy`) where asked (else None), and
+        at `topk_indices` the log-softmax and the mass outside them (`fused_token_logprobs`;
+        else None, None): with fused_logprobs in one compiled function of the model, its output
+        head and the log-softmax; else last hidden states, then the output head chunk by chunk
+        (logprobs only)."""
         if self._compiled_logprobs is not None:
             if self.kernels.cuda_graphs:  # the previous call's outputs are no longer read
                 torch.compiler.cudagraph_mark_step_begin()
             with self.autocast(), self._graphs():
                 packing = self.kernels.packing and bool(attention_mask.any())
                 return fused_token_logprobs(self.model, self._compiled_logprobs, input_ids, attention_mask,
-                                            temperature, packing, bucket=self.kernels.cuda_graphs, entropy=entropy)
-        if entropy:
-            raise ValueError("chunked logprobs give no entropy: the loss needs the full logits")
+                                            temperature, packing, bucket=self.kernels.cuda_graphs, entropy=entropy,
+                                            topk_indices=topk_indices)
+        if entropy or topk_indices is not None:
+            raise ValueError("chunked logprobs give no entropy or top-k: the loss needs the full logits")
         if self.kernels.cuda_graphs:
             torch.compiler.cudagraph_mark_step_begin()
         with self.autocast(), self._graphs():
@@ -220,7 +223,7 @@ class TorchTrainEngine(DataParallelCollectives):
                 hidden = (self._compiled_base or self.model.base_model)(
                     input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
         return chunked_token_logprobs(hidden, self.model.get_output_embeddings(), input_ids.to(self.device),
-                                      attention_mask.to(self.device), temperature), None
+                                      attention_mask.to(self.device), temperature), None, None, None
 
     def backward(self, loss: torch.Tensor) -> None:
         """Accumulate this micro-batch's gradients (engines with their own hooks override it)."""

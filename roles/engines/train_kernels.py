@@ -166,23 +166,36 @@ def packed_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     return full.view(*p.shape, packed.shape[-1])
 
 
+def topk_logprobs(scaled: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """log softmax(`scaled`) [.., V] at `indices` [.., k], and the log mass outside them [..],
+    exactly (a log-sum-exp over the other tokens, where log(1 - sum p) would cancel)."""
+    lse = scaled.logsumexp(-1, keepdim=True)
+    top = scaled.gather(-1, indices) - lse
+    outside = torch.ones_like(scaled, dtype=torch.bool).scatter(-1, indices, False)
+    rest = torch.where(outside, scaled, torch.finfo(scaled.dtype).min).logsumexp(-1) - lse[..., 0]
+    return top, rest
+
+
 def next_token_logprobs(model, targets: torch.Tensor, temperature: float, entropy: bool,
-                        **inputs) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+                        topk_indices: Optional[torch.Tensor] = None, **inputs) -> tuple[Optional[torch.Tensor], ...]:
     """log softmax(head(last hidden state) / temperature)[target] at every position of `inputs`
-    ([.., T] for targets [.., T]: the token each position predicts) and, with `entropy`, the
-    entropy of each position's distribution (no gradient: it is logged). Compiled as one
-    function (`fused_token_logprobs`), the output head, the float32 log-softmax and the pick
-    run as one pass over the 16-bit logits; no float32 [.., T, V] tensor is made."""
+    ([.., T] for targets [.., T]: the token each position predicts); with `entropy` the entropy
+    of each position's distribution (no gradient: it is logged), else None; with `topk_indices`
+    [.., T, k] the log-softmax at those tokens and the log mass outside them (`topk_logprobs`),
+    else None, None. Compiled as one function (`fused_token_logprobs`), the output head, the
+    float32 log-softmax and the picks run over the 16-bit logits; no float32 [.., T, V] tensor
+    is kept."""
     hidden = model.base_model(**inputs).last_hidden_state
     logits = model.get_output_embeddings()(hidden).float()
     if temperature != 1.0:
         logits = logits / temperature
     lse = logits.logsumexp(-1)
     picked = logits.gather(-1, targets[..., None])[..., 0] - lse
-    if not entropy:
-        return picked, None
-    logits, lse = logits.detach(), lse.detach()
-    return picked, lse - (torch.softmax(logits, -1) * logits).sum(-1)
+    top, rest = topk_logprobs(logits, topk_indices) if topk_indices is not None else (None, None)
+    ent = None
+    if entropy:
+        ent = lse.detach() - (torch.softmax(logits.detach(), -1) * logits.detach()).sum(-1)
+    return picked, ent, top, rest
 
 
 def check_plain_head(model, option: str) -> None:
@@ -195,33 +208,46 @@ def check_plain_head(model, option: str) -> None:
 
 
 def fused_token_logprobs(model, run: Callable, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                         temperature: float, packing: bool, bucket: bool = False,
-                         entropy: bool = False) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """[B, T] logprobs aligned like `torch_engine.token_logprobs` (out[:, t] = log p(ids[t] |
-    ids[:t]); 0 at t = 0 and wherever ids[t] is padding), and with `entropy` the entropies
-    aligned the same way (else None), through `run`, a compiled `next_token_logprobs` of
-    `model`. With `packing` the micro-batch runs packed (`pack`), and a row's first real token,
-    which nothing predicts in the packed sequence, gets 0."""
+                         temperature: float, packing: bool, bucket: bool = False, entropy: bool = False,
+                         topk_indices: Optional[torch.Tensor] = None) -> tuple[Optional[torch.Tensor], ...]:
+    """Through `run`, a compiled `next_token_logprobs` of `model`: [B, T] logprobs aligned like
+    `torch_engine.token_logprobs` (out[:, t] = log p(ids[t] | ids[:t]); 0 at t = 0 and wherever
+    ids[t] is padding); with `entropy` the entropies aligned the same way, else None; with
+    `topk_indices` [B, T, k] (aligned: the tokens of position t's distribution, the teacher's
+    top k in GKD) the log-softmax at them [B, T, k] and the log mass outside them [B, T], else
+    None, None. With `packing` the micro-batch runs packed (`pack`), and a row's first real
+    token, which nothing predicts in the packed sequence, gets 0."""
     device = model.get_input_embeddings().weight.device
     if packing:
         p = pack(model, input_ids, attention_mask, bucket)
         ids = p.inputs["input_ids"]
-        outs = run(F.pad(ids[:, 1:], (0, 1)), temperature, entropy, **p.inputs)
+        index = None
+        if topk_indices is not None:  # packed like the tokens whose distributions they pick from
+            packed = _to(topk_indices.reshape(p.shape.numel(), -1), device)[p.flat]
+            index = F.pad(packed[1:], (0, 0, 0, ids.shape[1] - p.real + 1))[None]
+        outs = run(F.pad(ids[:, 1:], (0, 1)), temperature, entropy, index, **p.inputs)
         # Packed token j + 1 is predicted at j unless it starts a row (the positions restart).
         follows = p.inputs["position_ids"][0, 1:p.real] > 0
         aligned = []
         for t in outs:
             if t is not None:
-                out = torch.zeros(p.shape.numel(), dtype=torch.float32, device=device)
-                t = out.index_copy_(0, p.flat[1:], torch.where(follows, t[0, :p.real - 1], 0.0)).view(p.shape)
+                t = t[0, :p.real - 1]
+                t = torch.where(follows.view(-1, *[1] * (t.dim() - 1)), t, 0.0)
+                out = torch.zeros(p.shape.numel(), *t.shape[1:], dtype=torch.float32, device=device)
+                t = out.index_copy_(0, p.flat[1:], t).view(*p.shape, *t.shape[1:])
             aligned.append(t)
         return tuple(aligned)
     ids, mask = input_ids.to(device), attention_mask.to(device)
     if ids.shape[1] < 2:  # one position: nothing is predicted (the model takes no empty sequence)
         zero = torch.zeros(ids.shape, dtype=torch.float32, device=device)
-        return zero, zero.clone() if entropy else None
-    outs = run(ids[:, 1:], temperature, entropy, input_ids=ids[:, :-1], attention_mask=mask[:, :-1], use_cache=False)
-    return tuple(t if t is None else torch.where(mask.bool(), F.pad(t, (1, 0)), 0.0) for t in outs)
+        top = None if topk_indices is None else torch.zeros(*ids.shape, topk_indices.shape[-1], device=device)
+        return zero, zero.clone() if entropy else None, top, None if top is None else zero.clone()
+    index = None if topk_indices is None else topk_indices.to(device)[:, 1:]
+    outs = run(ids[:, 1:], temperature, entropy, index, input_ids=ids[:, :-1], attention_mask=mask[:, :-1],
+               use_cache=False)
+    valid = mask.bool()
+    return tuple(t if t is None else torch.where(valid.view(*valid.shape, *[1] * (t.dim() - 2)),
+                                                 F.pad(t, (0, 0) * (t.dim() - 2) + (1, 0)), 0.0) for t in outs)
 
 
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
