@@ -422,8 +422,9 @@ class GKDLoss:
         if batch.teacher_logprobs is None or batch.teacher_indices is None:
             raise ValueError("GKD loss with student_topk needs a top-k teacher's batch.teacher_logprobs and "
                              "batch.teacher_indices (from Teacher.logits with topk)")
-        if float(extras.get("temperature", 1.0)) != self.temperature:
-            raise ValueError(f"GKD student_topk comes at the trainer's temperature {extras.get('temperature', 1.0)}; "
+        trained = extras.get("temperature")  # the Trainer passes its train_step temperature
+        if trained is None or float(trained) != self.temperature:
+            raise ValueError(f"GKD student_topk comes at the trainer's temperature {trained}; "
                              f"train at the loss temperature {self.temperature}")
         device = student[0].device
         mask = batch.loss_mask.to(device)

@@ -17,6 +17,7 @@ No Ray here.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
 
@@ -28,12 +29,13 @@ from roles.engines.host_copies import host_bytes, module_tensors, to_device, to_
 from roles.engines.options import TEACHER_ENGINES, MegatronOptions, check_engine
 from roles.engines.torch_engine import process_memory
 from roles.engines.torch_trainer import rank_device
-from roles.engines.train_kernels import chunked_vocab_logprobs, packed_forward, use_packing
+from roles.engines.train_kernels import (check_plain_head, chunked_vocab_logprobs, next_token_vocab_logprobs, pack,
+                                        packed_forward, use_packing, vocab_logprobs)
 from roles.models import DTYPES, ModelSpec, build_model, load_tokenizer, resolve_config
 from roles.weight_transfer import WeightReceiver, load_named_weights
 
 # TeacherConfig fields only the torch engine honours.
-KERNEL_OPTIONS = ("packing", "compile", "chunked_logprobs")
+KERNEL_OPTIONS = ("packing", "compile", "chunked_logprobs", "fused_logprobs")
 
 
 @dataclass
@@ -58,6 +60,10 @@ class TeacherConfig:
     # Log-softmax and top-k from the last hidden states a chunk of positions at a time, without
     # the [micro-batch, T, V] float32 logits (automatic micro-batches are then sized without them).
     chunked_logprobs: bool = False
+    # With compile: the output head, the log-softmax, the top-k and the tail mass compiled with the
+    # model as one function (no float32 copy of the [micro-batch, T, V] logits beside the output;
+    # faster than chunked_logprobs, which holds less).
+    fused_logprobs: bool = False
 
 
 class Teacher(WeightReceiver):
@@ -75,6 +81,9 @@ class Teacher(WeightReceiver):
             config = TeacherConfig()
         elif not isinstance(config, TeacherConfig):
             config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(TeacherConfig), config))
+        if config.fused_logprobs and (not config.compile or config.chunked_logprobs):
+            raise ValueError("teacher fused_logprobs is a compiled function: set teacher.engine.compile=true "
+                             "and leave chunked_logprobs off")
         if config.micro_batch_per_device < 0:
             raise ValueError(f"teacher micro_batch_per_device={config.micro_batch_per_device} must be >= 0")
         if not config.micro_batch_memory_mb > 0:
@@ -122,13 +131,13 @@ class Teacher(WeightReceiver):
     def _set_options(self) -> None:
         """Packing and compilation of the torch engine's forward (KERNEL_OPTIONS)."""
         c = self.config
-        head = self.model.get_output_embeddings()
-        if c.chunked_logprobs and (getattr(self.model.config, "final_logit_softcapping", None)
-                                   or not isinstance(head, torch.nn.Linear)):
-            raise ValueError("teacher chunked_logprobs needs logits that are the output head's projection of the "
-                             f"last hidden states ({type(self.model).__name__} transforms them further)")
+        for option in ("chunked_logprobs", "fused_logprobs"):
+            if getattr(c, option):
+                check_plain_head(self.model, f"teacher {option}")
         use_packing(self.model, c.packing)
-        if c.compile:  # the module itself stays what offload and weight loads see
+        if c.fused_logprobs:  # the module itself stays what offload and weight loads see
+            self._run = torch.compile(functools.partial(next_token_vocab_logprobs, self.model))
+        elif c.compile:
             self._run = torch.compile(self.model.base_model if c.chunked_logprobs else self.model)
 
     def _torch_forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -140,6 +149,20 @@ class Teacher(WeightReceiver):
         run = self._run if self._run is not None else (self.model.base_model if base else self.model)
         out = run(input_ids=ids, attention_mask=mask, use_cache=False)
         return out.last_hidden_state if base else out.logits
+
+    def _fused_forward(self, ids: torch.Tensor, mask: torch.Tensor, topk: Optional[int], tail: bool,
+                       temperature: float) -> tuple[torch.Tensor, ...]:
+        """`vocab_logprobs` of the model's logits [b, T, ...] (HF layout) through the compiled
+        function (fused_logprobs); packed: zero on padding."""
+        if not self.config.packing:
+            return self._run(topk, tail, temperature, input_ids=ids, attention_mask=mask, use_cache=False)
+        p = pack(self.model, ids, mask)
+        outs = []
+        for got in self._run(topk, tail, temperature, **p.inputs):
+            got = got[0, :p.real]
+            full = got.new_zeros(p.shape.numel(), *got.shape[1:]).index_copy(0, p.flat, got)
+            outs.append(full.view(*p.shape, *got.shape[1:]))
+        return tuple(outs)
 
     @torch.no_grad()
     def logits(self, batch: Batch, topk: Optional[int] = None, tail: bool = False, temperature: float = 1.0):
@@ -174,15 +197,15 @@ class Teacher(WeightReceiver):
             mask = batch.attention_mask[rows].to(self.device)
             keep = mask[:, 1:].bool().unsqueeze(-1)
             if self.engine == "megatron":
-                local = mt.local_logits(self.model, ids)[:, :-1]
+                local = mt.local_logits(self.model, ids)
                 if topk is not None:  # merged across the vocabulary shards of the TP ranks
-                    top = mt.topk_logprobs(local, V, topk, temperature, tail)
+                    top = mt.topk_logprobs(local[:, :-1], V, topk, temperature, tail)
                     values[rows, 1:] = torch.where(keep, top[0], 0.0).cpu()
                     indices[rows, 1:] = torch.where(keep, top[1], 0).cpu()
                     if tail:
                         tails[rows, 1:] = torch.where(keep.squeeze(-1), top[2], 0.0).cpu()
                     continue
-                out = mt.gather_vocab(local, V)
+                outs = vocab_logprobs(mt.gather_vocab(local, V), None, False, temperature)
             elif not bool(mask.any()):
                 continue  # padding only: every output stays 0
             elif self.config.chunked_logprobs:  # only the kept positions, a chunk at a time
@@ -196,20 +219,14 @@ class Teacher(WeightReceiver):
                 if tail:
                     tails[rows, 1:][kept] = flat[2]
                 continue
+            elif self.config.fused_logprobs:
+                outs = self._fused_forward(ids, mask, topk, tail, temperature)
             else:
-                out = self._torch_forward(ids, mask)[:, :-1]
+                outs = vocab_logprobs(self._torch_forward(ids, mask), topk, tail, temperature)
             # Row t of the output predicts token t + 1: it becomes aligned position t + 1.
-            logprobs = torch.log_softmax(out.float() / temperature, dim=-1)
-            if topk is None:
-                values[rows, 1:] = torch.where(keep, logprobs, 0.0).cpu()
-                continue
-            top_values, top_indices = torch.topk(logprobs, topk, dim=-1)
-            values[rows, 1:] = torch.where(keep, top_values, 0.0).cpu()
-            indices[rows, 1:] = torch.where(keep, top_indices, 0).cpu()
-            if tail:
-                # Log-sum-exp of the tokens outside the top k: exact where 1 - sum(p) would cancel.
-                rest = logprobs.scatter(-1, top_indices, float("-inf")).logsumexp(-1)
-                tails[rows, 1:] = torch.where(keep.squeeze(-1), rest, 0.0).cpu()
+            for out, got in zip((values, indices, tails), outs):
+                kept = keep if got.dim() == 3 else keep[..., 0]
+                out[rows, 1:] = torch.where(kept, got[:, :-1], 0).cpu()
         if topk is None:
             return values[own]
         return (values[own], indices[own], tails[own]) if tail else (values[own], indices[own])

@@ -1,7 +1,7 @@
 """The teacher's forward options (TeacherConfig.packing / chunked_logprobs, the trainer's
 options of the same names) on CPU with a tiny real model: top-k, tail and full-vocabulary
-logprobs of ragged, right-padded rows equal the plain forward's. (compile: on the GPU, the
-gpu-marked test below.)"""
+logprobs of ragged, right-padded rows equal the plain forward's. (compile with inductor: on the
+GPU, the gpu-marked test below.)"""
 import pytest
 import torch
 
@@ -29,9 +29,16 @@ def plain():
     return Teacher(MODEL, TeacherConfig(device="cpu", micro_batch_per_device=3))
 
 
-@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "+".join(o))
+FUSED = [{"compile": True, "fused_logprobs": True, "packing": True}]
+
+
+@pytest.mark.parametrize("options", OPTIONS + FUSED, ids=lambda o: "+".join(o))
 def test_options_give_the_plain_forwards_topk_tail_and_full_vocabulary(monkeypatch, plain, options):
+    """(fused_logprobs: its compiled function traced by dynamo and AOTAutograd here.)"""
+    import functools
+
     monkeypatch.setattr(train_kernels, "LOGPROB_CHUNK", 16)  # several chunks per micro-batch, the last partial
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
     batch = ragged_batch()
     fast = Teacher(MODEL, TeacherConfig(device="cpu", micro_batch_per_device=3, **options))
     kept = batch.attention_mask[:, 1:].bool()
@@ -66,6 +73,13 @@ def test_chunked_micro_batches_are_sized_without_the_logits():
     torch.testing.assert_close(t.logits(batch, topk=3)[0], plain.logits(batch, topk=3)[0], atol=2e-5, rtol=0)
 
 
+@pytest.mark.parametrize("options", [{"fused_logprobs": True}, {"fused_logprobs": True, "compile": True,
+                                                                "chunked_logprobs": True}])
+def test_fused_logprobs_need_compile_and_not_chunked(options):
+    with pytest.raises(ValueError, match="teacher fused_logprobs is a compiled function: set teacher.engine.compile"):
+        Teacher(MODEL, TeacherConfig(device="cpu", **options))
+
+
 def test_options_survive_offload_and_need_the_torch_engine(plain):
     batch = ragged_batch()
     fast = Teacher(MODEL, TeacherConfig(device="cpu", packing=True, chunked_logprobs=True))
@@ -80,7 +94,9 @@ def test_options_survive_offload_and_need_the_torch_engine(plain):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("options", [{"compile": True}, {"compile": True, "chunked_logprobs": True},
-                                     {"compile": True, "packing": True, "chunked_logprobs": True}],
+                                     {"compile": True, "packing": True, "chunked_logprobs": True},
+                                     {"compile": True, "fused_logprobs": True},
+                                     {"compile": True, "packing": True, "fused_logprobs": True}],
                          ids=lambda o: "+".join(o))
 def test_compiled_teacher_on_the_gpu_equals_the_plain_forward(options):
     """fp32 on the GPU (the varlen kernel is 16-bit only: rows of SDPA when packed)."""

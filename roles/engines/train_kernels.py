@@ -176,6 +176,32 @@ def topk_logprobs(scaled: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Te
     return top, rest
 
 
+def vocab_logprobs(logits: torch.Tensor, topk: Optional[int], tail: bool,
+                   temperature: float) -> tuple[torch.Tensor, ...]:
+    """log softmax(logits / temperature) [.., V] in float32 as (values,); with `topk` its k
+    largest values and their token ids [.., k], plus with `tail` the log mass outside them [..]
+    (a log-sum-exp over the other tokens: exact where log(1 - sum p) would cancel)."""
+    scaled = logits.float()
+    if temperature != 1.0:
+        scaled = scaled / temperature
+    logprobs = torch.log_softmax(scaled, dim=-1)
+    if topk is None:
+        return (logprobs,)
+    values, index = torch.topk(logprobs, topk, dim=-1)
+    if not tail:
+        return values, index
+    outside = torch.ones_like(logprobs, dtype=torch.bool).scatter(-1, index, False)
+    return values, index, torch.where(outside, logprobs, float("-inf")).logsumexp(-1)
+
+
+def next_token_vocab_logprobs(model, topk: Optional[int], tail: bool, temperature: float,
+                              **inputs) -> tuple[torch.Tensor, ...]:
+    """`vocab_logprobs` of the model's logits at every position of `inputs` (HF layout: row t
+    predicts token t + 1): the teacher's forward as one function (compiled: teacher.fused_logprobs)."""
+    hidden = model.base_model(**inputs).last_hidden_state
+    return vocab_logprobs(model.get_output_embeddings()(hidden), topk, tail, temperature)
+
+
 def next_token_logprobs(model, targets: torch.Tensor, temperature: float, entropy: bool,
                         topk_indices: Optional[torch.Tensor] = None, **inputs) -> tuple[Optional[torch.Tensor], ...]:
     """log softmax(head(last hidden state) / temperature)[target] at every position of `inputs`
@@ -322,22 +348,15 @@ def chunked_vocab_logprobs(hidden: torch.Tensor, head: torch.nn.Module, topk: Op
     (values [N, k], indices [N, k]) and with `tail` the log mass outside the top k [N]; with
     `topk` None (values [N, V],). Outputs land on `out_device` chunk by chunk, so the device
     holds one chunk's float32 logits at most. The same operations, row for row, as the
-    teacher's plain forward (logits of the output head, float32, scaled, log-softmax, top-k).
+    teacher's plain forward (`vocab_logprobs` of the output head's logits).
     `chunk`: rows per chunk, default LOGPROB_CHUNK."""
     n, chunk = hidden.shape[0], chunk or LOGPROB_CHUNK
     width = head.out_features if topk is None else topk
     values = torch.empty(n, width, dtype=torch.float32, device=out_device)
     indices = torch.empty(n, width, dtype=torch.long, device=out_device) if topk is not None else None
     tails = torch.empty(n, dtype=torch.float32, device=out_device) if tail else None
+    outs = tuple(t for t in (values, indices, tails) if t is not None)
     for s in range(0, n, chunk):
-        logprobs = torch.log_softmax(head(hidden[s:s + chunk]).float() / temperature, dim=-1)
-        if topk is None:
-            values[s:s + chunk] = logprobs.to(out_device)
-            continue
-        top_values, top_indices = torch.topk(logprobs, topk, dim=-1)
-        values[s:s + chunk], indices[s:s + chunk] = top_values.to(out_device), top_indices.to(out_device)
-        if tail:  # log-sum-exp of the tokens outside the top k: exact where 1 - sum(p) would cancel
-            tails[s:s + chunk] = logprobs.scatter(-1, top_indices, float("-inf")).logsumexp(-1).to(out_device)
-    if topk is None:
-        return (values,)
-    return (values, indices, tails) if tail else (values, indices)
+        for out, got in zip(outs, vocab_logprobs(head(hidden[s:s + chunk]), topk, tail, temperature)):
+            out[s:s + chunk] = got.to(out_device)
+    return outs
