@@ -441,6 +441,8 @@ def main() -> None:
                    "activation_checkpointing, chunked_logprobs, optimizer, ...); repeat for several")
     t.add_argument("--vocab-size", type=int, help="the model's vocabulary (default: its tokenizer's); "
                    "151936 is Qwen2's, where the output head and log-softmax weigh")
+    t.add_argument("--gkd-topk", type=int, default=0, help="train on GKD's loss against a synthetic top-k "
+                   "teacher of this k (the student's top-k logprobs with fused_logprobs) instead of the NLL")
     t.add_argument("--ragged", action="store_true", help="row lengths uniform in [TOKENS/4, TOKENS]")
     t.add_argument("--variant-index", type=int, help=argparse.SUPPRESS)  # a variant's own process
     t.add_argument("--warmup-steps", type=int, default=2)

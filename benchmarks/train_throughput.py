@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import statistics
 import subprocess
@@ -41,28 +42,41 @@ from typing import Optional
 import torch
 
 from gpu_throughput import ROOT, peak_flops, sustained, sync
+from algorithms.losses import GKDLoss, gkd_loss
 from roles.batch import Batch, fitting_rows, token_bytes
 from roles.models import build_model, resolve_config
 from roles.teacher import Teacher, TeacherConfig
 from roles.trainer import Trainer, TrainerConfig
 
 
-def train_batch(rows: int, tokens: int, vocab: int, ragged: bool, seed: int) -> Batch:
+# GKD's loss settings in --gkd-topk runs (the quickstart's beta and temperature, renorm top-k).
+GKD = dict(beta=0.5, temperature=0.9, sft_alpha=0.0, topk_mode="renorm", teacher_temperature_applied=True)
+
+
+def train_batch(rows: int, tokens: int, vocab: int, ragged: bool, seed: int, gkd_topk: int = 0) -> Batch:
+    """Random tokens; with `gkd_topk` also a top-k teacher's values and token ids per position."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, vocab, (rows, tokens), generator=gen)
     lengths = torch.randint(tokens // 4, tokens + 1, (rows,), generator=gen) if ragged else torch.full((rows,), tokens)
     mask = (torch.arange(tokens)[None] < lengths[:, None]).long()
-    return Batch(input_ids=ids * mask, attention_mask=mask, loss_mask=mask.float())
+    batch = Batch(input_ids=ids * mask, attention_mask=mask, loss_mask=mask.float())
+    if gkd_topk:  # sorted values holding 90% of the mass, as a teacher's top k would
+        batch.loss_mask[:, 0] = 0  # nothing predicts the first token (GKD's loss would compare a zero row)
+        values = torch.log_softmax(torch.randn(rows, tokens, gkd_topk, generator=gen), -1) + math.log(0.9)
+        batch.teacher_logprobs = values.sort(-1, descending=True).values
+        batch.teacher_indices = torch.randint(0, vocab, (rows, tokens, gkd_topk), generator=gen)
+    return batch
 
 
 class PlainStep:
     """The baseline: plain eager torch, no project code in the step."""
 
-    def __init__(self, model: str, micro_batch: int, device: str):
+    def __init__(self, model: str, micro_batch: int, device: str, gkd: bool = False):
         self.model = build_model(model).to(device, torch.float32).train()
         self.device = device
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-5)
         self.micro_batch = micro_batch
+        self.gkd = gkd  # the loss: GKD against the batch's top-k teacher (full logits), else the NLL
 
     def train_step(self, batch: Batch) -> dict:
         total, loss_sum = float(batch.loss_mask.sum()), 0.0
@@ -71,8 +85,15 @@ class PlainStep:
             mask = batch.attention_mask[s:s + self.micro_batch].to(self.device)
             with torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16):
                 logits = self.model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-            logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
-            loss = -(logp * batch.loss_mask[s:s + self.micro_batch, 1:].to(self.device)).sum() / total
+            mask = batch.loss_mask[s:s + self.micro_batch, 1:].to(self.device)
+            if self.gkd:
+                teacher = (batch.teacher_logprobs, batch.teacher_indices)
+                t_values, t_ids = (t[s:s + self.micro_batch, 1:].to(self.device) for t in teacher)
+                loss = gkd_loss(logits[:, :-1].float(), t_values, mask, teacher_indices=t_ids, reduction="sum",
+                                **{k: v for k, v in GKD.items() if k != "sft_alpha"})[0] / total
+            else:
+                logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:, None])[..., 0]
+                loss = -(logp * mask).sum() / total
             loss.backward()
             loss_sum += float(loss.detach())
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
@@ -277,21 +298,28 @@ def train(args) -> dict:
     teachers = []
     for rows, tokens in [map(int, shape.split("x")) for shape in args.train_shape]:
         micro = min(rows, args.micro_batch * 320 // tokens or 1)  # about the same tokens per micro-batch
-        batches = [train_batch(rows, tokens, vocab, args.ragged, seed)
+        batches = [train_batch(rows, tokens, vocab, args.ragged, seed, args.gkd_topk)
                    for seed in range(args.warmup_steps + args.steps)]
         for kind, variant in own:
             cuda = args.device.startswith("cuda")
             if cuda:
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
+            step = None
             if kind == "plain":
-                runner = PlainStep(train_model(args), micro, args.device)
+                runner = PlainStep(train_model(args), micro, args.device, gkd=bool(args.gkd_topk))
             else:  # the variant's keys are TrainerConfig fields (kernel options, optimizer, ...)
-                runner = Trainer(train_model(args), TrainerConfig(lr=1e-5, warmup_steps=0, schedule="constant",
-                                                           device=args.device, dtype="bfloat16",
-                                                           micro_batch_per_device=micro, **json.loads(variant)))
+                config = TrainerConfig(lr=1e-5, warmup_steps=0, schedule="constant", device=args.device,
+                                       dtype="bfloat16", micro_batch_per_device=micro, **json.loads(variant))
+                loss = {}
+                if args.gkd_topk:  # the student's top-k logprobs where the GKD driver would ask for them
+                    fn = GKDLoss(**GKD, student_topk=config.fused_logprobs)
+                    loss = dict(loss_fn=fn, loss_inputs=fn.loss_inputs)
+                    step = lambda b: runner.train_step(b, GKD["temperature"] if fn.student_topk else 1.0)  # noqa: E731
+                runner = Trainer(train_model(args), config, **loss)
+            step = step or runner.train_step
             try:
-                walls, warmup_s, out = timed(runner.train_step, batches, args.warmup_steps, args.device)
+                walls, warmup_s, out = timed(step, batches, args.warmup_steps, args.device)
                 wall = statistics.median(walls)
                 real = int(batches[-1].attention_mask.sum())
                 flops = train_flops_per_token(params, model.config, tokens) * real / wall
@@ -305,7 +333,7 @@ def train(args) -> dict:
                        "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0, "loss": out["loss"]}
                 if args.profile_dir:  # one more step, traced (after the figures above)
                     path = Path(args.profile_dir) / f"train_{slug(row['variant'])}_{rows}x{tokens}.json"
-                    row["profile"] = profile_call(lambda: runner.train_step(batches[-1]), path, cuda)
+                    row["profile"] = profile_call(lambda: step(batches[-1]), path, cuda)
             except Exception as exc:  # one variant failing leaves the others' figures
                 row = {"variant": kind if variant is None else f"trainer {variant}", "rows": rows, "tokens": tokens,
                        "error": f"{type(exc).__name__}: {exc}"[:500]}
