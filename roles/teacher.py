@@ -157,12 +157,7 @@ class Teacher(WeightReceiver):
         if not self.config.packing:
             return self._run(topk, tail, temperature, input_ids=ids, attention_mask=mask, use_cache=False)
         p = pack(self.model, ids, mask)
-        outs = []
-        for got in self._run(topk, tail, temperature, **p.inputs):
-            got = got[0, :p.real]
-            full = got.new_zeros(p.shape.numel(), *got.shape[1:]).index_copy(0, p.flat, got)
-            outs.append(full.view(*p.shape, *got.shape[1:]))
-        return tuple(outs)
+        return tuple(p.unpack(got[0]) for got in self._run(topk, tail, temperature, **p.inputs))
 
     @torch.no_grad()
     def logits(self, batch: Batch, topk: Optional[int] = None, tail: bool = False, temperature: float = 1.0):

@@ -42,7 +42,7 @@ def to_device(saved: list[tuple[torch.Tensor, torch.Tensor, torch.device]]) -> i
         t.data = host.to(dev, non_blocking=True)
     if any(dev.type == "cuda" for _, _, dev in saved):
         torch.cuda.synchronize()
-    return sum(host.numel() * host.element_size() for _, host, _ in saved)
+    return host_bytes(saved)
 
 
 def host_bytes(saved) -> int:

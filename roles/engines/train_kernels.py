@@ -122,6 +122,13 @@ class Packed:
     real: int
     shape: torch.Size
 
+    def unpack(self, values: torch.Tensor, skip: int = 0) -> torch.Tensor:
+        """Per-token `values` [n, ...] of packed tokens `skip`, `skip` + 1, ... back in the
+        [B, T, ...] layout, zero elsewhere."""
+        n = self.real - skip
+        full = values.new_zeros(self.shape.numel(), *values.shape[1:]).index_copy(0, self.flat[skip:], values[:n])
+        return full.view(*self.shape, *values.shape[1:])
+
 
 def pack(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, bucket: bool = False) -> Packed:
     """The real tokens of `input_ids` packed into one [1, N] sequence for `model` (packing on),
@@ -161,9 +168,7 @@ def packed_forward(model, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     p = pack(model, input_ids, attention_mask, bucket)
     target = model.base_model if base else model
     out = (target if run is None else run)(**p.inputs)
-    packed = (out.last_hidden_state if base else out.logits)[0, :p.real]
-    full = packed.new_zeros(p.shape.numel(), packed.shape[-1]).index_copy(0, p.flat, packed)
-    return full.view(*p.shape, packed.shape[-1])
+    return p.unpack((out.last_hidden_state if base else out.logits)[0])
 
 
 def topk_logprobs(scaled: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,9 +176,15 @@ def topk_logprobs(scaled: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Te
     exactly (a log-sum-exp over the other tokens, where log(1 - sum p) would cancel)."""
     lse = scaled.logsumexp(-1, keepdim=True)
     top = scaled.gather(-1, indices) - lse
-    outside = torch.ones_like(scaled, dtype=torch.bool).scatter(-1, indices, False)
-    rest = torch.where(outside, scaled, torch.finfo(scaled.dtype).min).logsumexp(-1) - lse[..., 0]
-    return top, rest
+    return top, logsumexp_outside(scaled, indices, torch.finfo(scaled.dtype).min) - lse[..., 0]
+
+
+def logsumexp_outside(values: torch.Tensor, indices: torch.Tensor, fill: float) -> torch.Tensor:
+    """log-sum-exp over the last dim of `values` without the entries at `indices`, which count
+    as `fill` (-inf, or the dtype's lowest where a gradient flows), through a boolean mask that a
+    compiled graph fuses into the reduction."""
+    outside = torch.ones_like(values, dtype=torch.bool).scatter(-1, indices, False)
+    return torch.where(outside, values, fill).logsumexp(-1)
 
 
 def vocab_logprobs(logits: torch.Tensor, topk: Optional[int], tail: bool,
@@ -190,8 +201,7 @@ def vocab_logprobs(logits: torch.Tensor, topk: Optional[int], tail: bool,
     values, index = torch.topk(logprobs, topk, dim=-1)
     if not tail:
         return values, index
-    outside = torch.ones_like(logprobs, dtype=torch.bool).scatter(-1, index, False)
-    return values, index, torch.where(outside, logprobs, float("-inf")).logsumexp(-1)
+    return values, index, logsumexp_outside(logprobs, index, float("-inf"))
 
 
 def next_token_vocab_logprobs(model, topk: Optional[int], tail: bool, temperature: float,
@@ -254,15 +264,8 @@ def fused_token_logprobs(model, run: Callable, input_ids: torch.Tensor, attentio
         outs = run(F.pad(ids[:, 1:], (0, 1)), temperature, entropy, index, **p.inputs)
         # Packed token j + 1 is predicted at j unless it starts a row (the positions restart).
         follows = p.inputs["position_ids"][0, 1:p.real] > 0
-        aligned = []
-        for t in outs:
-            if t is not None:
-                t = t[0, :p.real - 1]
-                t = torch.where(follows.view(-1, *[1] * (t.dim() - 1)), t, 0.0)
-                out = torch.zeros(p.shape.numel(), *t.shape[1:], dtype=torch.float32, device=device)
-                t = out.index_copy_(0, p.flat[1:], t).view(*p.shape, *t.shape[1:])
-            aligned.append(t)
-        return tuple(aligned)
+        return tuple(t if t is None else p.unpack(torch.where(follows.view(-1, *[1] * (t.dim() - 2)),
+                                                              t[0, :p.real - 1], 0.0), skip=1) for t in outs)
     ids, mask = input_ids.to(device), attention_mask.to(device)
     if ids.shape[1] < 2:  # one position: nothing is predicted (the model takes no empty sequence)
         zero = torch.zeros(ids.shape, dtype=torch.float32, device=device)
