@@ -8,7 +8,9 @@ all ranks.
 * `extras`: 'global_tokens' / 'global_sequences' (loss tokens / sequences of the whole step),
   'temperature' (the trainer's), and what `loss_fn.loss_inputs` asks for: 'logits' [b, t, V]
   aligned (row t = distribution of token t) and already divided by extras['temperature'];
-  'entropy' [b, t] (only logged).
+  'entropy' [b, t] (only logged); 'student_topk' ([b, t, k], [b, t]): the log-softmax at
+  extras['temperature'] at batch.teacher_indices and the log mass outside them (GKD against a
+  top-k teacher, without the logits).
 * `metrics`: floats or 0-d tensors (the trainer reads them once per step), means over this
   call's loss tokens; same keys on every call.
 
