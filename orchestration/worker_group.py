@@ -29,6 +29,8 @@ A group built with `host` (another group of the same ranks; the plan's `RolePlan
 colocated teacher with placement.teacher_in_trainer_process) holds its role in the host's
 processes: one process per rank for both roles, calls reaching the role by name, and an answer
 kept there (`keep`, base_group.Kept) read by the host's next call without crossing to the driver.
+Such a kept call is not sent on its own: it rides on the host's next call to the rank (`Rider`),
+which runs it first, so the two are one round trip.
 A rank's memory() figures and the seconds its method ran come back with each call it answers,
 so the driver reads them (`memory()`) without a call of its own. `start_roles` starts the groups
 of a run together: every actor is created before any is waited for, so their processes start
@@ -50,7 +52,7 @@ from orchestration.base_group import CALLS, KEEP_KEY, BaseWorkerGroup, ResultOf,
 from orchestration.cluster import LOG_LEVEL_ENV, cluster_is_local, log_level_env, loopback_env, set_log_level
 from orchestration.placement import Placement
 from orchestration.planner import RolePlan
-from orchestration.transport import (AFTER_PREFIX, LIFTED_PREFIX, RESULTS_KEY, fill, lift, put_large,
+from orchestration.transport import (AFTER_PREFIX, GUESTS_KEY, LIFTED_PREFIX, RESULTS_KEY, fill, lift, put_large,
                                      resolve_kept, send_tensors_as_arrays)
 
 
@@ -103,14 +105,15 @@ class _RoleHost:
         return self.threads
 
     def call(self, role: str, method: str, before: tuple, then: tuple, /, *args: Any,
-             **kwargs: Any) -> tuple[Any, Any, float, dict]:
+             **kwargs: Any) -> tuple[Any, Any, float, dict, list]:
         """On `role`'s instance: the `before` methods ((method, args) pairs, e.g. a turn's onload),
         then `method`, then the `then` methods (a turn's offload); returns its value (None when it
         is kept, KEEP_KEY), this rank's memory() figures after it all (None: the role has none),
-        the seconds all of it ran, and {method: result} of the `before` and `then` ones."""
+        the seconds all of it ran, {method: result} of the `before` and `then` ones, and the same
+        four for each call of a hosted role that rode on this one (GUESTS_KEY; run first)."""
+        guests = [self._guest(*guest) for guest in kwargs.pop(GUESTS_KEY, ())]
         # Arguments arrive top-level, so Ray resolves an ObjectRef passed as one (nested ones stay refs).
         start = time.perf_counter()
-        instance, keep = self.instances[role], kwargs.pop(KEEP_KEY, None)
         for key in [k for k in kwargs if k.startswith(AFTER_PREFIX)]:  # calls waited for (`after`), done
             del kwargs[key]
         if RESULTS_KEY in kwargs:  # arguments that are other calls' answers (ResultOf): their values
@@ -120,7 +123,12 @@ class _RoleHost:
                 holder[where] = pick(holder[where][0], holder[where][3], key, carried_method)  # from the answer
             lifted = {k: kwargs.pop(k) for k in [k for k in kwargs if k.startswith(LIFTED_PREFIX)]}
             before, then = fill(before, lifted), fill(then, lifted)
-        args, kwargs, used = resolve_kept(tuple(args), kwargs, self.kept)  # answers kept here it names (Kept)
+        return (*self._run(role, method, before, then, tuple(args), kwargs, start), guests)
+
+    def _run(self, role: str, method: str, before: tuple, then: tuple, args: tuple, kwargs: dict,
+             start: float) -> tuple[Any, Any, float, dict]:
+        instance, keep = self.instances[role], kwargs.pop(KEEP_KEY, None)
+        args, kwargs, used = resolve_kept(args, kwargs, self.kept)  # answers kept here it names (Kept)
         carried = {name: getattr(instance, name)(*margs) for name, margs in before}
         value = getattr(instance, method)(*args, **kwargs)
         carried.update({name: getattr(instance, name)(*margs) for name, margs in then})
@@ -132,9 +140,59 @@ class _RoleHost:
         memory = self.memories[role]
         return value, (value if method == "memory" else memory() if memory else None), spent, carried
 
+    def _guest(self, role: str, method: str, before: tuple, then: tuple, args: tuple,
+               kwargs: dict) -> tuple[Any, Any, float, dict]:
+        """A hosted role's call that rode on the host's: its failure names that role and method."""
+        try:
+            return self._run(role, method, before, then, args, dict(kwargs), time.perf_counter())
+        except Exception as e:
+            raise GuestFailed(role, "+".join([m for m, _ in before] + [method] + [m for m, _ in then]), e) from e
+
     def __repr__(self) -> str:
         # Ray prefixes each line a worker prints with this: "(train rank 1 pid=...)".
         return self.name
+
+
+class GuestFailed(Exception):
+    """A hosted role's call that rode on its host's call failed on the rank (`_RoleHost._guest`):
+    the driver names `role` and `method` (its label), not the host's."""
+
+    def __init__(self, role: str, method: str, cause: BaseException):
+        super().__init__(role, method, cause)
+        self.role, self.method, self.cause = role, method, cause
+
+    def __str__(self) -> str:
+        return f"{self.role}.{self.method}: {type(self.cause).__name__}: {self.cause}"
+
+
+class Rider:
+    """A hosted role's kept call (`keep`) on one rank: no call of its own, it rides on the host's
+    next call there (run first in that process; the answer stays there anyway), so the two make
+    one round trip. Waited for (or needed as a handle) before a host call carried it, it is sent
+    as a call of its own."""
+
+    def __init__(self, group: "WorkerGroup", index: int, call: tuple):
+        self.group, self.index, self.call = group, index, call  # call: (method, args, kwargs, before, deps, then)
+        # The host's call that carried it, its place among that call's guests and the host's method.
+        self.ref: Any = None
+        self.slot: Optional[int] = None
+        self.host_method = ""
+
+    def sent(self) -> Any:
+        """The call that carries it (sent alone now if no host call did)."""
+        if self.ref is None:
+            self.group.hosted_by._riders[self.index].remove(self)
+            self.ref = self.group._submit(self.index, *self.call, ride=False)
+        return self.ref
+
+    def payload(self) -> tuple:
+        method, args, kwargs, before, _, then = self.call
+        return self.group.key, method, before, then, args, kwargs
+
+
+def sent(handle: Any) -> Any:
+    """A call handle as Ray knows it (a Rider: the call that carries it)."""
+    return handle.sent() if isinstance(handle, Rider) else handle
 
 
 _RemoteHost = ray.remote(_RoleHost)
@@ -160,9 +218,10 @@ class WorkerGroup(BaseWorkerGroup):
         self.timeout_s = timeout_s or None  # 0 or None: no bound
         self.restarts_left = restarts
         self.on_restart: Optional[Callable[["WorkerGroup", int], None]] = None
-        self._calls: dict[Any, tuple] = {}  # pending ref -> (rank, method, args, kwargs, before, deps, then)
+        self._calls: dict[Any, tuple] = {}  # pending ref -> (rank, method, args, kwargs, before, deps, then, riders)
         self._memory: dict[int, Any] = {}  # rank -> its memory() figures after its latest call
         self._carried: dict[int, dict] = {}  # rank -> results of the deferred methods its latest call carried
+        self._riders: dict[int, list[Rider]] = {}  # rank -> hosted roles' kept calls its next call carries
         self._init = (role_cls, init_args, init_kwargs or {}, env)
         self.key = self.role  # the name the ranks hold this role's instance under (an alias keeps it)
         self.hosted_by = host
@@ -247,27 +306,45 @@ class WorkerGroup(BaseWorkerGroup):
                 "ENGINE_TP_MASTER_ADDR": leader["ip"], "ENGINE_TP_MASTER_PORT": str(leader["tp_port"])}
 
     def _submit(self, index: int, method: str, args: tuple, kwargs: dict, before: tuple = (), deps: tuple = (),
-                then: tuple = ()) -> Any:
+                then: tuple = (), ride: bool = True) -> Any:
+        if ride and self._rides(args, kwargs, before, then):
+            rider = Rider(self, index, (method, args, kwargs, before, deps, then))
+            self.hosted_by._riders.setdefault(index, []).append(rider)
+            return rider
         start = time.perf_counter()
+        riders = self._riders.pop(index, [])
         # Calls to wait for, and other calls' answers used as arguments, go as top-level arguments,
         # which Ray resolves before the call runs.
-        waits = {f"{AFTER_PREFIX}{j}": ref for j, ref in enumerate(deps)}
-        sent = dict(kwargs)  # with the deferred methods' ResultOf arguments beside the call's own
-        sent_before, sent_then = lift(before, "b", sent), lift(then, "t", sent)
+        waits = {f"{AFTER_PREFIX}{j}": sent(ref) for j, ref in enumerate((*deps, *(d for r in riders for d in r.call[4])))}
+        sent_kw = dict(kwargs)  # with the deferred methods' ResultOf arguments beside the call's own
+        sent_before, sent_then = lift(before, "b", sent_kw), lift(then, "t", sent_kw)
         results = {**{i: (a.key, a.carried) for i, a in enumerate(args) if isinstance(a, ResultOf)},
-                   **{k: (v.key, v.carried) for k, v in sent.items() if isinstance(v, ResultOf)}}
+                   **{k: (v.key, v.carried) for k, v in sent_kw.items() if isinstance(v, ResultOf)}}
         if results:
             waits[RESULTS_KEY] = results
+        if riders:
+            waits[GUESTS_KEY] = [r.payload() for r in riders]
         ref = self.workers[index].call.remote(
-            self.key, method, sent_before, sent_then, *(a.future.handles[0] if isinstance(a, ResultOf) else a for a in args),
-            **{k: v.future.handles[0] if isinstance(v, ResultOf) else v for k, v in sent.items()}, **waits)
+            self.key, method, sent_before, sent_then, *(sent(a.future.handles[0]) if isinstance(a, ResultOf) else a for a in args),
+            **{k: sent(v.future.handles[0]) if isinstance(v, ResultOf) else v for k, v in sent_kw.items()}, **waits)
+        for slot, r in enumerate(riders):
+            r.ref, r.slot, r.host_method = ref, slot, method
         CALLS.remote += 1
         CALLS.role_s += time.perf_counter() - start  # serializing the arguments is part of the call
         if self.restarts_left > 0:
-            self._calls[ref] = (index, method, args, kwargs, before, deps, then)
+            self._calls[ref] = (index, method, args, kwargs, before, deps, then, riders)
         return ref
 
+    def _rides(self, args: tuple, kwargs: dict, before: tuple, then: tuple) -> bool:
+        """Whether the call waits to ride on the host's next call on its rank: a hosted role's kept
+        call (`keep`: nothing comes back to wait for) whose arguments Ray need not resolve."""
+        if self.hosted_by is None or KEEP_KEY not in kwargs:
+            return False
+        values = [*args, *kwargs.values(), *(a for _, margs in (*before, *then) for a in margs)]
+        return not any(isinstance(v, (ResultOf, ray.ObjectRef)) for v in values)
+
     def _ready(self, handles: list) -> bool:
+        handles = [sent(h) for h in handles]
         return not handles or len(ray.wait(handles, num_returns=len(handles), timeout=0)[0]) == len(handles)
 
     def _shared(self, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -281,10 +358,15 @@ class WorkerGroup(BaseWorkerGroup):
 
     def _wait(self, handles: list, method: str, indices: list[int], timeout: float | None) -> list:
         start = time.perf_counter()
+        # A rider's failure outside its own methods is its host's: named so.
+        names = [(self.hosted_by.role, h.host_method) if isinstance(h, Rider) and h.slot is not None
+                 else (self.role, method) for h in handles]
         try:
-            answers = self._wait_calls(handles, method, indices, timeout)
+            answers = self._wait_calls([sent(h) for h in handles], method, indices, timeout, names)
         finally:
             CALLS.role_s += time.perf_counter() - start
+        answers = [a[4][h.slot] if isinstance(h, Rider) and h.slot is not None else a[:4]
+                   for h, a in zip(handles, answers)]
         for index, (_, memory, _, carried) in zip(indices, answers):
             self._memory[index] = memory
             if carried:
@@ -292,10 +374,11 @@ class WorkerGroup(BaseWorkerGroup):
         CALLS.rank_s += max((spent for _, _, spent, _ in answers), default=0.0)
         return [value for value, _, _, _ in answers]
 
-    def _wait_calls(self, handles: list, method: str, indices: list[int], timeout: float | None) -> list:
+    def _wait_calls(self, handles: list, method: str, indices: list[int], timeout: float | None,
+                    names: Optional[list] = None) -> list:
         while True:
             try:
-                results = self._wait_once(handles, method, indices, timeout)
+                results = self._wait_once(handles, method, indices, timeout, names)
             except WorkerError as e:
                 if not (e.lost and self.restarts_left > 0 and all(h in self._calls for h in handles)):
                     raise
@@ -315,14 +398,18 @@ class WorkerGroup(BaseWorkerGroup):
             self.on_restart(self, error.rank)
         out = []
         for h in handles:
-            index, method, args, kwargs, before, deps, then = self._calls[h]
+            index, method, args, kwargs, before, deps, then, riders = self._calls[h]
             if index == error.rank:
                 self._calls.pop(h)
+                self._riders[index] = [*riders, *self._riders.get(index, [])]
                 h = self._submit(index, method, args, kwargs, before, deps, then)
             out.append(h)
         return out
 
-    def _wait_once(self, handles: list, method: str, indices: list[int], timeout: float | None) -> list:
+    def _wait_once(self, handles: list, method: str, indices: list[int], timeout: float | None,
+                   names: Optional[list] = None) -> list:
+        """The answers of `handles` (ranks `indices`); a failure names `names`' (role, method) of its
+        handle (default: this group's role and `method`), or a hosted role's that rode on it."""
         timeout = self.timeout_s if timeout is None else timeout
         start = time.monotonic()
         try:  # fast path: everything succeeds in time
@@ -334,18 +421,21 @@ class WorkerGroup(BaseWorkerGroup):
         # Name the first failing rank, in rank order among the finished ones.
         ready, _ = ray.wait(handles, num_returns=len(handles), timeout=0)
         ready = set(ready)
-        for ref, index in zip(handles, indices):
+        for k, (ref, index) in enumerate(zip(handles, indices)):
             if ref not in ready:
                 continue
+            role, label = names[k] if names else (self.role, method)
             try:
                 ray.get(ref)
             except ray.exceptions.RayTaskError as e:
                 cause = getattr(e, "cause", None)
+                if isinstance(cause, GuestFailed):
+                    role, label, cause = cause.role, cause.method, cause.cause
                 if not isinstance(cause, Exception) or isinstance(cause, ray.exceptions.RayError):
                     cause = e  # its class could not be rebuilt here: caught as WorkerError only
-                raise WorkerError.raised(self.role, index, method, cause, str(e)) from None
+                raise WorkerError.raised(role, index, label, cause, str(e)) from None
             except ray.exceptions.RayActorError as e:
-                raise WorkerError(self.role, index, method, f"the actor process died ({e.__class__.__name__}); "
+                raise WorkerError(role, index, label, f"the actor process died ({e.__class__.__name__}); "
                                   "check its log for an out-of-memory kill or a crash", str(e), lost=True) from None
         silent = [index for ref, index in zip(handles, indices) if ref not in ready]
         if timed_out and silent:  # none failed: the first rank still silent is reported like a dead one

@@ -49,6 +49,9 @@ class Taker:
         return {"rows": len(batch), "logprobs": batch.teacher_logprobs.tolist(),
                 "indices": batch.teacher_indices.tolist()}
 
+    def fail(self, batch):
+        raise RuntimeError("the trainer cannot")
+
     def pid(self):
         return os.getpid()
 
@@ -156,6 +159,7 @@ def test_a_hosted_role_runs_in_its_hosts_processes_and_its_kept_answers_feed_the
         assert teacher.call("pid") == trainer.call("pid") and len(set(trainer.call("pid"))) == 2
         batch = batch_of(3)  # rows 0-1 to rank 0, row 2 to rank 1
         before = CALLS.remote
+        # Waited for before any call of the host: sent on its own.
         assert teacher.call("logits", batch, 10.0, dispatch="slice", keep="t") == Kept("t")
         assert CALLS.remote - before == 2
         batch.teacher_logprobs, batch.teacher_indices = Kept("t", 0), Kept("t", 1)
@@ -179,9 +183,11 @@ def test_a_hosted_role_runs_in_its_hosts_processes_and_its_kept_answers_feed_the
 
 
 def test_turns_send_a_kept_call_and_the_trainers_call_back_to_back(ray_cluster, tmp_path):
-    """Turns.call with keep returns at once; the trainer's call in the same round trip takes the
-    answers; the teacher's onload and offload are logged when the step settles; a teacher that
-    failed is the error raised, not the trainer's missing answer."""
+    """Turns.call with keep returns at once and sends nothing: the teacher's call rides on the
+    trainer's next call (one round trip, run first there), which takes the answers; the teacher's
+    onload and offload are logged when the step settles; a teacher that failed is the error
+    raised, not the trainer's missing answer, and a trainer that failed after it is named as the
+    trainer."""
     from algorithms.gkd import GKDRunConfig
     from algorithms.turns import Turns
     from orchestration.config import WeightSyncConfig
@@ -205,7 +211,7 @@ def test_turns_send_a_kept_call_and_the_trainers_call_back_to_back(ray_cluster, 
         batch.teacher_logprobs, batch.teacher_indices = Kept("t", 0), Kept("t", 1)
         with turns.turn("train", one_call=True):
             got = trainer.call("train_step", batch, dispatch="slice")
-        assert CALLS.remote - before == 4  # one call per rank and role
+        assert CALLS.remote - before == 2  # one call per rank: the teacher's rode on the trainer's
         assert [r["logprobs"] for r in got] == [[[0.0, 2.0], [4.0, 6.0]], [[8.0, 10.0], [12.0, 14.0]]]
         turns._settle()
         assert not turns._kept
@@ -218,6 +224,12 @@ def test_turns_send_a_kept_call_and_the_trainers_call_back_to_back(ray_cluster, 
             with turns.turn("train", one_call=True):
                 trainer.call("train_step", batch, dispatch="slice")
         assert not turns._kept
+
+        turns.call("teacher", "logits", batch_of(4), 2.0, dispatch="slice", phase="teacher", keep="t")
+        with pytest.raises(WorkerError, match=r"prm rank [01] failed in .*fail.*the trainer cannot"):
+            with turns.turn("train", one_call=True):
+                trainer.call("fail", batch, dispatch="slice")
+        assert not turns._kept
         trainer.shutdown()
     finally:
         placement.remove()
@@ -226,8 +238,8 @@ def test_turns_send_a_kept_call_and_the_trainers_call_back_to_back(ray_cluster, 
 @pytest.mark.parametrize("topk", [None, 4])
 def test_gkd_with_the_teacher_in_the_trainers_processes_computes_the_in_process_run(ray_cluster, tmp_path, topk):
     """The GKD driver on Ray with placement.teacher_in_trainer_process: the teacher's logits stay
-    on the trainer's ranks (2 remote calls a step: the teacher's and the trainer's, plus the
-    rollout's on on-policy steps) and the losses equal those of backend=local."""
+    on the trainer's ranks (1 remote call a step: the trainer's, which the teacher's rides on, plus
+    the rollout's on on-policy steps) and the losses equal those of backend=local."""
     from algorithms import gkd
     from algorithms.config import GKDRunConfig
     from algorithms.runlog import read_metrics
@@ -247,4 +259,4 @@ def test_gkd_with_the_teacher_in_the_trainers_processes_computes_the_in_process_
     for local, ray in zip(records["local"], records["ray"], strict=True):
         assert ray["train/loss" if local["step"] else "eval/accuracy"] == pytest.approx(
             local["train/loss" if local["step"] else "eval/accuracy"], rel=1e-5), local["step"]
-    assert {r["calls/remote"] - 1 * r.get("gkd/on_policy", 0) for r in records["ray"][1:-1]} == {2}
+    assert {r["calls/remote"] - 1 * r.get("gkd/on_policy", 0) for r in records["ray"][1:-1]} == {1}
