@@ -10,12 +10,14 @@
 - A role hosted in another role's processes (placement.teacher_in_trainer_process) can keep a
   call's answer on its ranks (KEEP_KEY): each rank holds its own share, and a later call of
   the host role names it with `Kept`, as an argument or a field of a batch argument, so the
-  answer never travels through the driver (`resolve_kept` on the rank).
+  answer never travels through the driver (`resolve_kept` on the rank). Such a kept call is
+  not sent on its own: it rides on the host's next call to the rank (`Rider`, GUESTS_KEY),
+  which runs it first, so the two are one Ray call.
 """
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import ray
@@ -153,3 +155,45 @@ def _nbytes(x: Any, limit: int = SHARE_MIN_BYTES) -> int:
 
 def put_large(x: Any) -> Any:
     return ray.put(x) if not isinstance(x, ray.ObjectRef) and _nbytes(x) >= SHARE_MIN_BYTES else x
+
+
+class GuestFailed(Exception):
+    """A hosted role's call that rode on its host's call failed on the rank (`_RoleHost._guest`):
+    the driver names `role` and `method` (its label), not the host's."""
+
+    def __init__(self, role: str, method: str, cause: BaseException):
+        super().__init__(role, method, cause)
+        self.role, self.method, self.cause = role, method, cause
+
+    def __str__(self) -> str:
+        return f"{self.role}.{self.method}: {type(self.cause).__name__}: {self.cause}"
+
+
+class Rider:
+    """A hosted role's kept call (`keep`) on one rank: no call of its own, it rides on the host's
+    next call there (run first in that process; the answer stays there anyway), so the two make
+    one round trip. Waited for (or needed as a handle) before a host call carried it, it is sent
+    as a call of its own."""
+
+    def __init__(self, group: Any, index: int, call: tuple):
+        self.group, self.index, self.call = group, index, call  # call: (method, args, kwargs, before, deps, then)
+        # The host's call that carried it, its place among that call's guests and the host's method.
+        self.ref: Any = None
+        self.slot: Optional[int] = None
+        self.host_method = ""
+
+    def sent(self) -> Any:
+        """The call that carries it (sent alone now if no host call did)."""
+        if self.ref is None:
+            self.group.hosted_by._riders[self.index].remove(self)
+            self.ref = self.group._submit(self.index, *self.call, ride=False)
+        return self.ref
+
+    def payload(self) -> tuple:
+        method, args, kwargs, before, _, then = self.call
+        return self.group.key, method, before, then, args, kwargs
+
+
+def sent(handle: Any) -> Any:
+    """A call handle as Ray knows it (a Rider: the call that carries it)."""
+    return handle.sent() if isinstance(handle, Rider) else handle

@@ -29,8 +29,6 @@ A group built with `host` (another group of the same ranks; the plan's `RolePlan
 colocated teacher with placement.teacher_in_trainer_process) holds its role in the host's
 processes: one process per rank for both roles, calls reaching the role by name, and an answer
 kept there (`keep`, base_group.Kept) read by the host's next call without crossing to the driver.
-Such a kept call is not sent on its own: it rides on the host's next call to the rank (`Rider`),
-which runs it first, so the two are one round trip.
 A rank's memory() figures and the seconds its method ran come back with each call it answers,
 so the driver reads them (`memory()`) without a call of its own. `start_roles` starts the groups
 of a run together: every actor is created before any is waited for, so their processes start
@@ -52,8 +50,8 @@ from orchestration.base_group import CALLS, KEEP_KEY, BaseWorkerGroup, ResultOf,
 from orchestration.cluster import LOG_LEVEL_ENV, cluster_is_local, log_level_env, loopback_env, set_log_level
 from orchestration.placement import Placement
 from orchestration.planner import RolePlan
-from orchestration.transport import (AFTER_PREFIX, GUESTS_KEY, LIFTED_PREFIX, RESULTS_KEY, fill, lift, put_large,
-                                     resolve_kept, send_tensors_as_arrays)
+from orchestration.transport import (AFTER_PREFIX, GUESTS_KEY, LIFTED_PREFIX, RESULTS_KEY, GuestFailed, Rider, fill,
+                                     lift, put_large, resolve_kept, send_tensors_as_arrays, sent)
 
 
 class _RoleHost:
@@ -153,48 +151,6 @@ class _RoleHost:
         return self.name
 
 
-class GuestFailed(Exception):
-    """A hosted role's call that rode on its host's call failed on the rank (`_RoleHost._guest`):
-    the driver names `role` and `method` (its label), not the host's."""
-
-    def __init__(self, role: str, method: str, cause: BaseException):
-        super().__init__(role, method, cause)
-        self.role, self.method, self.cause = role, method, cause
-
-    def __str__(self) -> str:
-        return f"{self.role}.{self.method}: {type(self.cause).__name__}: {self.cause}"
-
-
-class Rider:
-    """A hosted role's kept call (`keep`) on one rank: no call of its own, it rides on the host's
-    next call there (run first in that process; the answer stays there anyway), so the two make
-    one round trip. Waited for (or needed as a handle) before a host call carried it, it is sent
-    as a call of its own."""
-
-    def __init__(self, group: "WorkerGroup", index: int, call: tuple):
-        self.group, self.index, self.call = group, index, call  # call: (method, args, kwargs, before, deps, then)
-        # The host's call that carried it, its place among that call's guests and the host's method.
-        self.ref: Any = None
-        self.slot: Optional[int] = None
-        self.host_method = ""
-
-    def sent(self) -> Any:
-        """The call that carries it (sent alone now if no host call did)."""
-        if self.ref is None:
-            self.group.hosted_by._riders[self.index].remove(self)
-            self.ref = self.group._submit(self.index, *self.call, ride=False)
-        return self.ref
-
-    def payload(self) -> tuple:
-        method, args, kwargs, before, _, then = self.call
-        return self.group.key, method, before, then, args, kwargs
-
-
-def sent(handle: Any) -> Any:
-    """A call handle as Ray knows it (a Rider: the call that carries it)."""
-    return handle.sent() if isinstance(handle, Rider) else handle
-
-
 _RemoteHost = ray.remote(_RoleHost)
 
 
@@ -218,7 +174,7 @@ class WorkerGroup(BaseWorkerGroup):
         self.timeout_s = timeout_s or None  # 0 or None: no bound
         self.restarts_left = restarts
         self.on_restart: Optional[Callable[["WorkerGroup", int], None]] = None
-        self._calls: dict[Any, tuple] = {}  # pending ref -> (rank, method, args, kwargs, before, deps, then, riders)
+        self._calls: dict[Any, tuple] = {}  # pending ref -> (rank, method, args, kwargs, before, deps, then)
         self._memory: dict[int, Any] = {}  # rank -> its memory() figures after its latest call
         self._carried: dict[int, dict] = {}  # rank -> results of the deferred methods its latest call carried
         self._riders: dict[int, list[Rider]] = {}  # rank -> hosted roles' kept calls its next call carries
@@ -227,9 +183,11 @@ class WorkerGroup(BaseWorkerGroup):
         self.hosted_by = host
         self._local = cluster_is_local()
         if host is not None:
-            if restarts or host.world_size != self.world_size or host.tensor_parallel != 1 or self.tensor_parallel != 1:
+            # A restarted host process would come back without the hosted role (and its riders).
+            if restarts or host.restarts_left or host.world_size != self.world_size or host.tensor_parallel != 1 \
+                    or self.tensor_parallel != 1:
                 raise ValueError(f"{self.role} cannot be hosted by {host.role}: a hosted role needs the host's ranks "
-                                 "(same world size, tensor parallel size 1) and no restarts")
+                                 "(same world size, tensor parallel size 1) and no restarts of either")
             self.workers, self._pending = host.workers, []
         else:
             self.workers = [
@@ -332,7 +290,7 @@ class WorkerGroup(BaseWorkerGroup):
         CALLS.remote += 1
         CALLS.role_s += time.perf_counter() - start  # serializing the arguments is part of the call
         if self.restarts_left > 0:
-            self._calls[ref] = (index, method, args, kwargs, before, deps, then, riders)
+            self._calls[ref] = (index, method, args, kwargs, before, deps, then)
         return ref
 
     def _rides(self, args: tuple, kwargs: dict, before: tuple, then: tuple) -> bool:
@@ -398,10 +356,9 @@ class WorkerGroup(BaseWorkerGroup):
             self.on_restart(self, error.rank)
         out = []
         for h in handles:
-            index, method, args, kwargs, before, deps, then, riders = self._calls[h]
+            index, method, args, kwargs, before, deps, then = self._calls[h]
             if index == error.rank:
                 self._calls.pop(h)
-                self._riders[index] = [*riders, *self._riders.get(index, [])]
                 h = self._submit(index, method, args, kwargs, before, deps, then)
             out.append(h)
         return out

@@ -154,6 +154,10 @@ def test_a_hosted_role_runs_in_its_hosts_processes_and_its_kept_answers_feed_the
         trainer = WorkerGroup(Taker, plan["prm"], placement=placement)
         with pytest.raises(ValueError, match="no restarts"):
             WorkerGroup(Keeper, plan["orm"], placement=placement, host=trainer, restarts=1)
+        trainer.restarts_left = 1  # a host that restarts would come back without the hosted role
+        with pytest.raises(ValueError, match="no restarts of either"):
+            WorkerGroup(Keeper, plan["orm"], placement=placement, host=trainer)
+        trainer.restarts_left = 0
         teacher = WorkerGroup(Keeper, plan["orm"], placement=placement, host=trainer)
         assert teacher.hosted_by is trainer and teacher.workers is trainer.workers
         assert teacher.call("pid") == trainer.call("pid") and len(set(trainer.call("pid"))) == 2
