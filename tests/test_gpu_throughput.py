@@ -109,3 +109,36 @@ def test_train_mode_runs_the_variants_profiles_each_step_and_measures_the_teache
     # Without the [b, T, V] float32 logits more rows go into one forward (0: sized by memory).
     assert teachers[1]["micro_batch"] >= teachers[0]["micro_batch"]
     assert "| teacher {} | 8x24 |" in done.stdout and "profile plain 8x24" in done.stdout
+
+
+def test_step_profile_charges_each_idle_gap_to_the_host_phase_running_when_it_began(monkeypatch):
+    """benchmarks/step_profile.py's arithmetic on a made-up trace (microseconds): overlapping
+    kernels count once, a gap goes to the innermost phase running at its start."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    import step_profile
+
+    def span(name, ts, dur, cat):
+        return {"ph": "X", "name": name, "ts": ts, "dur": dur, "cat": cat}
+    trace = {"traceEvents": [
+        span("step", 0, 100, "user_annotation"), span("train_step", 0, 100, "user_annotation"),
+        span("_forward", 1, 39, "user_annotation"), span("backward", 40, 50, "user_annotation"),
+        span("k1", 5, 15, "kernel"), span("k2", 10, 20, "kernel"), span("copy", 50, 10, "gpu_memcpy"),
+        span("k3", 70, 25, "kernel"), span("k_next_step", 150, 5, "kernel")]}
+    (got,) = step_profile.step_summaries(trace)
+    assert got["device_busy_ms"] == pytest.approx((25 + 10 + 25) / 1e3)
+    assert got["first_kernel_ms"] == pytest.approx(5 / 1e3)
+    assert got["idle_by_phase_ms"] == {"_forward": 0.02, "backward": 0.01}
+    assert got["host_phase_ms"]["backward"] == 0.05 and got["wall_ms"] == 0.1
+
+
+def test_step_profile_runs_a_trainer_step_on_cpu(tmp_path):
+    """The script end to end on CPU: the marked phases show in the traced step (no device)."""
+    out = tmp_path / "profile.json"
+    cmd = [sys.executable, "benchmarks/step_profile.py", "--device", "cpu", "--model", "nano_qwen2", "--rows", "2",
+           "--tokens", "16", "--warmup-steps", "1", "--steps", "1", "--profile-steps", "1",
+           "--variant", '{"packing": true}', "--out", str(out)]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (step,) = json.loads(out.read_text())["traced"]
+    assert {"train_step", "_forward", "pack", "backward", "optimizer_step"} <= set(step["host_phase_ms"])
+    assert step["device_busy_ms"] == 0 and step["first_kernel_ms"] is None
