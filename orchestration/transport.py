@@ -68,7 +68,7 @@ AFTER_PREFIX = "_after_call_"
 # carried)}, as ResultOf has them).
 RESULTS_KEY = "_results_of_calls"
 # Keyword argument of a host role's call that carries the kept calls of the roles it hosts, run
-# first (worker_group.Rider): [(role, method, before, then, args, kwargs)].
+# first (`Rider` below): [(role, method, before, then, args, kwargs)].
 GUESTS_KEY = "_guest_calls"
 # Keyword arguments that carry the ResultOf arguments of deferred methods (`defer`, `then`) to the
 # top level, where Ray resolves them: f"{LIFTED_PREFIX}{entry}_{position}".
