@@ -20,6 +20,10 @@ Parts, each measured interleaved (A, B, B, A, ...) so that both sides see the ma
   dispatch  a group.call(..., dispatch='all') of a --dispatch-mb MB array to --workers CPU ranks
             against a single ray.put and one .remote(ref) per rank (the floor), and against
             the argument pickled into every rank's call (what dispatch='all' did before).
+  calls     where one call's time goes beside its work (--call-ms of 2-thread matmuls on one rank,
+            a GKD step's batch as argument): the driver's submit, until the method starts on the
+            rank, and from its end until the driver has the answer; through a worker group and
+            through a bare Ray actor doing the same, interleaved.
   start     start_roles of 4 roles (one rank each; the role imports torch and builds a tiny
             model): all groups' actors created at once (start_roles) against one group after
             the other.
@@ -141,6 +145,64 @@ class TorchRole:
         self.model = torch.nn.Linear(64, 64)
 
 
+class Busy:
+    """Matmuls for a given time; reports when its method started and ended (wall clock)."""
+
+    def __init__(self):
+        import torch
+
+        self.a = torch.randn(192, 192)
+
+    def work(self, batch, ms: float) -> dict:
+        started = time.time()
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < ms / 1e3:
+            self.a @ self.a
+        return {"started": started, "ended": time.time()}
+
+
+def bench_calls(args: argparse.Namespace) -> dict:
+    import ray
+    import torch
+
+    from orchestration.placement import create_placement
+    from orchestration.planner import make_plan
+    from orchestration.transport import send_tensors_as_arrays
+    from orchestration.worker_group import WorkerGroup
+    from roles.batch import Batch
+
+    @ray.remote(num_cpus=0)
+    class BareBusy(Busy):
+        def __init__(self, threads: int):
+            send_tensors_as_arrays()
+            torch.set_num_threads(threads)
+            super().__init__()
+
+    plan = make_plan({"device_groups": {"nproc_per_node": 1, "d": {"device": "CPU", "ranks": 1, "workers": ["default"]}}})
+    placement = create_placement(plan, 60)
+    group = WorkerGroup(Busy, plan["default"], placement=placement)
+    bare = BareBusy.remote(group.threads[0])
+    ids = torch.randint(0, 100, (args.prompts, 40))  # about a GKD quickstart step's batch
+    batch = Batch(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=torch.ones(ids.shape))
+    paths = {"group": lambda: group.async_call("work", batch, args.call_ms, dispatch="slice", collect=lambda r: r[0]),
+             "bare": lambda: bare.work.remote(batch, args.call_ms)}
+    answers = {"group": lambda f: f.get(), "bare": ray.get}
+    phases: dict[str, list] = {name: [] for name in paths}
+    for i in range(args.reps * 4 + 4):
+        for name in (list(paths) if i % 2 else list(paths)[::-1]):
+            time.sleep(0.004)  # the driver's own work between calls
+            t0 = time.time()
+            future = paths[name]()
+            sent = time.time()
+            answer = answers[name](future)
+            if i >= 4:
+                phases[name].append((sent - t0, answer["started"] - t0, time.time() - answer["ended"]))
+    group.shutdown()
+    placement.remove()
+    return {name: dict(zip(("submit_ms", "to_method_ms", "back_ms"),
+                           (statistics.median(col) * 1e3 for col in zip(*rows)))) for name, rows in phases.items()}
+
+
 def bench_dispatch(args: argparse.Namespace) -> dict:
     import ray
 
@@ -227,6 +289,7 @@ def main() -> None:
     p.add_argument("--dispatch-mb", type=float, default=8.0)
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--start-rounds", type=int, default=2)
+    p.add_argument("--call-ms", type=float, default=25.0, help="work per call of the calls part")
     p.add_argument("--out", default="benchmarks/results/ray_vs_local.json")
     args = p.parse_args()
 
@@ -247,6 +310,12 @@ def main() -> None:
               f"ray.put {d['put_once_ms']:.1f} ms, pickled per rank {d['per_rank_ms']:.1f} ms; group/put "
               f"{d['group_over_put_once']:.2f}x (fastest calls {d['group_over_put_once_min']:.2f}x), per-rank/put "
               f"{d['per_rank_over_put_once']:.2f}x")
+    if "calls" in args.parts:
+        c = results["calls"] = bench_calls(args)
+        for name, f in c.items():
+            print(f"one call through {'a worker group' if name == 'group' else 'a bare actor'}: submit "
+                  f"{f['submit_ms']:.2f} ms, to the method {f['to_method_ms']:.2f} ms, back {f['back_ms']:.2f} ms "
+                  f"(around {args.call_ms:.0f} ms of work)")
     if "start" in args.parts:
         s = results["start"] = bench_start(args)
         print(f"start of 4 roles: together {s['together_s']:.1f} s, one by one {s['one_by_one_s']:.1f} s "
