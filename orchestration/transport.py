@@ -185,7 +185,9 @@ class Rider:
     def sent(self) -> Any:
         """The call that carries it (sent alone now if no host call did)."""
         if self.ref is None:
-            self.group.hosted_by._riders[self.index].remove(self)
+            waiting = self.group.hosted_by._riders.get(self.index, [])
+            if self in waiting:
+                waiting.remove(self)
             self.ref = self.group._submit(self.index, *self.call, ride=False)
         return self.ref
 

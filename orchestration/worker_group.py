@@ -270,10 +270,12 @@ class WorkerGroup(BaseWorkerGroup):
             self.hosted_by._riders.setdefault(index, []).append(rider)
             return rider
         start = time.perf_counter()
-        riders = self._riders.pop(index, [])
         # Calls to wait for, and other calls' answers used as arguments, go as top-level arguments,
-        # which Ray resolves before the call runs.
-        waits = {f"{AFTER_PREFIX}{j}": sent(ref) for j, ref in enumerate((*deps, *(d for r in riders for d in r.call[4])))}
+        # which Ray resolves before the call runs. A rider waited for is sent first, on its own.
+        deps = [sent(ref) for ref in deps]
+        riders = self._riders.pop(index, [])
+        deps += [sent(ref) for r in riders for ref in r.call[4]]
+        waits = {f"{AFTER_PREFIX}{j}": ref for j, ref in enumerate(deps)}
         sent_kw = dict(kwargs)  # with the deferred methods' ResultOf arguments beside the call's own
         sent_before, sent_then = lift(before, "b", sent_kw), lift(then, "t", sent_kw)
         results = {**{i: (a.key, a.carried) for i, a in enumerate(args) if isinstance(a, ResultOf)},

@@ -178,6 +178,14 @@ def test_a_hosted_role_runs_in_its_hosts_processes_and_its_kept_answers_feed_the
         small = batch_of(1)
         small.teacher_logprobs, small.teacher_indices = Kept("t", 0), Kept("t", 1)
         assert trainer.call("train_step", small, dispatch="slice")[0]["indices"] == [[1, 2]]
+        # A host call that waits for a kept call (`after`) does not carry it: that one goes first.
+        before = CALLS.remote
+        kept = teacher.async_call("logits", batch_of(2), 3.0, dispatch="slice", keep="t")
+        trainer.after([kept])
+        pair = batch_of(2)
+        pair.teacher_logprobs, pair.teacher_indices = Kept("t", 0), Kept("t", 1)
+        assert [r["logprobs"] for r in trainer.call("train_step", pair, dispatch="slice")] == [[[0.0, 3.0]], [[6.0, 9.0]]]
+        assert CALLS.remote - before == 4 and kept.get() == Kept("t")
         assert trainer.call("pid", execute="first") != os.getpid()
         teacher.shutdown()  # the host's processes stay
         assert len(trainer.call("pid")) == 2
