@@ -384,8 +384,27 @@ class GKDLoss:
 
     def __call__(self, logprobs: torch.Tensor, batch: Batch, extras: Optional[dict] = None):
         extras = extras or {}
-        if self.student_topk:
-            return self._from_student_topk(batch, extras)
+        student = self._student_topk(batch, extras) if self.student_topk else self._student_logits(batch, extras)
+        device = (student[0] if isinstance(student, tuple) else student).device
+        mask = batch.loss_mask.to(device)
+        indices = None if batch.teacher_indices is None else batch.teacher_indices.to(device)
+        numerator, metrics = gkd_loss(
+            student, batch.teacher_logprobs.to(device), mask, teacher_indices=indices, beta=self.beta,
+            temperature=self.temperature, topk_mode=self.topk_mode,
+            teacher_temperature_applied=self.teacher_temperature_applied, reduction="sum")
+        if self.sft_alpha > 0:  # the full logits (student_topk refuses sft_alpha)
+            active = mask > 0
+            rows = student[active].float()
+            target = batch.input_ids.to(device)[active].unsqueeze(-1)
+            nll = torch.logsumexp(rows, dim=-1) - rows.gather(-1, target).squeeze(-1)
+            weight = torch.ones_like(mask) if batch.sft_weight is None else (
+                batch.sft_weight.to(device, mask.dtype)[:, None].expand_as(mask))
+            numerator = numerator + self.sft_alpha * (nll * weight[active]).sum()
+            metrics["sft_nll"] = nll.detach().mean() if nll.numel() else 0.0
+        return _step_reduce(numerator, self.reduction, "global_tokens", self.denominator(batch), extras), metrics
+
+    def _student_logits(self, batch: Batch, extras: dict) -> torch.Tensor:
+        """The student's aligned logits at temperature 1 (gkd_loss applies this loss's)."""
         logits = extras.get("logits")
         if logits is None:
             raise ValueError("GKD loss needs extras['logits'] (the student's aligned [B, T, V] logits); "
@@ -395,28 +414,11 @@ class GKDLoss:
         if logits.shape[:2] != batch.loss_mask.shape:
             raise ValueError(f"extras['logits'] {tuple(logits.shape)} must be aligned with the batch "
                              f"{tuple(batch.loss_mask.shape)}")
-        device = logits.device
-        mask = batch.loss_mask.to(device)
-        # Back to temperature-1 logits; gkd_loss applies this loss's temperature.
-        logits = logits * float(extras.get("temperature", 1.0))
-        indices = None if batch.teacher_indices is None else batch.teacher_indices.to(device)
-        numerator, metrics = gkd_loss(
-            logits, batch.teacher_logprobs.to(device), mask, teacher_indices=indices, beta=self.beta,
-            temperature=self.temperature, topk_mode=self.topk_mode,
-            teacher_temperature_applied=self.teacher_temperature_applied, reduction="sum")
-        if self.sft_alpha > 0:
-            active = mask > 0
-            rows = logits[active].float()
-            target = batch.input_ids.to(device)[active].unsqueeze(-1)
-            nll = torch.logsumexp(rows, dim=-1) - rows.gather(-1, target).squeeze(-1)
-            weight = torch.ones_like(mask) if batch.sft_weight is None else (
-                batch.sft_weight.to(device, mask.dtype)[:, None].expand_as(mask))
-            numerator = numerator + self.sft_alpha * (nll * weight[active]).sum()
-            metrics["sft_nll"] = nll.detach().mean() if nll.numel() else 0.0
-        return _step_reduce(numerator, self.reduction, "global_tokens", self.denominator(batch), extras), metrics
+        return logits * float(extras.get("temperature", 1.0))
 
-
-    def _from_student_topk(self, batch: Batch, extras: dict):
+    def _student_topk(self, batch: Batch, extras: dict) -> tuple:
+        """The student's log-softmax at the teacher's tokens and the mass outside them, as the
+        trainer gave them (at its temperature, which must be this loss's)."""
         student = extras.get("student_topk")
         if student is None:
             raise ValueError("GKD loss with student_topk needs extras['student_topk']; give the trainer "
@@ -428,13 +430,7 @@ class GKDLoss:
         if trained is None or float(trained) != self.temperature:
             raise ValueError(f"GKD student_topk comes at the trainer's temperature {trained}; "
                              f"train at the loss temperature {self.temperature}")
-        device = student[0].device
-        mask = batch.loss_mask.to(device)
-        numerator, metrics = gkd_loss(
-            student, batch.teacher_logprobs.to(device), mask, teacher_indices=batch.teacher_indices.to(device),
-            beta=self.beta, temperature=self.temperature, topk_mode=self.topk_mode,
-            teacher_temperature_applied=self.teacher_temperature_applied, reduction="sum")
-        return _step_reduce(numerator, self.reduction, "global_tokens", self.denominator(batch), extras), metrics
+        return student
 
 
 _LOSSES = {"sft": SFTLoss, "grpo": GRPOLoss, "gkd": GKDLoss}

@@ -25,7 +25,6 @@ import sys
 import tempfile
 import time
 
-import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -35,6 +34,7 @@ import roles.engines.torch_trainer as torch_trainer  # noqa: E402
 import roles.engines.train_kernels as train_kernels  # noqa: E402
 import roles.trainer as trainer_module  # noqa: E402
 from roles.models import resolve_config  # noqa: E402
+from gpu_throughput import sync  # noqa: E402
 from train_throughput import train_batch  # noqa: E402
 
 # (module or class, function) marked as a phase of the step: what the host runs between kernels.
@@ -119,16 +119,12 @@ def main() -> None:
     trainer = trainer_module.Trainer(model, config)
     batches = [train_batch(args.rows, args.tokens, trainer.model.config.vocab_size, False, seed)
                for seed in range(args.warmup_steps + args.steps + args.profile_steps)]
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize()
     walls = []
     for i, batch in enumerate(batches[:args.warmup_steps + args.steps]):
-        sync()
+        sync(args.device)
         start = time.perf_counter()
         trainer.train_step(batch)
-        sync()
+        sync(args.device)
         if i >= args.warmup_steps:
             walls.append((time.perf_counter() - start) * 1e3)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -136,7 +132,7 @@ def main() -> None:
         for batch in batches[args.warmup_steps + args.steps:]:
             with record_function(STEP):
                 trainer.train_step(batch)
-            sync()
+            sync(args.device)
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)

@@ -191,6 +191,11 @@ class Rider:
             self.ref = self.group._submit(self.index, *self.call, ride=False)
         return self.ref
 
+    @property
+    def deps(self) -> tuple:
+        """The calls it waits for (`after`): the host's call carrying it waits for them."""
+        return self.call[4]
+
     def payload(self) -> tuple:
         method, args, kwargs, before, _, then = self.call
         return self.group.key, method, before, then, args, kwargs

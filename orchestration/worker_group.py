@@ -274,7 +274,7 @@ class WorkerGroup(BaseWorkerGroup):
         # which Ray resolves before the call runs. A rider waited for is sent first, on its own.
         deps = [sent(ref) for ref in deps]
         riders = self._riders.pop(index, [])
-        deps += [sent(ref) for r in riders for ref in r.call[4]]
+        deps += [sent(ref) for r in riders for ref in r.deps]
         waits = {f"{AFTER_PREFIX}{j}": ref for j, ref in enumerate(deps)}
         sent_kw = dict(kwargs)  # with the deferred methods' ResultOf arguments beside the call's own
         sent_before, sent_then = lift(before, "b", sent_kw), lift(then, "t", sent_kw)

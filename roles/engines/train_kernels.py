@@ -229,8 +229,9 @@ def next_token_logprobs(model, targets: torch.Tensor, temperature: float, entrop
     picked = logits.gather(-1, targets[..., None])[..., 0] - lse
     top, rest = topk_logprobs(logits, topk_indices) if topk_indices is not None else (None, None)
     ent = None
-    if entropy:
-        ent = lse.detach() - (torch.softmax(logits.detach(), -1) * logits.detach()).sum(-1)
+    if entropy:  # logged only: no gradient
+        plain = logits.detach()
+        ent = lse.detach() - (torch.softmax(plain, -1) * plain).sum(-1)
     return picked, ent, top, rest
 
 
