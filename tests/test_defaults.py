@@ -36,7 +36,7 @@ EXCEPTIONS = {
     ("roles/teacher.py", "Teacher.logits", "temperature"): "untempered",
     # The scale of the logits the trainer handed over (extras['temperature']), 1 when absent;
     # GKD's own temperature is GKDLoss.temperature, required.
-    ("algorithms/losses.py", "GKDLoss.__call__", "temperature"): "untempered",
+    ("algorithms/losses.py", "GKDLoss._student_logits", "temperature"): "untempered",
     # A request that sets nothing samples the model's distribution unchanged, as in vLLM.
     ("roles/batch.py", "SamplingParams", "temperature"): "untempered",
     ("roles/batch.py", "SamplingParams", "top_p"): "no nucleus cut",
