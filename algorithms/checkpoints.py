@@ -28,6 +28,8 @@ logger = logging.getLogger(__name__)
 
 DRIVER_STATE = "driver_state.json"
 LATEST = "latest"
+# The key of driver_state.json holding the step's metrics record as it stood at the save.
+SAVED_RECORD = "record"
 # Files that make a checkpoint folder usable for resume (the weights' file name depends on the
 # engine's HF save: safetensors or a sharded index).
 REQUIRED = (DRIVER_STATE, STATE_FILE, "config.json")

@@ -138,12 +138,7 @@ class RunLog:
         """Send one record for `step` (`metrics`, the added sums, the phase timings) to every
         tracker; show progress (nothing printed with `quiet`). Returns the record."""
         now = time.monotonic()
-        record = {"step": step, **{k: _plain(v) for k, v in {**self._sums, **metrics}.items()},
-                  **{f"time/{k}": round(v, 4) for k, v in self._phases.items()}}
-        record["time/step"] = round(sum(self._phases.values()), 4)
-        # Wall time since the previous record: with overlap, phases of different roles
-        # run at once and no longer add up to it.
-        record["time/step_wall"] = round(now - self._step_started, 4)
+        record = self.draft(step, metrics, now)
         self._phases, self._sums, self._step_started = {}, {}, now
         self.current_step = step + 1
         self._metrics.log(step, record)
@@ -151,6 +146,18 @@ class RunLog:
             tracker.log(step, record)
         if not quiet:
             self._show(step, record, now)
+        return record
+
+    def draft(self, step: int, metrics: dict[str, Any], now: float | None = None) -> dict[str, Any]:
+        """The record `step` would get now (`metrics`, the added sums, the phase timings so
+        far), nothing written."""
+        now = time.monotonic() if now is None else now
+        record = {"step": step, **{k: _plain(v) for k, v in {**self._sums, **metrics}.items()},
+                  **{f"time/{k}": round(v, 4) for k, v in self._phases.items()}}
+        record["time/step"] = round(sum(self._phases.values()), 4)
+        # Wall time since the previous record: with overlap, phases of different roles
+        # run at once and no longer add up to it.
+        record["time/step_wall"] = round(now - self._step_started, 4)
         return record
 
     def _open_trackers(self, first_step: int) -> list[Any]:
@@ -189,17 +196,24 @@ class RunLog:
         width = len(str(self.total))
         return f"[{step:>{width}}/{self.total}] {_fmt(elapsed)}{eta} " + " ".join(shown)
 
-    def rewind(self, step: int) -> dict:
+    def rewind(self, step: int, saved: dict | None = None) -> dict:
         """Continue a resumed run after `step`: drop the lines of later steps (written after
         its checkpoint, before the interruption) from metrics.jsonl and timeline.jsonl, and
-        from the trackers' view. Returns the record of `step` ({} if none)."""
+        from the trackers' view. `saved`: the record of `step` as its checkpoint kept it
+        (`draft`), written where the interruption came between the checkpoint and the line.
+        Returns the record of `step` ({} if none)."""
         intervals = self._timeline.rewind(step)
         kept = self._metrics.rewind(step)
         self.current_step, self._steps_before = step + 1, step
         # The timeline's clock continues after the kept intervals instead of starting at 0 again.
         self._start = time.monotonic() - max((line["end"] for line in intervals), default=0.0)
-        self._open_trackers(step + 1)
+        trackers = self._open_trackers(step + 1)
         last = [r for r in kept if r.get("step") == step]
+        if not last and saved:
+            self._metrics.log(step, saved)
+            for tracker in trackers:
+                tracker.log(step, saved)
+            last = [saved]
         return last[-1] if last else {}
 
     def close(self) -> None:

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-from algorithms.checkpoints import driver_state, find_resume, save_checkpoint
+from algorithms.checkpoints import SAVED_RECORD, driver_state, find_resume, save_checkpoint
 from algorithms.common import accuracy, record_event
 from algorithms.runlog import RunLog, timed_call
 from orchestration.base_group import CALLS, BaseWorkerGroup, Kept, ResultOf
@@ -94,7 +94,7 @@ class Turns:
         self.first_step = self.resumed.get("step", -1) + 1
         self._last: dict = {}
         if self.resumed_from is not None:
-            self._last = log.rewind(self.resumed["step"])
+            self._last = log.rewind(self.resumed["step"], self.resumed.get(SAVED_RECORD))
             with self.turn("train"):
                 self.trainer.call("load", str(self.resumed_from))
             logger.info(f"resumed from {self.resumed_from}: continuing at step {self.first_step}")
@@ -344,8 +344,10 @@ class Turns:
             with self.rollout_turn(step, metrics), self.log.phase("eval", "rollout"):
                 metrics["eval/accuracy"] = accuracy(self.rollout, self.eval_set, self.run.eval_max_new_tokens, self.data)
         if due(step, self.run.save_every) and not (step == self.run.steps and self.run.save_final):
+            # The step's record as it stands goes into the checkpoint too: an interruption
+            # between the save and the record's line would otherwise lose the line on resume.
             with self.log.phase("save", "train"):
-                self.save(step, state or {})
+                self.save(step, {**(state or {}), SAVED_RECORD: self.log.draft(step, metrics)})
         self._settle()  # the step's offloads and sleeps, their figures in its record
         for name, group in self.roles.items():  # Ray groups answer from what their calls brought back
             self.log.memory(name, group.memory() if isinstance(group, BaseWorkerGroup) else group.call("memory"))

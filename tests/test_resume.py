@@ -183,6 +183,36 @@ def test_stop_and_resume_equals_a_straight_run(name, tmp_path, monkeypatch):
     assert json.loads((Path(resumed["checkpoint"]) / "driver_state.json").read_text())["step"] == 5
 
 
+def test_an_interruption_between_the_checkpoint_and_its_line_loses_no_line(tmp_path, monkeypatch):
+    """Killed after step 2's checkpoint was written but before step 2's record reached
+    metrics.jsonl: the resumed run writes step 2's record from the checkpoint, every step once,
+    and the records equal a straight run's."""
+    driver, schema, overrides = CASES["sft"]
+    base = overrides + ["backend=local", "run.steps=5", "run.save_every=2", "run.eval_every=2"]
+    _, typed, plan = prepared(schema, base)
+    straight = read_metrics(Path(driver.run(typed, plan, tmp_path / "straight")["checkpoint"]).parent.parent
+                            / "metrics.jsonl")
+    save = Turns.save
+
+    def dying(self, step, state):
+        path = save(self, step, state)
+        if step == 2:
+            raise Interrupted(f"killed after step {step}'s checkpoint")
+        return path
+
+    with monkeypatch.context() as m:
+        m.setattr(Turns, "save", dying)
+        with pytest.raises(Interrupted):
+            driver.run(typed, plan, tmp_path / "resumed")
+    assert [r["step"] for r in read_metrics(tmp_path / "resumed" / "metrics.jsonl")] == [0, 1]
+    _, typed, plan = prepared(schema, base + ["run.resume=auto"])
+    driver.run(typed, plan, tmp_path / "resumed")
+    got = read_metrics(tmp_path / "resumed" / "metrics.jsonl")
+    assert [r["step"] for r in got] == list(range(6))
+    assert comparable(got) == comparable(straight)
+    assert "eval/accuracy" in got[2] and "train/loss" in got[2]
+
+
 def test_distill_resumes_its_sampling_and_then_the_sft_phase(tmp_path, monkeypatch):
     """Killed after sampling step 3's record (its state not yet written), resumed: the same kept
     rows and sampling metrics as a straight run; then the SFT phase runs once."""
