@@ -20,7 +20,6 @@ as in algorithms/grpo.py.
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
@@ -46,7 +45,7 @@ from algorithms.turns import Turns
 from algorithms.validation import (AT_LEAST_1, FRACTION, NON_NEGATIVE, POSITIVE, check_model, check_run,
                                    check_trainer, require, require_all, require_roles, vocab_size)
 from orchestration.cluster import init_cluster, set_log_level
-from orchestration.base_group import Kept
+from orchestration.base_group import GroupFuture, Kept
 from orchestration.config import ConfigError, checked_command_line, register_schema
 from orchestration.launch import driver_group, start_roles
 from orchestration.planner import Plan, as_started, make_plan
@@ -72,47 +71,86 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
     keep = "teacher_logits" if getattr(teacher, "hosted_by", None) is trainer else None
     # The student's top-k logprobs come at the trainer's temperature: the loss's, then.
     train_temperature = algo.temperature if student_topk(cfg, plan) else 1.0
+    # Whether the teacher may score the next step's dataset responses while this step trains: on
+    # Ray, with devices of its own (a teacher in the trainer's processes or on its devices waits
+    # for the trainer anyway; its call rides on the trainer's then).
+    score_ahead = (cfg.backend.workers == "ray" and not algo.seq_kd and not algo.max_staleness and keep is None
+                   and not {"train", "rollout"} & set(plan["teacher"].colocated_with))
+
+    def off_policy_batch(step: int) -> Any:
+        """Step `step`'s dataset responses (with seq_kd, the teacher's own samples) as a batch."""
+        with log.phase("generate"):  # drawn, not generated: about 0 s
+            examples, _ = prefetch.take(step)
+        return batch_of(_off_policy(examples, tokenizer, teacher_writer if algo.seq_kd else None, sampling, log,
+                                    cfg.data.chat), on_policy=False)
+
+    def batch_of(comps: Any, on_policy: bool) -> Any:
+        batch = common.batch_of(tokenizer, comps)
+        # sft_alpha's NLL term counts dataset responses only, never the student's own text.
+        batch.sft_weight = torch.full((len(batch),), 0.0 if on_policy else 1.0)
+        return batch
+
+    def scored(batch: Any, ahead: bool = False) -> Any:
+        """`batch` with the teacher's logprobs at every position (top-k or full vocabulary). Top-k
+        is taken from the tempered distribution (the loss leaves it as is); full-vocabulary
+        logprobs come at temperature 1 and the loss tempers them. A teacher built in the trainer's
+        processes keeps them there for the train call. `ahead`: during the previous step's train
+        call (a teacher on devices of its own); its answer is read when the batch is trained on."""
+        out = turns.call("teacher", "logits", batch, topk, temperature=algo.temperature if topk else 1.0,
+                         dispatch="slice", collect="flatten", phase="teacher", keep=keep, ahead=ahead)
+        if keep and topk:
+            out = (Kept(keep, 0), Kept(keep, 1))
+        if isinstance(out, GroupFuture):  # scored ahead by a teacher of its own: `answered` reads it
+            batch.teacher_logprobs, batch.teacher_indices = out, None
+        else:
+            batch.teacher_logprobs, batch.teacher_indices = out if topk else (out, None)
+        return batch
+
+    def answered(batch: Any) -> Any:
+        """`batch` with the teacher's answer read where it was still coming (scored ahead)."""
+        if isinstance(batch.teacher_logprobs, GroupFuture):
+            with log.phase("teacher"):
+                out = batch.teacher_logprobs.get()
+            batch.teacher_logprobs, batch.teacher_indices = out if topk else (out, None)
+        return batch
+
     with Turns(plan, {"train": trainer, "rollout": rollout, "teacher": teacher}, cfg.run, cfg.weight_sync, log,
                       eval_set, data=cfg.data) as turns:
         # Prompts continue where a resumed run's checkpoint left them.
         stream = common.PromptStream(train_set, cfg.run.prompts_per_step, cfg.run.seed, turns.resumed.get("stream", 0))
         prefetch = overlap.Prefetch(rollout, log, stream, sampling, algo.max_staleness, cfg.run.steps,
                                     generates=lambda s: on_policy[s], seed=cfg.run.seed, first_step=turns.first_step)
+        ahead: dict[int, Any] = {}  # step -> its batch, scored during the previous step
         for step in range(turns.first_step, cfg.run.steps + 1):
             metrics: dict = dict(step0 or {}) if step == 0 else {}
             if step > 0:
                 metrics["gkd/on_policy"] = float(on_policy[step])
-                # Generate: the student writes the completions (on-policy), else dataset responses
-                # (with seq_kd, the teacher's own samples).
-                with turns.rollout_turn(step - 1, metrics, one_call=not algo.max_staleness) if on_policy[step] \
-                        else contextlib.nullcontext():
-                    with log.phase("generate"):
-                        examples, comps = prefetch.take(step)
-                if on_policy[step]:
-                    metrics.update(overlap.staleness(comps, step, algo.max_staleness))
-                else:
-                    comps = _off_policy(examples, tokenizer, teacher_writer if algo.seq_kd else None, sampling, log,
-                                        cfg.data.chat)
-                batch = common.batch_of(tokenizer, comps)
-                # sft_alpha's NLL term counts dataset responses only, never the student's own text.
-                batch.sft_weight = torch.full((len(batch),), 0.0 if on_policy[step] else 1.0)
-                # Teacher: logprobs at every position (top-k or full vocabulary). Top-k is taken from
-                # the tempered distribution (the loss leaves it as is); full-vocabulary logprobs come
-                # at temperature 1 and the loss tempers them.
-                # A teacher built in the trainer's processes keeps them there for the train call.
-                out = turns.call("teacher", "logits", batch, topk, temperature=algo.temperature if topk else 1.0,
-                                 dispatch="slice", collect="flatten", phase="teacher", keep=keep)
-                if keep and topk:
-                    out = (Kept(keep, 0), Kept(keep, 1))
-                batch.teacher_logprobs, batch.teacher_indices = out if topk else (out, None)
+                batch = ahead.pop(step, None)
+                metrics["gkd/scored_ahead"] = float(batch is not None)
+                if batch is None:
+                    # Generate: the student writes the completions (on-policy), else dataset
+                    # responses (with seq_kd, the teacher's own samples). Teacher: its logprobs.
+                    if on_policy[step]:
+                        with turns.rollout_turn(step - 1, metrics, one_call=not algo.max_staleness):
+                            with log.phase("generate"):
+                                _, comps = prefetch.take(step)
+                        metrics.update(overlap.staleness(comps, step, algo.max_staleness))
+                        batch = scored(batch_of(comps, on_policy=True))
+                    else:
+                        batch = scored(off_policy_batch(step))
                 # Train: one update of the student on the generalized JSD; then the weights go to the
                 # rollout when it samples before the next update (once generations started ahead
                 # finish). The trainer's onload, the weights' send and its offload ride on the call.
                 with turns.train_turn(step, prefetch, algo.max_staleness, metrics, one_call=True):
                     with log.phase("train", "train"):
-                        result = trainer.call("train_step", batch, train_temperature, dispatch="slice",
-                                              collect=common.first)
-                        metrics.update({f"train/{k}": v for k, v in result.items()})
+                        future = trainer.async_call("train_step", answered(batch), train_temperature,
+                                                    dispatch="slice", collect=common.first)
+                        # The next step's dataset responses do not depend on this update: when nothing
+                        # else comes between the two steps, the teacher scores them now, behind or
+                        # beside this call, instead of after the driver has read its answer.
+                        if score_ahead and turns.quiet_after(step, prefetch):  # (the next step is off-policy)
+                            ahead[step + 1] = scored(off_policy_batch(step + 1), ahead=True)
+                        metrics.update({f"train/{k}": v for k, v in future.get().items()})
             turns.end_step(step, metrics, {"stream": prefetch.position()})
         return turns.finish({"stream": prefetch.position()})
 

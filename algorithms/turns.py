@@ -37,7 +37,7 @@ from typing import Any, Iterator, Optional
 from algorithms.checkpoints import SAVED_RECORD, driver_state, find_resume, save_checkpoint
 from algorithms.common import accuracy, record_event
 from algorithms.runlog import RunLog, timed_call
-from orchestration.base_group import CALLS, BaseWorkerGroup, Kept, ResultOf
+from orchestration.base_group import CALLS, BaseWorkerGroup, GroupFuture, Kept, ResultOf
 from orchestration.config import WeightSyncConfig
 from orchestration.planner import Plan
 from orchestration.weight_sync import WeightSync, sync_metrics
@@ -137,13 +137,26 @@ class Turns:
             self._send_weights()
 
     def call(self, role: str, method: str, *args: Any, phase: Optional[str] = None, keep: Optional[str] = None,
-             **kwargs: Any) -> Any:
+             ahead: bool = False, **kwargs: Any) -> Any:
         """A turn of `role` that is one call of `method` (waited for; its value returned), timed as
         `phase` when given: onload, method and offload in one round trip (`turn`'s `one_call`).
         With `keep` (a role built in the trainer's processes) each rank keeps its answer for the
         trainer's next call, which names it (`Kept(keep)`, returned at once): the two calls go out
         back to back and run in order there, so they share one round trip; this one is waited for
-        with the step's offloads (`_settle`), and its work shows in the phase that waits (train)."""
+        with the step's offloads (`_settle`), and its work shows in the phase that waits (train).
+        `ahead` (not with `keep`): made during a train call, for the next step (`quiet_after`), on
+        devices of the role's own; its value comes back as a future (`.get()`), with what its
+        onload and offload moved recorded when it is read."""
+        if ahead:
+            with self.turn(role, phase, one_call=True, waited=False) as group:
+                future = group.async_call(method, *args, **kwargs)
+
+            def answer(timeout: Optional[float] = None) -> Any:
+                value = future.get(timeout)
+                if self.offload[role] is not None:  # what its onload and offload moved
+                    self._moved_with_call(role, group)
+                return value
+            return GroupFuture(answer, future.handles)
         if keep is None:
             with self.turn(role, phase, one_call=True) as group:
                 return group.call(method, *args, **kwargs)
@@ -294,6 +307,13 @@ class Turns:
                 self._outgoing = version
             return {}
         return self._send(version, before)
+
+    def quiet_after(self, step: int, prefetch: Any) -> bool:
+        """Whether nothing but the trainer's next step follows training step `step`: no eval, no
+        save, no generation (so no weight sync), and a next step. Its inputs may then be made, and
+        scored by a role that runs behind the trainer or beside it, while step `step` trains."""
+        return (step < self.run.steps and not due(step, self.run.save_every)
+                and not self._rollout_works_after(step, prefetch))
 
     def syncs_after(self, version: int, prefetch: Any, max_staleness: int) -> bool:
         """Whether `sync` after training step `version` sends the weights (else the train turn can

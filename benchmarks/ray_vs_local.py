@@ -285,6 +285,7 @@ def main() -> None:
     p.add_argument("--extra", nargs="*", default=[], help="more driver overrides, e.g. algorithm.lmbda=1.0")
     p.add_argument("--ray-extra", nargs="*", default=[],
                    help="a third run per round: Ray with these overrides too, e.g. placement.teacher_in_trainer_process=true")
+    p.add_argument("--gpus", type=int, default=1, help="devices the local cluster simulates (a teacher group needs 2)")
     p.add_argument("--workers", type=int, default=4, help="ranks of the dispatch part")
     p.add_argument("--dispatch-mb", type=float, default=8.0)
     p.add_argument("--reps", type=int, default=20)
@@ -297,7 +298,7 @@ def main() -> None:
     from orchestration.config import ClusterConfig
 
     # One local cluster for every part: room for the 4 start-part roles and the dispatch ranks.
-    init_cluster(ClusterConfig(num_cpus=max(args.workers, 4) + 1, simulate_gpus=1, log_to_driver=False))
+    init_cluster(ClusterConfig(num_cpus=max(args.workers, 4) + 1, simulate_gpus=args.gpus, log_to_driver=False))
     results: dict = {"cores": os.cpu_count()}
     with tempfile.TemporaryDirectory() as tmp:
         if "drivers" in args.parts:

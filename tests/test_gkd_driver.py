@@ -120,7 +120,9 @@ def test_gkd_seq_kd_teacher_writes_the_off_policy_completions(tmp_path):
 
 
 def test_gkd_separate_plan_never_offloads_or_sleeps(tmp_path):
-    """Roles on their own devices never take turns, whatever the offload/sleep flags say."""
+    """Roles on their own devices never take turns, whatever the offload/sleep flags say; the
+    teacher scores an off-policy step's batch during the previous step's train call when nothing
+    else comes between the two."""
     _, typed, _ = prepared(GKDRunConfig, GKD_COLOCATED)
     plan = make_plan({"offload_model": True, "offload_optimizer": True, "sleep_level": 1, "gkd_logits_topk": 4,
                       "train": {"gpus": 1}, "rollout": {"gpus": 2}, "teacher": {"gpus": 1, "model": "tiny_llama"}})
@@ -128,12 +130,15 @@ def test_gkd_separate_plan_never_offloads_or_sleeps(tmp_path):
     assert not [c for c in calls if c[1] in ("offload", "onload", "sleep", "wake_up")]
     segments = by_step(calls)
     skipped = {r["step"] for r in records if r.get("sync/skipped")}
+    ahead = {r["step"] for r in records if r.get("gkd/scored_ahead")}
+    assert ahead and ahead <= {r["step"] for r in records if r.get("gkd/on_policy") == 0.0}
     for step in range(1, typed.run.steps + 1):
         methods = [c[:2] for c in segments[step]]
         at = methods.index(("train", "train_step"))
-        assert methods[at - 1] == ("teacher", "logits")
+        assert (("teacher", "logits") not in methods[:at]) if step in ahead else methods[at - 1] == ("teacher", "logits")
         synced = [("train", "state_dict_buckets", None), ("rollout", "update_weights", step)]
-        assert segments[step][at + 1:at + 3] == ([] if step in skipped else synced)
+        follows = [("teacher", "logits", 4)] if step + 1 in ahead else [] if step in skipped else synced
+        assert segments[step][at + 1:at + 3] == follows, step
     assert sum(r.get("gkd/on_policy", 0) for r in records) > 0
 
 
@@ -366,3 +371,30 @@ def test_a_relative_teacher_folder_reaches_the_roles_as_an_absolute_path(tmp_pat
     assert gkd.teacher_spec(typed, plan) == str(tmp_path / "teacher")
     _, typed, plan = prepared(GKDRunConfig, TINY_GKD)
     assert gkd.teacher_spec(typed, plan) == "tiny_llama"
+
+
+def test_a_teacher_on_devices_of_its_own_scores_the_next_batch_while_the_student_trains(ray_cluster, tmp_path):
+    """On Ray with the teacher in a group of its own: an off-policy step after a step with nothing
+    else to do (no eval, save or generation between) had its batch scored during the previous
+    step's train call, and the run computes what backend=local computes."""
+    from tests.driver_helpers import prepared
+
+    base = ["+experiment=gkd_quickstart", *TINY_GKD, f"teacher.cache_dir={tmp_path / 'teachers'}", "run.steps=6",
+            "algorithm.lmbda=0.5", "placement.gkd_logits_topk=4", "placement.teacher_model=null",
+            "placement.offload_teacher_model=false", "placement.teacher.gpus=1", "placement.teacher.model=tiny_llama",
+            "placement.teacher_in_trainer_process=false", f"cluster.address={ray_cluster.address}"]
+    records = {}
+    for backend in ("local", "ray"):
+        _, typed, plan = prepared(GKDRunConfig, base + [f"backend.workers={backend}"])
+        gkd.validate(typed, plan)
+        gkd.run(typed, plan, tmp_path / backend)
+        records[backend] = read_metrics(tmp_path / backend / "metrics.jsonl")
+    assert plan["teacher"].colocated_with == ()
+    for local, ray in zip(records["local"], records["ray"], strict=True):
+        key = "train/loss" if local["step"] else "eval/accuracy"
+        assert ray[key] == pytest.approx(local[key], rel=1e-5), local["step"]
+    # Eval comes at steps 0 and 6 only: every off-policy step after step 1 was scored ahead.
+    ray = records["ray"][1:]
+    assert [r["gkd/scored_ahead"] for r in ray] == [0.0] + [1.0 - r["gkd/on_policy"] for r in ray[1:]]
+    assert 0 < sum(r["gkd/scored_ahead"] for r in ray) < len(ray) - 1  # both kinds of step ran
+    assert not any(r["gkd/scored_ahead"] for r in records["local"][1:])
