@@ -74,8 +74,8 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
     # Whether the teacher may score the next step's dataset responses while this step trains: on
     # Ray, with devices of its own (a teacher in the trainer's processes or on its devices waits
     # for the trainer anyway; its call rides on the trainer's then).
-    score_ahead = (cfg.backend.workers == "ray" and not algo.seq_kd and not algo.max_staleness and keep is None
-                   and not {"train", "rollout"} & set(plan["teacher"].colocated_with))
+    score_ahead = (algo.score_ahead and cfg.backend.workers == "ray" and not algo.seq_kd and not algo.max_staleness
+                   and keep is None and not {"train", "rollout"} & set(plan["teacher"].colocated_with))
 
     def off_policy_batch(step: int) -> Any:
         """Step `step`'s dataset responses (with seq_kd, the teacher's own samples) as a batch."""
