@@ -143,11 +143,12 @@ class GKDAlgorithm:
     # the rollout generates for steps k+1..k+N while the teacher and trainer work on step k, so
     # the student's samples are up to N weight versions old. 0: strictly on-policy.
     max_staleness: int = 0
-    # A teacher on devices of its own (placement.teacher, on Ray) scores an off-policy step's
-    # batch during the previous step's train call when nothing else comes between the two
-    # (no eval, save or generation): teacher and student then work at once. Holds the next
-    # batch's teacher logprobs beside the current ones (with full-vocabulary logits, a second
-    # batch x length x vocabulary array in the object store). false: they take turns.
+    # A teacher on devices of its own (placement.teacher, sharing none with trainer or rollout;
+    # on Ray) scores an off-policy step's batch during the previous step's train call when
+    # nothing else comes between the two (no eval, save or generation): teacher and student
+    # then work at once. Not with seq_kd or max_staleness > 0. Holds the next batch's teacher
+    # logprobs beside the current ones (with full-vocabulary logits, a second batch x length x
+    # vocabulary array in the object store). false: they take turns.
     score_ahead: bool = True
 
 

@@ -12,7 +12,9 @@ trainer minimises the generalized JSD (`beta`, `temperature`, `sft_alpha`), and 
 weights go to the rollout. The teacher is colocated with the trainer (placement
 `teacher_model`) or in its own group (`placement.teacher`). With separate placement and
 `max_staleness` N > 0, the student's generations for the next N steps run while the teacher
-and trainer work (samples at most N weight versions old). With `teacher.warmup_steps`, the
+and trainer work (samples at most N weight versions old). On Ray, a teacher group of its own
+scores an off-policy step's dataset responses during the previous step's train call
+(`algorithm.score_ahead`). With `teacher.warmup_steps`, the
 teacher is first trained by SFT on the task and cached. eval/accuracy (greedy, held-out) of
 the student is logged at step 0, every run.eval_every steps and at the end, beside the
 teacher's own accuracy. Per-step time, bytes moved and memory figures and timeline.jsonl are
@@ -20,6 +22,7 @@ as in algorithms/grpo.py.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -77,9 +80,10 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
     score_ahead = (algo.score_ahead and cfg.backend.workers == "ray" and not algo.seq_kd and not algo.max_staleness
                    and keep is None and not {"train", "rollout"} & set(plan["teacher"].colocated_with))
 
-    def off_policy_batch(step: int) -> Any:
-        """Step `step`'s dataset responses (with seq_kd, the teacher's own samples) as a batch."""
-        with log.phase("generate"):  # drawn, not generated: about 0 s
+    def off_policy_batch(step: int, timed: bool = True) -> Any:
+        """Step `step`'s dataset responses (with seq_kd, the teacher's own samples) as a batch;
+        their draw timed as `generate` (about 0 s) unless drawn during another phase."""
+        with log.phase("generate") if timed else contextlib.nullcontext():
             examples, _ = prefetch.take(step)
         return batch_of(_off_policy(examples, tokenizer, teacher_writer if algo.seq_kd else None, sampling, log,
                                     cfg.data.chat), on_policy=False)
@@ -107,7 +111,9 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
         return batch
 
     def answered(batch: Any) -> Any:
-        """`batch` with the teacher's answer read where it was still coming (scored ahead)."""
+        """`batch` with the teacher's answer read where it was still coming (scored ahead): the
+        step's `teacher` phase is then the wait for it (the teacher's own interval goes on the
+        timeline)."""
         if isinstance(batch.teacher_logprobs, GroupFuture):
             with log.phase("teacher"):
                 out = batch.teacher_logprobs.get()
@@ -138,20 +144,22 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
                         batch = scored(batch_of(comps, on_policy=True))
                     else:
                         batch = scored(off_policy_batch(step))
+                batch = answered(batch)
                 # Train: one update of the student on the generalized JSD; then the weights go to the
                 # rollout when it samples before the next update (once generations started ahead
                 # finish). The trainer's onload, the weights' send and its offload ride on the call.
                 with turns.train_turn(step, prefetch, algo.max_staleness, metrics, one_call=True):
                     with log.phase("train", "train"):
-                        future = trainer.async_call("train_step", answered(batch), train_temperature,
-                                                    dispatch="slice", collect=common.first)
+                        future = trainer.async_call("train_step", batch, train_temperature, dispatch="slice",
+                                                    collect=common.first)
                         # The next step's dataset responses do not depend on this update: when nothing
-                        # else comes between the two steps, the teacher scores them now, behind or
-                        # beside this call, instead of after the driver has read its answer.
+                        # else comes between the two steps, the teacher scores them now, beside this
+                        # call, instead of after the driver has read its answer.
                         if score_ahead and turns.quiet_after(step, prefetch):  # (the next step is off-policy)
-                            ahead[step + 1] = scored(off_policy_batch(step + 1), ahead=True)
+                            ahead[step + 1] = scored(off_policy_batch(step + 1, timed=False), ahead=True)
                         metrics.update({f"train/{k}": v for k, v in future.get().items()})
-            turns.end_step(step, metrics, {"stream": prefetch.position()})
+            # (A batch drawn ahead is drawn again by a run resumed from this step.)
+            turns.end_step(step, metrics, {"stream": prefetch.position() - len(ahead)})
         return turns.finish({"stream": prefetch.position()})
 
 

@@ -63,8 +63,10 @@ class Pending:
     def done(self) -> bool:
         return not self._thread.is_alive()
 
-    def result(self) -> Any:
-        self._thread.join()
+    def result(self, timeout: Optional[float] = None) -> Any:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"no answer after {timeout} s")
         if self._error is not None:
             raise self._error
         return self._value

@@ -36,6 +36,7 @@ from typing import Any, Iterator, Optional
 
 from algorithms.checkpoints import SAVED_RECORD, driver_state, find_resume, save_checkpoint
 from algorithms.common import accuracy, record_event
+from algorithms.overlap import Pending
 from algorithms.runlog import RunLog, timed_call
 from orchestration.base_group import CALLS, BaseWorkerGroup, GroupFuture, Kept, ResultOf
 from orchestration.config import WeightSyncConfig
@@ -145,18 +146,23 @@ class Turns:
         back to back and run in order there, so they share one round trip; this one is waited for
         with the step's offloads (`_settle`), and its work shows in the phase that waits (train).
         `ahead` (not with `keep`): made during a train call, for the next step (`quiet_after`), on
-        devices of the role's own; its value comes back as a future (`.get()`), with what its
-        onload and offload moved recorded when it is read."""
+        devices of the role's own; it returns a future at once (`.get()`). The send is not timed;
+        reading the answer records the role's own interval on the timeline and what its onload
+        and offload moved, under the step that reads it."""
         if ahead:
-            with self.turn(role, phase, one_call=True, waited=False) as group:
-                future = group.async_call(method, *args, **kwargs)
+            if keep is not None:
+                raise ValueError(f"{role}.{method}: ahead=True with keep={keep!r}; a kept answer rides on the "
+                                 "trainer's next call anyway. Call ahead only a role on devices of its own")
+            with self.turn(role, None, one_call=True, waited=False) as group:
+                pending = Pending(group, method, *args, **kwargs)
 
             def answer(timeout: Optional[float] = None) -> Any:
-                value = future.get(timeout)
+                value = pending.result(timeout)
+                self.log.busy(role, phase or method, pending.start, pending.end)
                 if self.offload[role] is not None:  # what its onload and offload moved
                     self._moved_with_call(role, group)
                 return value
-            return GroupFuture(answer, future.handles)
+            return GroupFuture(answer, ready=pending.done)
         if keep is None:
             with self.turn(role, phase, one_call=True) as group:
                 return group.call(method, *args, **kwargs)

@@ -360,6 +360,41 @@ def test_a_failed_offload_is_the_error_raised_when_the_next_turn_fails_for_it(tm
     assert turns.roles["train"].waits  # the train call was sent to wait for the offload
 
 
+def test_a_teacher_call_made_ahead_that_failed_is_raised_naming_the_teacher_when_read(tmp_path):
+    """A call made ahead returns at once; its failure comes when the next step reads the answer,
+    as the teacher's own error. `ahead` with `keep` is refused."""
+    from algorithms.turns import Turns
+    from orchestration.base_group import GroupFuture, WorkerError
+    from orchestration.config import WeightSyncConfig
+
+    class Group:
+        def after(self, futures):
+            pass
+
+        def defer(self, *a):
+            pass
+
+        def then(self, *a):
+            pass
+
+        def drop_deferred(self):
+            return True
+
+        def async_call(self, method, *args, **kwargs):
+            def failed(timeout):
+                raise WorkerError("teacher", 1, method, "RuntimeError: out of memory")
+            return GroupFuture(failed)
+
+    typed, plan = prepared(GKDRunConfig, TINY_GKD)[1:]
+    turns = Turns(plan, {"train": Group(), "teacher": Group()}, typed.run, WeightSyncConfig(),
+                  MarkedLog(tmp_path, 3, []), [])
+    future = turns.call("teacher", "logits", "a batch", 4, phase="teacher", ahead=True)
+    with pytest.raises(WorkerError, match=r"teacher rank 1 failed in logits\(\): RuntimeError: out of memory"):
+        future.get()
+    with pytest.raises(ValueError, match="ahead=True with keep='t'"):
+        turns.call("teacher", "logits", "a batch", 4, keep="t", ahead=True)
+
+
 def test_a_relative_teacher_folder_reaches_the_roles_as_an_absolute_path(tmp_path, monkeypatch):
     """Actors of a cluster the run joins do not work in the driver's directory: a teacher given as
     a relative folder goes to them absolute (as the student's model.path does); a preset stays a name."""
@@ -398,3 +433,6 @@ def test_a_teacher_on_devices_of_its_own_scores_the_next_batch_while_the_student
     assert [r["gkd/scored_ahead"] for r in ray] == [0.0] + [1.0 - r["gkd/on_policy"] for r in ray[1:]]
     assert 0 < sum(r["gkd/scored_ahead"] for r in ray) < len(ray) - 1  # both kinds of step ran
     assert not any(r["gkd/scored_ahead"] for r in records["local"][1:])
+    # The teacher's own work is on the timeline of every step, those scored ahead included.
+    teacher = {e["step"] for e in read_metrics(tmp_path / "ray" / "timeline.jsonl") if e["role"] == "teacher"}
+    assert teacher >= set(range(1, 7))
