@@ -19,6 +19,7 @@ import time
 from dataclasses import replace
 from typing import Any, Callable, Optional
 
+from orchestration.base_group import CALLS
 from orchestration.config import ConfigError
 from orchestration.planner import Plan
 from roles.batch import Completions
@@ -64,7 +65,9 @@ class Pending:
         return not self._thread.is_alive()
 
     def result(self, timeout: Optional[float] = None) -> Any:
+        start = time.perf_counter()
         self._thread.join(timeout)
+        CALLS.joined(time.perf_counter() - start)
         if self._thread.is_alive():
             raise TimeoutError(f"no answer after {timeout} s")
         if self._error is not None:

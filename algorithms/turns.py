@@ -88,7 +88,7 @@ class Turns:
         self._sent: Optional[tuple] = None
         self._pending: list = []  # (role, method, future) of offloads and sleeps not yet waited for
         self._kept: list = []  # (role, group, future) of calls whose answers the ranks kept, not yet waited for
-        self._mark = (time.perf_counter(), CALLS.remote, CALLS.role_s, CALLS.rank_s)  # start of the step's accounting
+        self._mark = (time.perf_counter(), CALLS.remote, CALLS.role_s, CALLS.overhead_s)  # start of the step's accounting
         # Resume: the trainer continues from the checkpoint; the driver reads `resumed`.
         self.resumed_from = find_resume(log.dir, run.resume)
         self.resumed: dict = driver_state(self.resumed_from) if self.resumed_from else {}
@@ -378,12 +378,12 @@ class Turns:
         for name, group in self.roles.items():  # Ray groups answer from what their calls brought back
             self.log.memory(name, group.memory() if isinstance(group, BaseWorkerGroup) else group.call("memory"))
         now = time.perf_counter()
-        start, calls, role_s, rank_s = self._mark
+        start, calls, role_s, overhead_s = self._mark
         metrics["calls/remote"] = CALLS.remote - calls
         metrics["time/driver"] = round(max(now - start - (CALLS.role_s - role_s), 0.0), 4)
-        metrics["time/call_overhead"] = round(max((CALLS.role_s - role_s) - (CALLS.rank_s - rank_s), 0.0), 4)
+        metrics["time/call_overhead"] = round(max(CALLS.overhead_s - overhead_s, 0.0), 4)
         self._last = self.log.step(step, metrics)
-        self._mark = (time.perf_counter(), CALLS.remote, CALLS.role_s, CALLS.rank_s)
+        self._mark = (time.perf_counter(), CALLS.remote, CALLS.role_s, CALLS.overhead_s)
         return self._last
 
     def save(self, step: int, state: dict) -> Path:

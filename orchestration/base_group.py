@@ -13,6 +13,7 @@ roles', and what the remote calls cost beyond their work.
 from __future__ import annotations
 
 import copy
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -94,11 +95,26 @@ class CallStats:
     """Running totals of this process's worker-group calls (read differences per step)."""
     # Remote calls submitted (one per rank called; in-process calls are not remote).
     remote: int = 0
-    # Seconds spent inside role calls: waiting for remote ranks, or running in-process ranks.
+    # Seconds the driver's own thread spent inside role calls: sending them, waiting for remote
+    # ranks, running in-process ranks, or waiting for a thread that watches a call (`joined`).
     role_s: float = 0.0
-    # Of role_s, the seconds the ranks' methods ran (per call, its slowest rank's, as it reported
-    # back); role_s - rank_s is what the calls cost around the work (transfer, scheduling).
-    rank_s: float = 0.0
+    # Seconds the calls took beyond their methods' run on the ranks (per call, what it was waited
+    # for less its slowest rank's method, as that rank reported back): transfer, scheduling.
+    # Counted in every thread.
+    overhead_s: float = 0.0
+
+    def spent(self, waited: float, ran: float) -> None:
+        """A call's seconds: `waited` for it (or sending it, or running it in process), of which
+        its ranks' methods ran `ran`. In a thread that watches a call made ahead, the wait is
+        beside the driver's own, so not added to role_s (the driver's wait for that thread is)."""
+        self.overhead_s += waited - ran
+        if threading.current_thread() is threading.main_thread():
+            self.role_s += waited
+
+    def joined(self, waited: float) -> None:
+        """The driver waited `waited` seconds for a thread that watches a call."""
+        if threading.current_thread() is threading.main_thread():
+            self.role_s += waited
 
 
 CALLS = CallStats()

@@ -88,8 +88,7 @@ class LocalWorkerGroup(BaseWorkerGroup):
             return ("error", WorkerError.raised(self.role, index, label, e, traceback.format_exc()), {})
         finally:
             spent = time.perf_counter() - start
-            CALLS.role_s += spent
-            CALLS.rank_s += spent
+            CALLS.spent(spent, spent)
 
     def _wait(self, handles: list, method: str, indices: list[int], timeout: float | None) -> list:
         for status, value, _ in handles:

@@ -290,7 +290,7 @@ class WorkerGroup(BaseWorkerGroup):
         for slot, r in enumerate(riders):
             r.ref, r.slot, r.host_method = ref, slot, method
         CALLS.remote += 1
-        CALLS.role_s += time.perf_counter() - start  # serializing the arguments is part of the call
+        CALLS.spent(time.perf_counter() - start, 0.0)  # serializing the arguments is part of the call
         if self.restarts_left > 0:
             self._calls[ref] = (index, method, args, kwargs, before, deps, then)
         return ref
@@ -324,14 +324,14 @@ class WorkerGroup(BaseWorkerGroup):
         try:
             answers = self._wait_calls([sent(h) for h in handles], method, indices, timeout, names)
         finally:
-            CALLS.role_s += time.perf_counter() - start
+            CALLS.spent(time.perf_counter() - start, 0.0)
         answers = [a[4][h.slot] if isinstance(h, Rider) and h.slot is not None else a[:4]
                    for h, a in zip(handles, answers)]
         for index, (_, memory, _, carried) in zip(indices, answers):
             self._memory[index] = memory
             if carried:
                 self._carried[index] = carried
-        CALLS.rank_s += max((spent for _, _, spent, _ in answers), default=0.0)
+        CALLS.spent(0.0, max((spent for _, _, spent, _ in answers), default=0.0))
         return [value for value, _, _, _ in answers]
 
     def _wait_calls(self, handles: list, method: str, indices: list[int], timeout: float | None,
