@@ -99,24 +99,15 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
         is taken from the tempered distribution (the loss leaves it as is); full-vocabulary
         logprobs come at temperature 1 and the loss tempers them. A teacher built in the trainer's
         processes keeps them there for the train call. `ahead`: during the previous step's train
-        call (a teacher on devices of its own); its answer is read when the batch is trained on."""
+        call (a teacher on devices of its own); a future then stands for its answer, read when the
+        batch is trained on (its own interval goes on the timeline then)."""
         out = turns.call("teacher", "logits", batch, topk, temperature=algo.temperature if topk else 1.0,
                          dispatch="slice", collect="flatten", phase="teacher", keep=keep, ahead=ahead)
         if keep and topk:
             out = (Kept(keep, 0), Kept(keep, 1))
-        if isinstance(out, GroupFuture):  # scored ahead by a teacher of its own: `answered` reads it
+        if isinstance(out, GroupFuture):  # scored ahead by a teacher of its own: read in its step
             batch.teacher_logprobs, batch.teacher_indices = out, None
         else:
-            batch.teacher_logprobs, batch.teacher_indices = out if topk else (out, None)
-        return batch
-
-    def answered(batch: Any) -> Any:
-        """`batch` with the teacher's answer read where it was still coming (scored ahead): the
-        step's `teacher` phase is then the wait for it (the teacher's own interval goes on the
-        timeline)."""
-        if isinstance(batch.teacher_logprobs, GroupFuture):
-            with log.phase("teacher"):
-                out = batch.teacher_logprobs.get()
             batch.teacher_logprobs, batch.teacher_indices = out if topk else (out, None)
         return batch
 
@@ -144,7 +135,10 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
                         batch = scored(batch_of(comps, on_policy=True))
                     else:
                         batch = scored(off_policy_batch(step))
-                batch = answered(batch)
+                else:  # scored ahead: this step's teacher phase is the wait for the answer
+                    with log.phase("teacher"):
+                        out = batch.teacher_logprobs.get()
+                    batch.teacher_logprobs, batch.teacher_indices = out if topk else (out, None)
                 # Train: one update of the student on the generalized JSD; then the weights go to the
                 # rollout when it samples before the next update (once generations started ahead
                 # finish). The trainer's onload, the weights' send and its offload ride on the call.
