@@ -18,7 +18,8 @@ eval/accuracy. Optional SFT phases run algorithms.sft on the sampler's device ki
 `warmup_sft_steps` (at `warmup_lr`) first trains the policy on the task's reference
 solutions, so that sampling yields a mix of right and wrong answers; `sft_steps` (at
 trainer.lr) afterwards trains it on the kept rows, with the task's held-out prompts as its
-eval set (accuracy before and after in the `sft/` subfolder's metrics.jsonl).
+eval set (accuracy before and after in the `sft/` subfolder's metrics.jsonl). On Ray the
+sampler generates step k+1's candidates while the PRM and ORM score step k's.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ from algorithms import common, sft
 from algorithms.config import RunConfig, as_dict, engine_args, prepare, sft_phase
 from algorithms.data import DataConfig, load_task, row_limits
 from algorithms.checkpoints import write_json_atomic
-from algorithms.overlap import step_seed
+from algorithms.overlap import Pending, step_seed
 from algorithms.runlog import RunLog, phase_run, read_metrics, run_dir
 from algorithms.swift_args import output_run_dir
 from algorithms.tasks import Example
@@ -117,11 +118,23 @@ def sample(cfg: DistillRunConfig, sampler: Any, prm: Any, orm: Any, train_set: l
     sampling = SamplingParams(temperature=algo.temperature, top_p=algo.top_p, max_new_tokens=algo.max_new_tokens)
     first = resumed["step"] + 1 if resumed else 0
     stream = common.PromptStream(train_set, cfg.run.prompts_per_step, cfg.run.seed, resumed["stream"] if resumed else 0)
+    # On Ray the sampler's weights never change here, so it generates step k+1's candidates
+    # while the PRM and ORM score step k's (in process, one after the other anyway).
+    ahead = cfg.backend.workers == "ray"
+
+    def generating(step: int) -> tuple[int, list, Pending]:
+        """(the stream's count before the draw, `step`'s prompts, their candidates' generation,
+        sent now). Seeded by the step, so a resumed run draws what the uninterrupted one drew."""
+        drawn, examples = stream.drawn, next(stream)
+        return drawn, examples, Pending(sampler, "sample", [ex.prompt_messages() for ex in examples], n,
+                                        replace(sampling, seed=step_seed(cfg.run.seed, step, 0)),
+                                        dispatch="slice", collect="flatten")
     totals: Counter = Counter(resumed["totals"] if resumed else {})
     check = common.checker(cfg.data)
     record: dict = log.rewind(resumed["step"]) if resumed else {}
     if resumed:
         _keep_lines(out_path, resumed["rows"])
+    nxt: Optional[tuple] = None  # the next step's generation, when sent ahead
     with open(out_path, "a" if resumed else "w") as out:
         for step in range(first, steps + 1):
             metrics: dict = {}
@@ -130,13 +143,13 @@ def sample(cfg: DistillRunConfig, sampler: Any, prm: Any, orm: Any, train_set: l
                 with log.phase("eval"):
                     metrics["eval/accuracy"] = greedy_accuracy(sampler, eval_set, cfg.run.eval_max_new_tokens, check)
             else:
-                examples = next(stream)
-                # Generate: n candidates per prompt, prompts split over the sampler ranks; seeded by
-                # the step, so a resumed run draws what the uninterrupted one drew.
+                # Generate: n candidates per prompt, prompts split over the sampler ranks; the
+                # next step's generation is sent before this one is waited for.
+                _, examples, pending = nxt or generating(step)
+                nxt = generating(step + 1) if ahead and step < steps else None
                 with log.phase("generate"):
-                    comps = sampler.call("sample", [ex.prompt_messages() for ex in examples], n,
-                                         replace(sampling, seed=step_seed(cfg.run.seed, step, 0)),
-                                         dispatch="slice", collect="flatten")
+                    comps = pending.result()
+                log.busy("sampler", "generate", pending.start, pending.end)
                 texts = list(comps.texts)
                 if len(texts) != n * len(examples):
                     raise RuntimeError(f"the sampler returned {len(texts)} candidates for {len(examples)} x {n}")
@@ -158,7 +171,7 @@ def sample(cfg: DistillRunConfig, sampler: Any, prm: Any, orm: Any, train_set: l
                 if step == steps:
                     metrics.update(summarize(totals, "total/"))
             record = log.step(step, metrics)
-            write_json_atomic(log.dir / SAMPLING_STATE, {"step": step, "stream": stream.drawn,
+            write_json_atomic(log.dir / SAMPLING_STATE, {"step": step, "stream": nxt[0] if nxt else stream.drawn,
                                                           "rows": int(totals["kept"]), "totals": dict(totals)})
     return record
 

@@ -2,6 +2,7 @@
 locally on a tiny model, and ms-swift sampling YAML through config_file."""
 import io
 import json
+from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_module
@@ -12,7 +13,8 @@ from algorithms.distill import (DistillAlgorithm, DistillRunConfig, validate, ru
 from algorithms.runlog import RunLog, read_metrics
 from algorithms.tasks import arithmetic_examples
 from algorithms.user_data import load_user_data
-from orchestration.config import ConfigError, register_schema
+from orchestration.config import BackendConfig, ConfigError, register_schema
+from orchestration.base_group import GroupFuture
 from roles.batch import Completions
 
 
@@ -29,6 +31,10 @@ class FakeGroup:
         n = args[1] if method == "sample" else None
         self.calls.append((self.role, method, n, dispatch, collect))
         return self.fn(*args, **kwargs)
+
+    def async_call(self, method, *args, **kwargs):
+        value = self.call(method, *args, **kwargs)
+        return GroupFuture(lambda timeout: value)
 
 
 def candidates(answer):
@@ -55,19 +61,23 @@ def fake_roles(examples, calls):
             FakeGroup("orm", lambda prompts, texts, refs: [table[t][1] for t in texts], calls))
 
 
-def test_selection_call_order_and_dataset_with_fake_roles(tmp_path):
+@pytest.mark.parametrize("workers", ["ray", "local"])
+def test_selection_call_order_and_dataset_with_fake_roles(tmp_path, workers):
     examples = arithmetic_examples(6, seed=3)
     cfg = DistillRunConfig(algorithm=DistillAlgorithm(num_return_sequences=4, n_best_to_keep=2, prm_threshold=0.5),
-                           run=LoopConfig(steps=2, prompts_per_step=3, eval_max_new_tokens=8))
+                           run=LoopConfig(steps=2, prompts_per_step=3, eval_max_new_tokens=8),
+                           backend=BackendConfig(workers=workers))
     calls = []
     sampler, prm, orm = fake_roles(examples, calls)
     log = RunLog(tmp_path, cfg.run.steps, stream=io.StringIO())
     record = sample(cfg, sampler, prm, orm, examples, examples[:2], tmp_path / "sampled.jsonl", log)
     log.close()
 
-    # Eval (greedy, one sample per prompt), then per step: sample -> PRM -> ORM, all sliced and flattened.
-    assert [c[:3] for c in calls] == [("sampler", "sample", 1)] + [("sampler", "sample", 4), ("prm", "score", None),
-                                                                   ("orm", "score", None)] * 2
+    # Eval (greedy, one sample per prompt), then per step: sample -> PRM -> ORM, all sliced and
+    # flattened; on Ray the next step's sample is sent before this step's scores.
+    sampled, scores = [("sampler", "sample", 4)], [("prm", "score", None), ("orm", "score", None)]
+    steps = sampled * 2 + scores * 2 if workers == "ray" else (sampled + scores) * 2
+    assert [c[:3] for c in calls] == [("sampler", "sample", 1)] + steps
     assert all(c[3:] == ("slice", "flatten") for c in calls)
     # Ranking by PRM + ORM: B (1.9), C (1.2), A (1.0), D (0.0). The best two are B and C, but
     # C's PRM 0.2 is under the threshold, so one row per prompt: B, with D rejected.
@@ -232,3 +242,36 @@ def test_quickstart_composes_validates_and_plans():
     typed.backend.train, typed.megatron.tensor_parallel_size = "megatron", 2
     with pytest.raises(ConfigError, match="megatron.tensor_parallel_size"):
         validate(typed, plan)
+
+
+def test_a_sampling_resumed_after_a_generation_sent_ahead_draws_the_same_prompts(tmp_path, monkeypatch):
+    """On Ray step k+1's prompts are drawn (and their generation sent) before step k is scored: the
+    state written after step k still points the stream at step k+1's prompts, so a run resumed
+    from it keeps what a straight run keeps."""
+    examples = arithmetic_examples(12, seed=5)
+    cfg = DistillRunConfig(algorithm=DistillAlgorithm(num_return_sequences=4, n_best_to_keep=1),
+                           run=LoopConfig(steps=3, prompts_per_step=2, eval_max_new_tokens=8))
+
+    def sampled(out: Path, resumed=None) -> str:
+        log = RunLog(out, cfg.run.steps, stream=io.StringIO())
+        try:
+            sample(cfg, *fake_roles(examples, []), examples, examples[:2], out / "sampled.jsonl", log, resumed)
+        finally:
+            log.close()
+        return (out / "sampled.jsonl").read_text()
+
+    straight = sampled(tmp_path / "straight")
+    step = RunLog.step
+
+    def dying(self, s, metrics, quiet=False):
+        if s == 2:
+            raise RuntimeError("killed during sampling step 2")
+        return step(self, s, metrics, quiet)
+
+    with monkeypatch.context() as m:
+        m.setattr(RunLog, "step", dying)
+        with pytest.raises(RuntimeError, match="killed"):
+            sampled(tmp_path / "resumed")
+    state = json.loads((tmp_path / "resumed" / "sampling_state.json").read_text())
+    assert state["step"] == 1 and state["stream"] == 1  # step 2's prompts were drawn already
+    assert sampled(tmp_path / "resumed", state) == straight and straight.count("\n") == 6
