@@ -43,7 +43,8 @@ EXPERIMENTS = {
     "gkd_gpu_colocate_2gpu": ("gkd", "local", ONE_RANK),
     "gkd_gpu_separate_2gpu": ("gkd", "local", []),
     "gkd_gpu_teacher_group_3gpu": ("gkd", "local", []),
-    "distill_quickstart": ("distill", "ray", ["placement.device_groups.rm_group.ranks=1"]),
+    # Two steps: the second step's generation is sent while the first step is scored.
+    "distill_quickstart": ("distill", "ray", ["placement.device_groups.rm_group.ranks=1", "run.steps=2"]),
     "sampling_device_groups": ("distill", "local", ["placement.device_groups.nproc_per_node=1",
                                                    "placement.device_groups.sample_group.ranks=[0]",
                                                    "placement.device_groups.rm_group.ranks=1"]),
@@ -117,7 +118,7 @@ def run_one_step(name, tmp_path):
     assert layout_form(plan) == layout_form(prepare(compose_experiment(name), schema)[1])
     module.validate(typed, plan)
     module.run(typed, plan, tmp_path / "run")
-    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [0, 1]
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == list(range(typed.run.steps + 1))
 
 
 @pytest.mark.parametrize("name", sorted(n for n, (_, workers, _) in EXPERIMENTS.items() if workers == "local"))
