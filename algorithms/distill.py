@@ -122,13 +122,14 @@ def sample(cfg: DistillRunConfig, sampler: Any, prm: Any, orm: Any, train_set: l
     # while the PRM and ORM score step k's (in process, one after the other anyway).
     ahead = cfg.backend.workers == "ray"
 
-    def generating(step: int) -> tuple[int, list, Pending]:
+    def generating(step: int, after: Optional[Pending] = None) -> tuple[int, list, Pending]:
         """(the stream's count before the draw, `step`'s prompts, their candidates' generation,
-        sent now). Seeded by the step, so a resumed run draws what the uninterrupted one drew."""
+        sent now, to run `after` the one before). Seeded by the step, so a resumed run draws what
+        the uninterrupted one drew."""
         drawn, examples = stream.drawn, next(stream)
         return drawn, examples, Pending(sampler, "sample", [ex.prompt_messages() for ex in examples], n,
                                         replace(sampling, seed=step_seed(cfg.run.seed, step, 0)),
-                                        dispatch="slice", collect="flatten")
+                                        dispatch="slice", collect="flatten", after=after)
     totals: Counter = Counter(resumed["totals"] if resumed else {})
     check = common.checker(cfg.data)
     record: dict = log.rewind(resumed["step"]) if resumed else {}
@@ -146,7 +147,7 @@ def sample(cfg: DistillRunConfig, sampler: Any, prm: Any, orm: Any, train_set: l
                 # Generate: n candidates per prompt, prompts split over the sampler ranks; the
                 # next step's generation is sent before this one is waited for.
                 _, examples, pending = nxt or generating(step)
-                nxt = generating(step + 1) if ahead and step < steps else None
+                nxt = generating(step + 1, after=pending) if ahead and step < steps else None
                 with log.phase("generate"):
                     comps = pending.result()
                 log.busy("sampler", "generate", pending.start, pending.end)

@@ -41,7 +41,8 @@ def check_staleness(max_staleness: int, plan: Plan, key: str = "algorithm.max_st
 
 class Pending:
     """An async group call whose end time is watched by a thread. The call starts when its
-    group is free: after `after` (the previous call queued on the same group), if any."""
+    group is free: after `after` (the previous call queued on the same group), if any; the
+    thread waits for that one first, so this one's timeout and interval start when it runs."""
 
     def __init__(self, group: Any, method: str, *args: Any, after: Optional["Pending"] = None, **kwargs: Any):
         self.submitted = time.monotonic()
@@ -52,14 +53,15 @@ class Pending:
         self._thread.start()
 
     def _watch(self, future: Any) -> None:
+        CALLS.watching()
+        if self._after is not None:
+            self._after._thread.join()
+            self.start = max(self.submitted, self._after.end)
         try:
             self._value = future.get()
         except BaseException as e:  # re-raised by result() in the driver's thread
             self._error = e
         self.end = time.monotonic()
-        if self._after is not None:
-            self._after._thread.join()
-            self.start = max(self.submitted, self._after.end)
 
     def done(self) -> bool:
         return not self._thread.is_alive()

@@ -6,9 +6,9 @@ collect lives here once, so both backends give identical results. Arguments that
 ranks get unchanged (dispatch='all', a tensor-parallel engine's ranks, lockstep empty
 slices) pass through `_shared` once per call, where the Ray group puts them into the object
 store once. `CALLS` counts, over every group of this process, the remote calls made, the
-seconds the driver spent waiting for (or, in-process, running) role methods and the seconds
-those methods ran on their ranks, so a driver can report its own time per step apart from its
-roles', and what the remote calls cost beyond their work.
+seconds the driver's own thread spent sending, waiting for (or, in-process, running) role
+methods, and what the calls cost beyond their methods' run on the ranks, so a driver can
+report its own time per step apart from its roles', and the calls' overhead.
 """
 from __future__ import annotations
 
@@ -98,23 +98,32 @@ class CallStats:
     # Seconds the driver's own thread spent inside role calls: sending them, waiting for remote
     # ranks, running in-process ranks, or waiting for a thread that watches a call (`joined`).
     role_s: float = 0.0
-    # Seconds the calls took beyond their methods' run on the ranks (per call, what it was waited
-    # for less its slowest rank's method, as that rank reported back): transfer, scheduling.
-    # Counted in every thread.
+    # Seconds the calls took beyond their methods' run on the ranks (per call, its send, and its
+    # wait less its slowest rank's method as that rank reported back, 0 at least: a call waited
+    # for after it ended, or queued behind another, counts no more than its wait): transfer,
+    # scheduling. Counted in every thread.
     overhead_s: float = 0.0
+
+    def __post_init__(self):
+        self._lock = threading.Lock()
+        self._thread = threading.local()  # .watcher: this thread watches calls beside the driver
 
     def spent(self, waited: float, ran: float) -> None:
         """A call's seconds: `waited` for it (or sending it, or running it in process), of which
-        its ranks' methods ran `ran`. In a thread that watches a call made ahead, the wait is
-        beside the driver's own, so not added to role_s (the driver's wait for that thread is)."""
-        self.overhead_s += waited - ran
-        if threading.current_thread() is threading.main_thread():
-            self.role_s += waited
+        its ranks' methods ran `ran`. In a watching thread (`watching`) the wait is beside the
+        driver's own, so not the driver's (the driver's wait for that thread is: `joined`)."""
+        with self._lock:
+            self.overhead_s += max(waited - ran, 0.0)
+            if not getattr(self._thread, "watcher", False):
+                self.role_s += waited
 
     def joined(self, waited: float) -> None:
         """The driver waited `waited` seconds for a thread that watches a call."""
-        if threading.current_thread() is threading.main_thread():
-            self.role_s += waited
+        self.spent(waited, waited)
+
+    def watching(self) -> None:
+        """Mark the current thread as one that watches calls beside the driver."""
+        self._thread.watcher = True
 
 
 CALLS = CallStats()

@@ -40,6 +40,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import threading
 import time
 from typing import Any, Callable, Optional
 
@@ -174,7 +175,11 @@ class WorkerGroup(BaseWorkerGroup):
         self.timeout_s = timeout_s or None  # 0 or None: no bound
         self.restarts_left = restarts
         self.on_restart: Optional[Callable[["WorkerGroup", int], None]] = None
-        self._calls: dict[Any, tuple] = {}  # pending ref -> (rank, method, args, kwargs, before, deps, then)
+        # pending ref -> (rank, method, args, kwargs, before, deps, then, the rank's restarts when sent)
+        self._calls: dict[Any, tuple] = {}
+        self._restarted: dict[int, int] = {}  # rank -> times its process was replaced
+        # Threads that wait on calls of the same lost rank (calls sent ahead) replace it once.
+        self._replacing = threading.Lock()
         self._memory: dict[int, Any] = {}  # rank -> its memory() figures after its latest call
         self._carried: dict[int, dict] = {}  # rank -> results of the deferred methods its latest call carried
         self._riders: dict[int, list[Rider]] = {}  # rank -> hosted roles' kept calls its next call carries
@@ -243,6 +248,7 @@ class WorkerGroup(BaseWorkerGroup):
         ray.get(self.workers[index].setup.remote(self.key, role_cls, envs[index], init_args, init_kwargs,
                                                  serve[index], threads[index]), timeout=self.timeout_s)
         self._memory.pop(index, None)
+        self._restarted[index] = self._restarted.get(index, 0) + 1
 
     def _local_rank(self, rank: int) -> int:
         """LOCAL_RANK agrees with what the rank sees: its GPU's index among its visible devices (0, as
@@ -292,7 +298,7 @@ class WorkerGroup(BaseWorkerGroup):
         CALLS.remote += 1
         CALLS.spent(time.perf_counter() - start, 0.0)  # serializing the arguments is part of the call
         if self.restarts_left > 0:
-            self._calls[ref] = (index, method, args, kwargs, before, deps, then)
+            self._calls[ref] = (index, method, args, kwargs, before, deps, then, self._restarted.get(index, 0))
         return ref
 
     def _rides(self, args: tuple, kwargs: dict, before: tuple, then: tuple) -> bool:
@@ -323,15 +329,17 @@ class WorkerGroup(BaseWorkerGroup):
                  else (self.role, method) for h in handles]
         try:
             answers = self._wait_calls([sent(h) for h in handles], method, indices, timeout, names)
-        finally:
-            CALLS.spent(time.perf_counter() - start, 0.0)
+        except BaseException:
+            CALLS.spent(time.perf_counter() - start, float("inf"))  # failed: its wait, no overhead figure
+            raise
+        waited = time.perf_counter() - start
         answers = [a[4][h.slot] if isinstance(h, Rider) and h.slot is not None else a[:4]
                    for h, a in zip(handles, answers)]
         for index, (_, memory, _, carried) in zip(indices, answers):
             self._memory[index] = memory
             if carried:
                 self._carried[index] = carried
-        CALLS.spent(0.0, max((spent for _, _, spent, _ in answers), default=0.0))
+        CALLS.spent(waited, max((spent for _, _, spent, _ in answers), default=0.0))
         return [value for value, _, _, _ in answers]
 
     def _wait_calls(self, handles: list, method: str, indices: list[int], timeout: float | None,
@@ -340,30 +348,38 @@ class WorkerGroup(BaseWorkerGroup):
             try:
                 results = self._wait_once(handles, method, indices, timeout, names)
             except WorkerError as e:
-                if not (e.lost and self.restarts_left > 0 and all(h in self._calls for h in handles)):
+                replaced = self._replace(e, handles) if e.lost and all(h in self._calls for h in handles) else None
+                if replaced is None:
                     raise
-                handles = self._replace(e, handles)
+                handles = replaced
                 continue
             for h in handles:
                 self._calls.pop(h, None)
             return results
 
-    def _replace(self, error: WorkerError, handles: list) -> list:
-        """Restart the lost rank of `error` and submit its share of the call again."""
-        self.restarts_left -= 1
-        print(f"{self.role} rank {error.rank} was lost in {error.method}() and is restarted "
-              f"({self.restarts_left} restart(s) left): {str(error).splitlines()[0]}", file=sys.stderr)
-        self.restart_rank(error.rank)
-        if self.on_restart is not None:
-            self.on_restart(self, error.rank)
-        out = []
-        for h in handles:
-            index, method, args, kwargs, before, deps, then = self._calls[h]
-            if index == error.rank:
-                self._calls.pop(h)
-                h = self._submit(index, method, args, kwargs, before, deps, then)
-            out.append(h)
-        return out
+    def _replace(self, error: WorkerError, handles: list) -> Optional[list]:
+        """Restart the lost rank of `error` (unless another thread waiting on a call sent to the
+        same process did already) and submit its share of the call again; None when no restart
+        is left."""
+        with self._replacing:
+            sent_to = {self._calls[h][7] for h in handles if self._calls[h][0] == error.rank}
+            if self._restarted.get(error.rank, 0) in sent_to:
+                if self.restarts_left <= 0:
+                    return None
+                self.restarts_left -= 1
+                print(f"{self.role} rank {error.rank} was lost in {error.method}() and is restarted "
+                      f"({self.restarts_left} restart(s) left): {str(error).splitlines()[0]}", file=sys.stderr)
+                self.restart_rank(error.rank)
+                if self.on_restart is not None:
+                    self.on_restart(self, error.rank)
+            out = []
+            for h in handles:
+                index, method, args, kwargs, before, deps, then, _ = self._calls[h]
+                if index == error.rank:
+                    self._calls.pop(h)
+                    h = self._submit(index, method, args, kwargs, before, deps, then)
+                out.append(h)
+            return out
 
     def _wait_once(self, handles: list, method: str, indices: list[int], timeout: float | None,
                    names: Optional[list] = None) -> list:
@@ -412,6 +428,7 @@ class WorkerGroup(BaseWorkerGroup):
                 "Check its log and stack (py-spy dump), or raise cluster.call_timeout_s (0: no bound)")
 
     def shutdown(self) -> None:
+        self.restarts_left = 0  # a call still watched (sent ahead) sees its rank killed, not lost
         for w in self.workers if self.hosted_by is None else ():  # a hosted role's processes are its host's
             ray.kill(w)
         self.workers = []

@@ -4,6 +4,7 @@ whose trainer process is killed continues from its newest checkpoint."""
 import json
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from algorithms import common, grpo
 from algorithms.runlog import read_metrics
 from algorithms.turns import Turns
-from orchestration.base_group import WorkerError
+from orchestration.base_group import CALLS, WorkerError
 from orchestration.planner import make_plan
 from tests.driver_helpers import TINY, prepared
 from tests.roles_for_tests import Probe
@@ -25,6 +26,10 @@ class Stateless(Probe):
 
     def fail(self):
         raise ValueError("a bug in the role's code")
+
+    def nap(self, seconds):
+        time.sleep(sum(seconds))
+        return [os.getpid()]
 
 
 def wait_dead(pid: int) -> None:
@@ -48,7 +53,7 @@ def test_a_killed_rank_of_a_restartable_group_is_replaced_and_its_share_run_agai
     assert restartable(Stateless, plan["rollout"]) and not restartable(Probe, plan["rollout"])
     placement = create_placement(plan, timeout_s=30)
     try:
-        g = WorkerGroup(Stateless, plan["rollout"], placement=placement, restarts=1)
+        g = WorkerGroup(Stateless, plan["rollout"], placement=placement, restarts=2)
         seen = []
         g.on_restart = lambda group, rank: seen.append((group.role, rank, group.call_rank(rank, "whoami")["pid"]))
         before = [r["pid"] for r in g.call("whoami")]
@@ -57,7 +62,21 @@ def test_a_killed_rank_of_a_restartable_group_is_replaced_and_its_share_run_agai
         assert g.call("rank_and_len", list(range(5)), dispatch="slice", collect="flatten") == [(0, 3), (1, 2)]
         after = [r["pid"] for r in g.call("whoami")]
         assert after[0] == before[0] and after[1] != before[1] and seen == [("rollout", 1, after[1])]
-        assert g.restarts_left == 0
+        assert g.restarts_left == 1
+        # Two calls in flight to a process that dies, one waited for by a thread watching it (a
+        # call sent ahead): the rank is replaced once, and both calls run again on the new process.
+        first = g.async_call("nap", [0.0, 1.5], dispatch="slice", collect="flatten")
+        second = g.async_call("nap", [0.0, 0.0], dispatch="slice", collect="flatten")
+        os.kill(after[1], signal.SIGKILL)
+        wait_dead(after[1])
+        answers = []
+        watcher = threading.Thread(target=lambda: (CALLS.watching(), answers.append(second.get())))
+        watcher.start()
+        answers.append(first.get())
+        watcher.join()
+        now = [r["pid"] for r in g.call("whoami")]
+        assert now[1] not in (after[1], before[1]) and answers == [[now[0], now[1]]] * 2
+        assert g.restarts_left == 0 and len(seen) == 2
         # A bug in the role's code is no lost process: raised at once, nothing restarted.
         with pytest.raises(WorkerError, match="ValueError: a bug") as bug:
             g.call("fail")
