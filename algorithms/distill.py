@@ -149,8 +149,7 @@ def sample(cfg: DistillRunConfig, sampler: Any, prm: Any, orm: Any, train_set: l
                 _, examples, pending = nxt or generating(step)
                 nxt = generating(step + 1, after=pending) if ahead and step < steps else None
                 with log.phase("generate"):
-                    comps = pending.result()
-                log.busy("sampler", "generate", pending.start, pending.end)
+                    comps = pending.logged(log, "sampler", "generate")
                 texts = list(comps.texts)
                 if len(texts) != n * len(examples):
                     raise RuntimeError(f"the sampler returned {len(texts)} candidates for {len(examples)} x {n}")

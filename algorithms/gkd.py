@@ -48,7 +48,7 @@ from algorithms.turns import Turns
 from algorithms.validation import (AT_LEAST_1, FRACTION, NON_NEGATIVE, POSITIVE, check_model, check_run,
                                    check_trainer, require, require_all, require_roles, vocab_size)
 from orchestration.cluster import init_cluster, set_log_level
-from orchestration.base_group import GroupFuture, Kept
+from orchestration.base_group import Kept
 from orchestration.config import ConfigError, checked_command_line, register_schema
 from orchestration.launch import driver_group, start_roles
 from orchestration.planner import Plan, as_started, make_plan
@@ -94,21 +94,20 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
         batch.sft_weight = torch.full((len(batch),), 0.0 if on_policy else 1.0)
         return batch
 
-    def scored(batch: Any, ahead: bool = False) -> Any:
-        """`batch` with the teacher's logprobs at every position (top-k or full vocabulary). Top-k
+    def teacher_call(batch: Any, ahead: bool = False) -> Any:
+        """The teacher's logprobs of `batch` at every position (top-k or full vocabulary). Top-k
         is taken from the tempered distribution (the loss leaves it as is); full-vocabulary
         logprobs come at temperature 1 and the loss tempers them. A teacher built in the trainer's
         processes keeps them there for the train call. `ahead`: during the previous step's train
-        call (a teacher on devices of its own); a future then stands for its answer, read when the
-        batch is trained on (its own interval goes on the timeline then)."""
-        out = turns.call("teacher", "logits", batch, topk, temperature=algo.temperature if topk else 1.0,
-                         dispatch="slice", collect="flatten", phase="teacher", keep=keep, ahead=ahead)
+        call (a teacher on devices of its own): a future, read when the batch is trained on."""
+        return turns.call("teacher", "logits", batch, topk, temperature=algo.temperature if topk else 1.0,
+                          dispatch="slice", collect="flatten", phase="teacher", keep=keep, ahead=ahead)
+
+    def scored(batch: Any, out: Any) -> Any:
+        """`batch` with the teacher's answer `out` (kept on the trainer's ranks: named there)."""
         if keep and topk:
             out = (Kept(keep, 0), Kept(keep, 1))
-        if isinstance(out, GroupFuture):  # scored ahead by a teacher of its own: read in its step
-            batch.teacher_logprobs, batch.teacher_indices = out, None
-        else:
-            batch.teacher_logprobs, batch.teacher_indices = out if topk else (out, None)
+        batch.teacher_logprobs, batch.teacher_indices = out if topk else (out, None)
         return batch
 
     with Turns(plan, {"train": trainer, "rollout": rollout, "teacher": teacher}, cfg.run, cfg.weight_sync, log,
@@ -117,28 +116,28 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
         stream = common.PromptStream(train_set, cfg.run.prompts_per_step, cfg.run.seed, turns.resumed.get("stream", 0))
         prefetch = overlap.Prefetch(rollout, log, stream, sampling, algo.max_staleness, cfg.run.steps,
                                     generates=lambda s: on_policy[s], seed=cfg.run.seed, first_step=turns.first_step)
-        ahead: dict[int, Any] = {}  # step -> its batch, scored during the previous step
+        ahead: dict[int, tuple] = {}  # step -> (its batch, the teacher's answer to come), sent the step before
         for step in range(turns.first_step, cfg.run.steps + 1):
             metrics: dict = dict(step0 or {}) if step == 0 else {}
             if step > 0:
                 metrics["gkd/on_policy"] = float(on_policy[step])
-                batch = ahead.pop(step, None)
-                metrics["gkd/scored_ahead"] = float(batch is not None)
-                if batch is None:
-                    # Generate: the student writes the completions (on-policy), else dataset
-                    # responses (with seq_kd, the teacher's own samples). Teacher: its logprobs.
-                    if on_policy[step]:
-                        with turns.rollout_turn(step - 1, metrics, one_call=not algo.max_staleness):
-                            with log.phase("generate"):
-                                _, comps = prefetch.take(step)
-                        metrics.update(overlap.staleness(comps, step, algo.max_staleness))
-                        batch = scored(batch_of(comps, on_policy=True))
-                    else:
-                        batch = scored(off_policy_batch(step))
-                else:  # scored ahead: this step's teacher phase is the wait for the answer
+                metrics["gkd/scored_ahead"] = float(step in ahead)
+                # Generate: the student writes the completions (on-policy), else dataset responses
+                # (with seq_kd, the teacher's own samples). Teacher: its logprobs.
+                if step in ahead:  # scored ahead: this step's teacher phase is the wait for the answer
+                    batch, answer = ahead.pop(step)
                     with log.phase("teacher"):
-                        out = batch.teacher_logprobs.get()
-                    batch.teacher_logprobs, batch.teacher_indices = out if topk else (out, None)
+                        batch = scored(batch, answer.get())
+                elif on_policy[step]:
+                    with turns.rollout_turn(step - 1, metrics, one_call=not algo.max_staleness):
+                        with log.phase("generate"):
+                            _, comps = prefetch.take(step)
+                    metrics.update(overlap.staleness(comps, step, algo.max_staleness))
+                    batch = batch_of(comps, on_policy=True)
+                    batch = scored(batch, teacher_call(batch))
+                else:
+                    batch = off_policy_batch(step)
+                    batch = scored(batch, teacher_call(batch))
                 # Train: one update of the student on the generalized JSD; then the weights go to the
                 # rollout when it samples before the next update (once generations started ahead
                 # finish). The trainer's onload, the weights' send and its offload ride on the call.
@@ -150,7 +149,8 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
                         # else comes between the two steps, the teacher scores them now, beside this
                         # call, instead of after the driver has read its answer.
                         if score_ahead and turns.quiet_after(step, prefetch):  # (the next step is off-policy)
-                            ahead[step + 1] = scored(off_policy_batch(step + 1, timed=False), ahead=True)
+                            nxt = off_policy_batch(step + 1, timed=False)
+                            ahead[step + 1] = (nxt, teacher_call(nxt, ahead=True))
                         metrics.update({f"train/{k}": v for k, v in future.get().items()})
             # (A batch drawn ahead is drawn again by a run resumed from this step.)
             turns.end_step(step, metrics, {"stream": prefetch.position() - len(ahead)})

@@ -76,6 +76,14 @@ class Pending:
             raise self._error
         return self._value
 
+    def logged(self, log: Any, role: str, phase: str, step: Optional[int] = None,
+               timeout: Optional[float] = None) -> Any:
+        """`result()`, with the call's run on the timeline as `role`'s `phase` (of `step`, default
+        the step being recorded)."""
+        value = self.result(timeout)
+        log.busy(role, phase, self.start, self.end, step=step)
+        return value
+
 
 class Prefetch:
     """Each step's examples, drawn from `stream` in step order, and their completions for the
@@ -130,8 +138,7 @@ class Prefetch:
         return self._last
 
     def _finish(self, pending: Pending, step: int) -> Completions:
-        comps = pending.result()
-        self.log.busy("rollout", "generate", pending.start, pending.end, step=step)
+        comps = pending.logged(self.log, "rollout", "generate", step)
         self.log.add("rollout/generate_s", pending.end - pending.start)
         return comps
 

@@ -157,8 +157,7 @@ class Turns:
                 pending = Pending(group, method, *args, **kwargs)
 
             def answer(timeout: Optional[float] = None) -> Any:
-                value = pending.result(timeout)
-                self.log.busy(role, phase or method, pending.start, pending.end)
+                value = pending.logged(self.log, role, phase or method, timeout=timeout)
                 if self.offload[role] is not None:  # what its onload and offload moved
                     self._moved_with_call(role, group)
                 return value
