@@ -235,27 +235,44 @@ def test_bucketed_packing_gives_the_unbucketed_outputs_and_gradients():
         torch.testing.assert_close(outputs[True][1][name], grad, atol=1e-5, rtol=1e-4, msg=name)
 
 
-def test_cuda_graph_options_keep_gradient_buffers_and_train_as_the_plain_engine():
-    """cuda_graphs' engine side (on CPU torch.compile records no graphs, so without compile here):
-    gradients accumulate over several micro-batches into kept buffers, zeroed after each update
-    and dropped on offload; bucketed packing. The steps equal the plain trainer's."""
+def test_cuda_graph_options_copy_gradients_out_of_the_graph_pool_and_train_as_the_plain_engine(monkeypatch):
+    """cuda_graphs' engine side (on CPU torch.compile records no graphs, so without compile here,
+    and a replay is simulated): a step's first micro-batch takes the backward's outputs as its
+    gradients; the next replay overwrites those (here with NaN), so before it the engine copies
+    them out and later micro-batches accumulate into the copies. Steps of one and of four
+    micro-batches, through an offload, equal the plain trainer's; bucketed packing."""
     import dataclasses
 
     cfg = dataclasses.replace(CFG, micro_batch_per_device=3)
     plain, graphed = Trainer("tiny_qwen2", cfg), Trainer("tiny_qwen2", cfg)
     graphed.engine.set_options(TrainKernelOptions(packing=True, cuda_graphs=True))
-    for step in range(3):
-        batch = sft_batch(10, seed=step)  # 4 micro-batches
+    pool, replays, backward = [], [], graphed.engine.backward
+
+    def graph_backward(loss):
+        first = all(p.grad is None for p in graphed.engine.params)
+        backward(loss)
+        if first:  # what a graph's backward returns lives in its pool
+            pool.extend(p.grad for p in graphed.engine.params)
+
+    def replay():
+        for grad in pool:
+            grad.fill_(float("nan"))
+        pool.clear()
+        replays.append(1)
+
+    monkeypatch.setattr(graphed.engine, "backward", graph_backward)
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", replay)
+    for step, rows in enumerate([10, 3, 10, 3]):  # 4 micro-batches, then 1
+        batch = sft_batch(rows, seed=step)
         a, b = plain.train_step(batch), graphed.train_step(batch)
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5) and a["grad_norm"] == pytest.approx(b["grad_norm"],
                                                                                                    rel=1e-4)
-        assert all(p.grad is None for p in plain.engine.params)
-        assert all(p.grad is not None and not p.grad.any() for p in graphed.engine.params)
+        assert all(p.grad is None for t in (plain, graphed) for p in t.engine.params)
         if step == 1:
             for t in (plain, graphed):
                 t.offload(model=True, optimizer=True)
                 t.onload()
-            assert all(p.grad is None for p in graphed.engine.params)
+    assert len(replays) == 10
     for (name, p), q in zip(plain.model.named_parameters(), graphed.model.parameters()):
         torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4, msg=name)
 

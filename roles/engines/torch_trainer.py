@@ -155,6 +155,9 @@ class TorchTrainEngine(DataParallelCollectives):
     _compiled: Optional[torch.nn.Module] = None
     _compiled_base: Optional[torch.nn.Module] = None
     _compiled_logprobs: Optional[Callable] = None
+    # cuda_graphs: the gradients are the backward graph's outputs (a step's first micro-batch),
+    # which the next replay overwrites.
+    _grads_in_graph_pool = False
 
     def set_options(self, options: TrainKernelOptions) -> None:
         """Turn the forward's options (train_kernels) on or off."""
@@ -181,10 +184,23 @@ class TorchTrainEngine(DataParallelCollectives):
             return contextlib.nullcontext()
         return torch._inductor.config.patch({"triton.cudagraph_unexpected_rerecord_limit": RERECORD_LIMIT})
 
+    def _next_replay(self) -> None:
+        """Before a CUDA-graphed forward: the previous replay's outputs are no longer read, so
+        the graphs may overwrite them; gradients still held there (a step's first micro-batch
+        took the backward's outputs as they came, saving a zero and an add per parameter) are
+        copied out first, and later micro-batches accumulate into the copies."""
+        if not self.kernels.cuda_graphs:
+            return
+        if self._grads_in_graph_pool:
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad = p.grad.clone()
+            self._grads_in_graph_pool = False
+        torch.compiler.cudagraph_mark_step_begin()
+
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Logits [B, T, V] of the model (HF layout: row t predicts token t + 1)."""
-        if self.kernels.cuda_graphs:  # the previous forward's outputs are no longer read
-            torch.compiler.cudagraph_mark_step_begin()
+        self._next_replay()
         with self.autocast(), self._graphs():  # packing indexes the mask where it is: from the host
             if self.kernels.packing and bool(attention_mask.any()):
                 return packed_forward(self.model, input_ids, attention_mask, run=self._compiled,
@@ -202,9 +218,8 @@ class TorchTrainEngine(DataParallelCollectives):
         else None, None): with fused_logprobs in one compiled function of the model, its output
         head and the log-softmax; else last hidden states, then the output head chunk by chunk
         (logprobs only)."""
+        self._next_replay()
         if self._compiled_logprobs is not None:
-            if self.kernels.cuda_graphs:  # the previous call's outputs are no longer read
-                torch.compiler.cudagraph_mark_step_begin()
             with self.autocast(), self._graphs():
                 packing = self.kernels.packing and bool(attention_mask.any())
                 return fused_token_logprobs(self.model, self._compiled_logprobs, input_ids, attention_mask,
@@ -212,8 +227,6 @@ class TorchTrainEngine(DataParallelCollectives):
                                             topk_indices=topk_indices)
         if entropy or topk_indices is not None:
             raise ValueError("chunked logprobs give no entropy or top-k: the loss needs the full logits")
-        if self.kernels.cuda_graphs:
-            torch.compiler.cudagraph_mark_step_begin()
         with self.autocast(), self._graphs():
             if self.kernels.packing and bool(attention_mask.any()):
                 hidden = packed_forward(self.model, input_ids, attention_mask, run=self._compiled_base, base=True,
@@ -227,12 +240,11 @@ class TorchTrainEngine(DataParallelCollectives):
 
     def backward(self, loss: torch.Tensor) -> None:
         """Accumulate this micro-batch's gradients (engines with their own hooks override it)."""
-        if self.kernels.cuda_graphs:  # accumulated into buffers of our own, not the graph's outputs
-            for p in self.params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
+        first = self.kernels.cuda_graphs and all(p.grad is None for p in self.params)
         with self._graphs():
             loss.backward()
+        if first:
+            self._grads_in_graph_pool = True
 
     def current_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
@@ -279,7 +291,8 @@ class TorchTrainEngine(DataParallelCollectives):
         if applied:
             self.scheduler.step()
             self.step += 1
-        self.optimizer.zero_grad(set_to_none=not self.kernels.cuda_graphs)
+        self.optimizer.zero_grad(set_to_none=True)
+        self._grads_in_graph_pool = False
         return norm, applied
 
     # ------------------------------------------------------------------ memory
@@ -290,7 +303,8 @@ class TorchTrainEngine(DataParallelCollectives):
     def offload(self, model: bool, optimizer: bool) -> dict:
         start, moved = time.perf_counter(), {"model_bytes": 0, "optimizer_bytes": 0}
         if model and self._host_model is None:
-            self.optimizer.zero_grad(set_to_none=True)  # kept (zero) gradient buffers: cuda_graphs
+            self.optimizer.zero_grad(set_to_none=True)
+            self._grads_in_graph_pool = False
             self._host_model = to_host(module_tensors(self.model))
             moved["model_bytes"] = host_bytes(self._host_model)
         if optimizer and self._host_optimizer is None:
