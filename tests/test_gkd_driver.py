@@ -436,3 +436,45 @@ def test_a_teacher_on_devices_of_its_own_scores_the_next_batch_while_the_student
     # The teacher's own work is on the timeline of every step, those scored ahead included.
     teacher = {e["step"] for e in read_metrics(tmp_path / "ray" / "timeline.jsonl") if e["role"] == "teacher"}
     assert teacher >= set(range(1, 7))
+
+
+def test_a_train_step_failing_while_the_next_batch_is_scored_ahead_is_raised_and_leaves_nothing_waiting(
+        ray_cluster, tmp_path, monkeypatch):
+    """Step 2's train call fails while the teacher (on devices of its own) scores step 3's batch:
+    the run raises the trainer's error, naming role, rank and method, and the thread watching the
+    teacher's call ends as the roles shut down."""
+    import threading
+    import time
+
+    from orchestration.base_group import WorkerError
+    from tests.driver_helpers import prepared
+    from tests.roles_for_tests import TrainerFailingAtStep2
+
+    from algorithms.turns import Turns
+
+    monkeypatch.setattr(gkd, "Trainer", TrainerFailingAtStep2)
+    sent_ahead, call = [], Turns.call
+
+    def spied(self, role, method, *a, ahead=False, **k):
+        sent_ahead.append(ahead)
+        return call(self, role, method, *a, ahead=ahead, **k)
+    monkeypatch.setattr(Turns, "call", spied)
+    args = ["+experiment=gkd_quickstart", *TINY_GKD, f"teacher.cache_dir={tmp_path / 'teachers'}", "run.steps=4",
+            "run.eval_every=0", "algorithm.lmbda=0", "placement.gkd_logits_topk=4", "placement.teacher_model=null",
+            "placement.offload_teacher_model=false", "placement.teacher.gpus=1", "placement.teacher.model=tiny_llama",
+            "placement.teacher_in_trainer_process=false", "backend.workers=ray", f"cluster.address={ray_cluster.address}"]
+    _, typed, plan = prepared(GKDRunConfig, args)
+    gkd.validate(typed, plan)
+    with pytest.raises(WorkerError, match=r"train rank 0 failed in \S*train_step\S*\(\): RuntimeError: step 2 broke"):
+        gkd.run(typed, plan, tmp_path / "run")
+    assert sent_ahead.count(True) == 2  # steps 2 and 3: step 3's during the failing call
+    deadline = time.monotonic() + 60
+
+    def watching():
+        return [t for t in threading.enumerate() if getattr(getattr(t, "_target", None), "__qualname__", "")
+                == "Pending._watch"]
+    while watching() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not watching()
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in records if r["step"]] == [1]  # step 1 ran (and sent step 2's scoring ahead)
