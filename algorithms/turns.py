@@ -100,6 +100,7 @@ class Turns:
                 self.trainer.call("load", str(self.resumed_from))
             logger.info(f"resumed from {self.resumed_from}: continuing at step {self.first_step}")
         self.version = max(self.first_step - 1, 0)  # of the weights the rollout should hold
+        self.trained = self.version  # of the trainer's weights once the calls sent to it ran
         for name, group in self.roles.items():  # a replaced rank of a restartable role (Ray groups)
             if hasattr(group, "on_restart"):
                 group.on_restart = self._restored
@@ -176,6 +177,7 @@ class Turns:
         its figures into `metrics`). With `one_call` (the block makes exactly one trainer call)
         the turn is one round trip unless a sync that cannot ride follows: the onload, the
         weights' send and the offload all ride on that call."""
+        self.trained = version
         syncs = self.syncs_after(version, prefetch, max_staleness)
         rides = syncs and not max_staleness and self._channel().defers(self.rollout)
         one_call = one_call and (rides or not syncs)
@@ -332,15 +334,17 @@ class Turns:
         return evals or (nxt <= self.run.steps and getattr(prefetch, "generates", lambda s: True)(nxt))
 
     def _restored(self, group: Any, rank: int) -> None:
-        """A lost rank of `group` was replaced: a rollout rank gets the weights it should hold
-        (it starts with its model's); the restart is counted and recorded."""
+        """A lost rank of `group` was replaced: a rollout rank gets the trainer's weights (it
+        starts with its model's); the restart is counted and recorded. The trainer runs one call
+        at a time in the order sent, so they are its weights once every call sent to it ran: what
+        the rank's peers hold, or newer ones while they are behind (a generation sent ahead, lost
+        during a train call, runs again on them; the next sync brings every rank level)."""
         if group is self.rollout:
             if self._sync is not None and self._sync.path_for(group) == "collective":  # its process group
                 self._sync.close()                                                     # had the lost rank
                 self._sync = None
-            if not self.behind:
-                buckets = self.trainer.call("state_dict_buckets", self.settings.bucket_mb, execute="first")
-                group.call_rank(rank, "update_weights", buckets, self.version)
+            buckets = self.trainer.call("state_dict_buckets", self.settings.bucket_mb, execute="first")
+            group.call_rank(rank, "update_weights", buckets, self.trained)
         self.log.add("events/restarts", 1)
         record_event(self.log.dir, {"event": "restart", "scope": "rank", "role": group.role, "rank": rank,
                                     "step": self.log.current_step})

@@ -114,7 +114,7 @@ class CallStats:
         driver's own, so not the driver's (the driver's wait for that thread is: `joined`)."""
         with self._lock:
             self.overhead_s += max(waited - ran, 0.0)
-            if not getattr(self._thread, "watcher", False):
+            if not self.in_watcher():
                 self.role_s += waited
 
     def joined(self, waited: float) -> None:
@@ -124,6 +124,10 @@ class CallStats:
     def watching(self) -> None:
         """Mark the current thread as one that watches calls beside the driver."""
         self._thread.watcher = True
+
+    def in_watcher(self) -> bool:
+        """Whether the current thread watches calls beside the driver (`watching`)."""
+        return getattr(self._thread, "watcher", False)
 
 
 CALLS = CallStats()
@@ -232,9 +236,12 @@ class BaseWorkerGroup:
             raise ValueError(f"{self.role}: keep={keep!r} needs ranks that are processes of their own (a Ray group), "
                              "execute='all' and tensor parallel size 1")
         tp = self.tensor_parallel
-        before, self._deferred = self._deferred, ()
-        then, self._then = self._then, ()
-        deps, self._waits_for = self._waits_for, ()
+        if CALLS.in_watcher():  # (a restart's calls) what the driver queued rides on the driver's next call
+            before = then = deps = ()
+        else:
+            before, self._deferred = self._deferred, ()
+            then, self._then = self._then, ()
+            deps, self._waits_for = self._waits_for, ()
         label = "+".join([m for m, *_ in before] + [method] + [m for m, *_ in then])  # how an error names the call
         if execute == "first":  # the first engine: rank 0 and its tensor-parallel peers
             shared = self._shared(args, kwargs) if tp > 1 else (args, kwargs)
@@ -275,7 +282,8 @@ class BaseWorkerGroup:
         """Run `method(*args)` on every rank (execute='first': on the first engine's ranks only)
         first thing in the group's next call, inside that call's own round trip (a colocated
         role's onload rides on its first work of the turn). A rank the next call does not reach
-        gets it as a call of its own, sent alongside."""
+        gets it as a call of its own, sent alongside. `defer`, `then` and `after` queue for the
+        driver's own next call: a call made in a thread watching calls (a restart's) carries none."""
         dsp.check_execute(execute)
         self._deferred = (*self._deferred, (method, args, execute == "first"))
 

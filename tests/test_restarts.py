@@ -140,3 +140,37 @@ def test_grpo_survives_a_killed_rollout_and_continues_from_its_checkpoint_after_
     with pytest.raises(WorkerError, match="train rank 0 failed") as lost:
         common.run_with_restarts(grpo.run, typed, plan, tmp_path / "again")
     assert lost.value.lost
+
+
+def test_a_rollout_rank_replaced_during_a_train_call_gets_the_trainers_weights_and_leaves_the_drivers_riders(
+        tmp_path):
+    """A rollout rank lost under a generation sent ahead is replaced in the thread watching that
+    generation while step 3 trains (the rollout behind the trainer): the new rank gets the
+    trainer's weights as they are once the calls sent to it ran (version 3), not none (its model's
+    own), and the restart's calls carry nothing the driver queued for its own next call."""
+    from orchestration.config import WeightSyncConfig
+    from tests.driver_helpers import FakeGroup, FakeRollout, FakeTrainer, MarkedLog
+
+    class Drained:  # the prefetch of a run with max_staleness 1, nothing left in flight
+        generates = staticmethod(lambda step: True)
+
+        def drain(self):
+            pass
+
+    calls = []
+    trainer = FakeGroup("train", [FakeTrainer()], calls)
+    rollout = FakeGroup("rollout", [FakeRollout(), FakeRollout()], calls)
+    _, typed, plan = prepared(grpo.GRPORunConfig, GRPO)
+    turns = Turns(plan, {"train": trainer, "rollout": rollout}, typed.run, WeightSyncConfig(),
+                  MarkedLog(tmp_path, 4, []), [])
+    with turns.train_turn(3, Drained(), 1, {}):
+        trainer.ranks[0].steps = 3  # the step's train call ran
+        trainer.defer("memory")  # the driver's, for its next trainer call
+        fresh = rollout.ranks[1] = FakeRollout()
+        fresh.has_weights = False
+        watcher = threading.Thread(target=lambda: (CALLS.watching(), turns._restored(rollout, 1)))
+        watcher.start()
+        watcher.join()
+        assert fresh.has_weights and fresh.version == 3 and rollout.ranks[0].version == 0
+        assert trainer.drop_deferred()  # still queued: the restart's call did not carry it
+    assert [(e["role"], e["rank"]) for e in events(tmp_path)] == [("rollout", 1)]
