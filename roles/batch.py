@@ -121,16 +121,23 @@ def slice_batch(batch: Batch, start: int, stop: int, width: Optional[int] = None
     return dataclasses.replace(batch, **fields)
 
 
+def tensor_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device`; host to CUDA through pinned memory without waiting (a plain copy waits
+    until the device has run everything queued before it)."""
+    if t.device.type == "cpu" and device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
 def batch_to(batch: Batch, device: torch.device) -> Batch:
-    """`batch` with its host tensors on CUDA `device`, copied through pinned memory without
-    waiting (a plain copy waits until the device has run everything queued before it);
-    elsewhere `batch` itself (the engines move their inputs)."""
+    """`batch` with its host tensors on CUDA `device` (`tensor_to`); elsewhere `batch` itself
+    (the engines move their inputs)."""
     if device.type != "cuda":
         return batch
     moved = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
     for name, v in moved.items():
         if isinstance(v, torch.Tensor) and v.device.type == "cpu":
-            moved[name] = v.pin_memory().to(device, non_blocking=True)
+            moved[name] = tensor_to(v, device)
     return dataclasses.replace(batch, **moved)
 
 

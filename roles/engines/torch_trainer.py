@@ -24,6 +24,7 @@ from typing import Callable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from roles.batch import tensor_to
 from roles.engines.host_copies import host_bytes, module_tensors, optimizer_tensors, to_device, to_host
 from roles.engines.torch_engine import pick_device
 from roles.engines.train_kernels import (TrainKernelOptions, check_plain_head, chunked_token_logprobs,
@@ -205,7 +206,7 @@ class TorchTrainEngine(DataParallelCollectives):
             if self.kernels.packing and bool(attention_mask.any()):
                 return packed_forward(self.model, input_ids, attention_mask, run=self._compiled,
                                       bucket=self.kernels.cuda_graphs)
-            input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+            input_ids, attention_mask = tensor_to(input_ids, self.device), tensor_to(attention_mask, self.device)
             run = self.model if self._compiled is None else self._compiled
             out = run(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
         return out.logits
@@ -232,11 +233,12 @@ class TorchTrainEngine(DataParallelCollectives):
                 hidden = packed_forward(self.model, input_ids, attention_mask, run=self._compiled_base, base=True,
                                         bucket=self.kernels.cuda_graphs)
             else:
-                input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+                input_ids, attention_mask = tensor_to(input_ids, self.device), tensor_to(attention_mask, self.device)
                 hidden = (self._compiled_base or self.model.base_model)(
                     input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
-        return chunked_token_logprobs(hidden, self.model.get_output_embeddings(), input_ids.to(self.device),
-                                      attention_mask.to(self.device), temperature), None, None, None
+        # (a plain copy here would wait for the forward queued above)
+        return chunked_token_logprobs(hidden, self.model.get_output_embeddings(), tensor_to(input_ids, self.device),
+                                      tensor_to(attention_mask, self.device), temperature), None, None, None
 
     def backward(self, loss: torch.Tensor) -> None:
         """Accumulate this micro-batch's gradients (engines with their own hooks override it)."""

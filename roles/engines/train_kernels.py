@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from roles.batch import tensor_to
+
 PACKED_ATTENTION = "packed_varlen"
 # Positions per chunk of the chunked log-softmax (times the vocabulary: the float32 block held).
 LOGPROB_CHUNK = 4096
@@ -154,7 +156,7 @@ def pack(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, bucket: b
         positions = torch.cat([positions, torch.arange(pad, device=positions.device)[None]], 1)
         cu = torch.cat([cu, cu.new_tensor([real + pad])])
         longest = pack_bucket(max(longest, pad))
-    ids, positions, cu, flat = (_to(t, device) for t in (ids, positions, cu, flat))
+    ids, positions, cu, flat = (tensor_to(t, device) for t in (ids, positions, cu, flat))
     inputs = dict(input_ids=ids, position_ids=positions, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
                   max_length_q=longest, max_length_k=longest, use_cache=False)
     return Packed(inputs, flat, real, valid.shape)
@@ -260,31 +262,24 @@ def fused_token_logprobs(model, run: Callable, input_ids: torch.Tensor, attentio
         ids = p.inputs["input_ids"]
         index = None
         if topk_indices is not None:  # packed like the tokens whose distributions they pick from
-            packed = _to(topk_indices.reshape(p.shape.numel(), -1), device)[p.flat]
+            packed = tensor_to(topk_indices.reshape(p.shape.numel(), -1), device)[p.flat]
             index = F.pad(packed[1:], (0, 0, 0, ids.shape[1] - p.real + 1))[None]
         outs = run(F.pad(ids[:, 1:], (0, 1)), temperature, entropy, index, **p.inputs)
         # Packed token j + 1 is predicted at j unless it starts a row (the positions restart).
         follows = p.inputs["position_ids"][0, 1:p.real] > 0
         return tuple(t if t is None else p.unpack(torch.where(follows.view(-1, *[1] * (t.dim() - 2)),
                                                               t[0, :p.real - 1], 0.0), skip=1) for t in outs)
-    ids, mask = input_ids.to(device), attention_mask.to(device)
+    ids, mask = tensor_to(input_ids, device), tensor_to(attention_mask, device)
     if ids.shape[1] < 2:  # one position: nothing is predicted (the model takes no empty sequence)
         zero = torch.zeros(ids.shape, dtype=torch.float32, device=device)
         top = None if topk_indices is None else torch.zeros(*ids.shape, topk_indices.shape[-1], device=device)
         return zero, zero.clone() if entropy else None, top, None if top is None else zero.clone()
-    index = None if topk_indices is None else topk_indices.to(device)[:, 1:]
+    index = None if topk_indices is None else tensor_to(topk_indices, device)[:, 1:]
     outs = run(ids[:, 1:], temperature, entropy, index, input_ids=ids[:, :-1], attention_mask=mask[:, :-1],
                use_cache=False)
     valid = mask.bool()
     return tuple(t if t is None else torch.where(valid.view(*valid.shape, *[1] * (t.dim() - 2)),
                                                  F.pad(t, (0, 0) * (t.dim() - 2) + (1, 0)), 0.0) for t in outs)
-
-
-def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`t` on `device`; host to CUDA through pinned memory, without waiting for the device."""
-    if t.device.type == "cpu" and device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
