@@ -100,7 +100,7 @@ class Turns:
                 self.trainer.call("load", str(self.resumed_from))
             logger.info(f"resumed from {self.resumed_from}: continuing at step {self.first_step}")
         self.version = max(self.first_step - 1, 0)  # of the weights the rollout should hold
-        self.trained = self.version  # of the trainer's weights once the calls sent to it ran
+        self.trained = self.version  # the last training step the driver saw end
         for name, group in self.roles.items():  # a replaced rank of a restartable role (Ray groups)
             if hasattr(group, "on_restart"):
                 group.on_restart = self._restored
@@ -177,7 +177,6 @@ class Turns:
         its figures into `metrics`). With `one_call` (the block makes exactly one trainer call)
         the turn is one round trip unless a sync that cannot ride follows: the onload, the
         weights' send and the offload all ride on that call."""
-        self.trained = version
         syncs = self.syncs_after(version, prefetch, max_staleness)
         rides = syncs and not max_staleness and self._channel().defers(self.rollout)
         one_call = one_call and (rides or not syncs)
@@ -187,6 +186,7 @@ class Turns:
             self.trainer.then("send_weights", *send, execute="first")
         with self.turn("train", one_call=one_call) as trainer:
             yield trainer
+            self.trained = version
             if send is None:
                 metrics.update(self.sync(version, prefetch, max_staleness, metrics))
         if send is not None and not self.trainer.drop_deferred():  # (a call left it queued: dropped)
@@ -338,7 +338,8 @@ class Turns:
         starts with its model's); the restart is counted and recorded. The trainer runs one call
         at a time in the order sent, so they are its weights once every call sent to it ran: what
         the rank's peers hold, or newer ones while they are behind (a generation sent ahead, lost
-        during a train call, runs again on them; the next sync brings every rank level)."""
+        during a train call, runs again on them; the next sync brings every rank level). They are
+        labelled as the last training step seen to end (`trained`): they are that or newer."""
         if group is self.rollout:
             if self._sync is not None and self._sync.path_for(group) == "collective":  # its process group
                 self._sync.close()                                                     # had the lost rank

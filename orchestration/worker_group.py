@@ -279,7 +279,8 @@ class WorkerGroup(BaseWorkerGroup):
         # Calls to wait for, and other calls' answers used as arguments, go as top-level arguments,
         # which Ray resolves before the call runs. A rider waited for is sent first, on its own.
         deps = [sent(ref) for ref in deps]
-        riders = self._riders.pop(index, [])
+        # Hosted roles' calls ride on the driver's own next call, not on one a watching thread makes.
+        riders = [] if CALLS.in_watcher() else self._riders.pop(index, [])
         deps += [sent(ref) for r in riders for ref in r.deps]
         waits = {f"{AFTER_PREFIX}{j}": ref for j, ref in enumerate(deps)}
         sent_kw = dict(kwargs)  # with the deferred methods' ResultOf arguments beside the call's own

@@ -1,10 +1,8 @@
-"""Small plain role classes used by the orchestration and driver tests (no Ray import)."""
+"""Small plain role classes used by the orchestration tests (no Ray import)."""
 import os
 
 import numpy as np
 import torch
-
-from roles.trainer import Trainer
 
 
 class Probe:
@@ -79,16 +77,3 @@ class Probe:
         if self.rank == 1:
             os._exit(3)
         return self.rank
-
-
-
-class TrainerFailingAtStep2(Trainer):
-    """A real Trainer whose second train step raises (a driver's failure mid-run)."""
-
-    calls = 0
-
-    def train_step(self, *args, **kwargs):
-        self.calls += 1
-        if self.calls == 2:
-            raise RuntimeError("step 2 broke")
-        return super().train_step(*args, **kwargs)

@@ -440,19 +440,24 @@ def test_a_teacher_on_devices_of_its_own_scores_the_next_batch_while_the_student
 
 def test_a_train_step_failing_while_the_next_batch_is_scored_ahead_is_raised_and_leaves_nothing_waiting(
         ray_cluster, tmp_path, monkeypatch):
-    """Step 2's train call fails while the teacher (on devices of its own) scores step 3's batch:
-    the run raises the trainer's error, naming role, rank and method, and the thread watching the
-    teacher's call ends as the roles shut down."""
+    """Step 2's train call fails while the teacher (on devices of its own) is still scoring step
+    3's batch (a call that would take a minute): the run raises the trainer's error, naming role,
+    rank and method, at once, and the thread watching the teacher's call ends as the roles shut
+    down, long before that call would."""
     import threading
     import time
 
+    from algorithms.turns import Turns
     from orchestration.base_group import WorkerError
     from tests.driver_helpers import prepared
-    from tests.roles_for_tests import TrainerFailingAtStep2
+    from tests.failing_roles import TeacherStallingAtCall3, TrainerFailingAtStep2
 
-    from algorithms.turns import Turns
-
+    def watching():
+        return {t for t in threading.enumerate() if getattr(getattr(t, "_target", None), "__qualname__", "")
+                == "Pending._watch"}
+    before = watching()
     monkeypatch.setattr(gkd, "Trainer", TrainerFailingAtStep2)
+    monkeypatch.setattr(gkd, "Teacher", TeacherStallingAtCall3)
     sent_ahead, call = [], Turns.call
 
     def spied(self, role, method, *a, ahead=False, **k):
@@ -467,14 +472,10 @@ def test_a_train_step_failing_while_the_next_batch_is_scored_ahead_is_raised_and
     gkd.validate(typed, plan)
     with pytest.raises(WorkerError, match=r"train rank 0 failed in \S*train_step\S*\(\): RuntimeError: step 2 broke"):
         gkd.run(typed, plan, tmp_path / "run")
-    assert sent_ahead.count(True) == 2  # steps 2 and 3: step 3's during the failing call
-    deadline = time.monotonic() + 60
-
-    def watching():
-        return [t for t in threading.enumerate() if getattr(getattr(t, "_target", None), "__qualname__", "")
-                == "Pending._watch"]
-    while watching() and time.monotonic() < deadline:
+    raised = time.monotonic()
+    assert sent_ahead.count(True) == 2  # steps 2 and 3: step 3's was in flight when step 2 failed
+    while watching() - before and time.monotonic() < raised + 30:
         time.sleep(0.2)
-    assert not watching()
+    assert not watching() - before
     records = read_metrics(tmp_path / "run" / "metrics.jsonl")
     assert [r["step"] for r in records if r["step"]] == [1]  # step 1 ran (and sent step 2's scoring ahead)

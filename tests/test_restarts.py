@@ -146,8 +146,9 @@ def test_a_rollout_rank_replaced_during_a_train_call_gets_the_trainers_weights_a
         tmp_path):
     """A rollout rank lost under a generation sent ahead is replaced in the thread watching that
     generation while step 3 trains (the rollout behind the trainer): the new rank gets the
-    trainer's weights as they are once the calls sent to it ran (version 3), not none (its model's
-    own), and the restart's calls carry nothing the driver queued for its own next call."""
+    trainer's weights as they are once the calls sent to it ran, labelled as the last step seen
+    to end (2), not none (its model's own); the restart's calls carry nothing the driver queued
+    for its own next call."""
     from orchestration.config import WeightSyncConfig
     from tests.driver_helpers import FakeGroup, FakeRollout, FakeTrainer, MarkedLog
 
@@ -163,6 +164,9 @@ def test_a_rollout_rank_replaced_during_a_train_call_gets_the_trainers_weights_a
     _, typed, plan = prepared(grpo.GRPORunConfig, GRPO)
     turns = Turns(plan, {"train": trainer, "rollout": rollout}, typed.run, WeightSyncConfig(),
                   MarkedLog(tmp_path, 4, []), [])
+    with turns.train_turn(2, Drained(), 1, {}):
+        pass
+    assert [r.version for r in rollout.ranks] == [2, 2]
     with turns.train_turn(3, Drained(), 1, {}):
         trainer.ranks[0].steps = 3  # the step's train call ran
         trainer.defer("memory")  # the driver's, for its next trainer call
@@ -171,6 +175,6 @@ def test_a_rollout_rank_replaced_during_a_train_call_gets_the_trainers_weights_a
         watcher = threading.Thread(target=lambda: (CALLS.watching(), turns._restored(rollout, 1)))
         watcher.start()
         watcher.join()
-        assert fresh.has_weights and fresh.version == 3 and rollout.ranks[0].version == 0
+        assert fresh.has_weights and fresh.version == 2 == rollout.ranks[0].version
         assert trainer.drop_deferred()  # still queued: the restart's call did not carry it
     assert [(e["role"], e["rank"]) for e in events(tmp_path)] == [("rollout", 1)]

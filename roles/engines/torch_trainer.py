@@ -242,11 +242,10 @@ class TorchTrainEngine(DataParallelCollectives):
 
     def backward(self, loss: torch.Tensor) -> None:
         """Accumulate this micro-batch's gradients (engines with their own hooks override it)."""
-        first = self.kernels.cuda_graphs and all(p.grad is None for p in self.params)
+        if self.kernels.cuda_graphs and any(p.grad is None for p in self.params):
+            self._grads_in_graph_pool = True  # (before: a backward that fails midway leaves some there too)
         with self._graphs():
             loss.backward()
-        if first:
-            self._grads_in_graph_pool = True
 
     def current_lr(self) -> float:
         return float(self.optimizer.param_groups[0]["lr"])
