@@ -27,7 +27,7 @@ from roles.engines.options import ROLLOUT_ENGINES, TEACHER_ENGINES, TRAIN_ENGINE
 from roles.models import (TOKENIZER_FILES, check_config, has_tokenizer_files, hub_cache_root, load_tokenizer,
                           resolve_config)
 from roles.engines.torch_trainer import OPTIMIZERS
-from roles.trainer import COMPUTE_DTYPES, KERNEL_OPTIONS, SCHEDULES
+from roles.trainer_config import COMPUTE_DTYPES, KERNEL_OPTIONS, SCHEDULES
 
 DATA_TASKS = ("arithmetic", "gsm", "files")
 MODEL_DTYPES = (None, "float32", "bfloat16", "float16")
