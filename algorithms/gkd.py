@@ -121,7 +121,8 @@ def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: An
             metrics: dict = dict(step0 or {}) if step == 0 else {}
             if step > 0:
                 metrics["gkd/on_policy"] = float(on_policy[step])
-                metrics["gkd/scored_ahead"] = float(step in ahead)
+                if score_ahead:  # (a layout that never scores ahead leaves the metric out)
+                    metrics["gkd/scored_ahead"] = float(step in ahead)
                 # Generate: the student writes the completions (on-policy), else dataset responses
                 # (with seq_kd, the teacher's own samples). Teacher: its logprobs.
                 if step in ahead:  # scored ahead: this step's teacher phase is the wait for the answer

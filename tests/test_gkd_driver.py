@@ -432,7 +432,7 @@ def test_a_teacher_on_devices_of_its_own_scores_the_next_batch_while_the_student
     ray = records["ray"][1:]
     assert [r["gkd/scored_ahead"] for r in ray] == [0.0] + [1.0 - r["gkd/on_policy"] for r in ray[1:]]
     assert 0 < sum(r["gkd/scored_ahead"] for r in ray) < len(ray) - 1  # both kinds of step ran
-    assert not any(r["gkd/scored_ahead"] for r in records["local"][1:])
+    assert not any("gkd/scored_ahead" in r for r in records["local"])  # a layout that cannot: no metric
     # The teacher's own work is on the timeline of every step, those scored ahead included.
     teacher = {e["step"] for e in read_metrics(tmp_path / "ray" / "timeline.jsonl") if e["role"] == "teacher"}
     assert teacher >= set(range(1, 7))
