@@ -271,7 +271,8 @@ def _shown_keys(record: dict) -> list[str]:
 
 
 def _short(value: Any) -> str:
-    return f"{value:.4g}" if isinstance(value, float) else str(value)
+    """A metric as the lines show it: 4 significant digits; -0.0 (a mean of values summing to 0) as 0."""
+    return f"{value + 0.0:.4g}" if isinstance(value, float) else str(value)
 
 
 def _is_tty(stream: Any) -> bool:

@@ -138,3 +138,16 @@ def test_cli_run_writes_its_messages_to_the_hydra_job_log(tmp_path):
     assert "[algorithms.runlog][INFO] - [0/3]" in log and "[algorithms.runlog][INFO] - [3/3]" in log
     assert [line[:5] for line in done.stdout.splitlines() if line.startswith("[") and "/3]" in line[:6]] == \
         ["[0/3]", "[3/3]"]
+
+
+def test_a_metrics_line_shows_a_negative_zero_as_zero(tmp_path):
+    """A mean of values that sum to 0 can come out -0.0 (GRPO's advantages/mean): shown as 0."""
+    import io
+
+    from algorithms.runlog import RunLog
+
+    stream = io.StringIO()
+    log = RunLog(tmp_path, 1, stream=stream)
+    log.step(1, {"advantages/mean": -0.0, "advantages/min": -2.5})
+    line = stream.getvalue()
+    assert "advantages/mean=0 " in line + " " and "advantages/min=-2.5" in line
