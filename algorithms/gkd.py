@@ -22,140 +22,203 @@ as in algorithms/grpo.py.
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
 import random
 import shutil
-import sys
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar, Optional
 
-import hydra
 import torch
-from omegaconf import DictConfig
 
-from algorithms import common, overlap, sft
-from algorithms.config import (GKDRunConfig, as_dict, engine_args, fit_epochs, local_model_path, prepare,
-                               sft_phase)
-from algorithms.data import load_task, row_limits
-from algorithms.losses import TOPK_MODES, make_loss
-from algorithms.runlog import RunLog, phase_run, run_dir
-from algorithms.swift_args import output_run_dir
-from algorithms.turns import Turns
-from algorithms.validation import (AT_LEAST_1, FRACTION, NON_NEGATIVE, POSITIVE, check_model, check_run,
-                                   check_trainer, require, require_all, require_roles, vocab_size)
-from orchestration.cluster import init_cluster, set_log_level
+from algorithms import sft
+from algorithms.config.checks import (AT_LEAST_1, FRACTION, NON_NEGATIVE, POSITIVE, check_model, check_run,
+                                      check_staleness, check_trainer, require, require_all, require_roles,
+                                      vocab_size)
+from algorithms.config.schema import (DriverConfig, as_dict, engine_args, fit_epochs, local_model_path, phase_run,
+                                      rollout_section, warmup_steps)
+from algorithms.data.answers import accuracy
+from algorithms.data.loading import load_task, row_limits
+from algorithms.data.prompts import PromptStream, batch_of, encode_examples
+from algorithms.objectives.losses import TOPK_MODES, make_loss
+from algorithms.records.runlog import RunLog
+from algorithms.runtime.ahead import Prefetch, staleness
+from algorithms.runtime.entry import driver_main
+from algorithms.runtime.steps import Steps
+from algorithms.runtime.turns import first
 from orchestration.base_group import Kept
-from orchestration.config import ConfigError, checked_command_line, register_schema
+from orchestration.cluster import init_cluster, set_log_level
 from orchestration.launch import driver_group, start_roles
 from orchestration.planner import Plan, as_started, make_plan
 from roles.batch import SamplingParams
 from roles.models import load_tokenizer, resolve_config
 from roles.rollout import Rollout
-from roles.teacher import KERNEL_OPTIONS as TEACHER_KERNEL_OPTIONS, Teacher
+from roles.teacher import KERNEL_OPTIONS as TEACHER_KERNEL_OPTIONS, Teacher, TeacherConfig
 from roles.trainer import Trainer, TrainerConfig
 
 logger = logging.getLogger("algorithms.gkd")  # not __name__: python -m runs this module as __main__
 
 
-def train(cfg: GKDRunConfig, plan: Plan, trainer: Any, rollout: Any, teacher: Any, train_set: list,
+@dataclass
+class GKDAlgorithm:
+    # Fraction of steps trained on the student's own generations (on-policy); the rest
+    # use the dataset's responses.
+    lmbda: float = 0.5
+    # Generalized JSD interpolation: 0 forward KL(teacher||student), 1 reverse KL.
+    beta: float = 0.5
+    # Softmax temperature on both sides of the divergence, and for student generation.
+    temperature: float = 0.9
+    # Weight of an added NLL term on the batch's responses.
+    sft_alpha: float = 0.0
+    # Off-policy steps use teacher generations instead of dataset responses.
+    seq_kd: bool = False
+    # Top-k teacher logits mode: "renorm" (both sides restricted to the k tokens) or "tail"
+    # (k tokens plus one bucket for the remaining mass). Top-k itself is
+    # placement.gkd_logits_topk (null: full vocabulary).
+    topk_mode: str = "renorm"
+    # Longest student generation in tokens.
+    max_new_tokens: int = 48
+    # Steps an on-policy generation may run ahead of training (separate placement only): with N
+    # the rollout generates for steps k+1..k+N while the teacher and trainer work on step k, so
+    # the student's samples are up to N weight versions old. 0: strictly on-policy.
+    max_staleness: int = 0
+    # A teacher on devices of its own (placement.teacher, sharing none with trainer or rollout;
+    # on Ray) scores an off-policy step's batch during the previous step's train call when
+    # nothing else comes between the two (no eval, save or generation): teacher and student
+    # then work at once. Not with seq_kd or max_staleness > 0. Holds the next batch's teacher
+    # logprobs beside the current ones (with full-vocabulary logits, a second batch x length x
+    # vocabulary array in the object store). false: they take turns.
+    score_ahead: bool = True
+
+
+@dataclass
+class TeacherModelConfig:
+    # Teacher model: a preset name (conf/model/) or a local HF directory;
+    # placement.teacher_model / placement.teacher.model override it when set.
+    model: str = "small_qwen2"
+    # Teacher engine settings.
+    engine: TeacherConfig = field(default_factory=TeacherConfig)
+    # Train the teacher by SFT first (cached by its config): steps; 0 uses it as given.
+    warmup_steps: int = 0
+    # Learning rate of that teacher SFT.
+    warmup_lr: float = 3e-3
+    # Sequences per teacher SFT step.
+    warmup_batch: int = 64
+    # Folder where warmed-up teachers are cached.
+    cache_dir: str = "~/.cache/rayroles/teachers"
+
+
+@dataclass
+class GKDConfig(DriverConfig):
+    DRIVER: ClassVar[str] = "gkd"
+    # GKD options.
+    algorithm: GKDAlgorithm = field(default_factory=GKDAlgorithm)
+    # The teacher.
+    teacher: TeacherModelConfig = field(default_factory=TeacherModelConfig)
+
+
+def train(cfg: GKDConfig, plan: Plan, trainer: Any, rollout: Any, teacher: Any, train_set: list,
           eval_set: list, tokenizer: Any, log: RunLog, step0: dict | None = None, teacher_writer: Any = None) -> dict:
     """The GKD loop; roles are worker groups (or fakes in tests). Returns the last record.
     `step0` holds extra metrics for the step-0 record (the teacher's accuracy);
     `teacher_writer` (a rollout with the teacher's weights) writes off-policy completions when seq_kd."""
     algo, topk = cfg.algorithm, plan.gkd_logits_topk
     sampling = SamplingParams(temperature=algo.temperature, max_new_tokens=algo.max_new_tokens)
+    writer = teacher_writer if algo.seq_kd else None
     # The coin of every step, drawn up front: generations may start max_staleness steps early.
     coin = random.Random(cfg.run.seed)
     on_policy = [False] + [coin.random() < algo.lmbda for _ in range(cfg.run.steps)]
+    # A teacher built in the trainer's processes keeps its answer there for the train call.
     keep = "teacher_logits" if getattr(teacher, "hosted_by", None) is trainer else None
+    # Top-k is taken from the tempered distribution (the loss leaves it as is); full-vocabulary
+    # logprobs come at temperature 1 and the loss tempers them.
+    scoring = {"temperature": algo.temperature if topk else 1.0, "dispatch": "slice", "collect": "flatten",
+               "phase": "teacher"}
     # The student's top-k logprobs come at the trainer's temperature: the loss's, then.
     train_temperature = algo.temperature if student_topk(cfg, plan) else 1.0
-    # Whether the teacher may score the next step's dataset responses while this step trains: on
-    # Ray, with devices of its own (a teacher in the trainer's processes or on its devices waits
-    # for the trainer anyway; its call rides on the trainer's then).
-    score_ahead = (algo.score_ahead and cfg.backend.workers == "ray" and not algo.seq_kd and not algo.max_staleness
-                   and keep is None and not {"train", "rollout"} & set(plan["teacher"].colocated_with))
-
-    def off_policy_batch(step: int, timed: bool = True) -> Any:
-        """Step `step`'s dataset responses (with seq_kd, the teacher's own samples) as a batch;
-        their draw timed as `generate` (about 0 s) unless drawn during another phase."""
-        with log.phase("generate") if timed else contextlib.nullcontext():
-            examples, _ = prefetch.take(step)
-        return batch_of(_off_policy(examples, tokenizer, teacher_writer if algo.seq_kd else None, sampling, log,
-                                    cfg.data.chat), on_policy=False)
-
-    def batch_of(comps: Any, on_policy: bool) -> Any:
-        batch = common.batch_of(tokenizer, comps)
-        # sft_alpha's NLL term counts dataset responses only, never the student's own text.
-        batch.sft_weight = torch.full((len(batch),), 0.0 if on_policy else 1.0)
-        return batch
-
-    def teacher_call(batch: Any, ahead: bool = False) -> Any:
-        """The teacher's logprobs of `batch` at every position (top-k or full vocabulary). Top-k
-        is taken from the tempered distribution (the loss leaves it as is); full-vocabulary
-        logprobs come at temperature 1 and the loss tempers them. A teacher built in the trainer's
-        processes keeps them there for the train call. `ahead`: during the previous step's train
-        call (a teacher on devices of its own): a future, read when the batch is trained on."""
-        return turns.call("teacher", "logits", batch, topk, temperature=algo.temperature if topk else 1.0,
-                          dispatch="slice", collect="flatten", phase="teacher", keep=keep, ahead=ahead)
-
-    def scored(batch: Any, out: Any) -> Any:
-        """`batch` with the teacher's answer `out` (kept on the trainer's ranks: named there)."""
-        if keep and topk:
-            out = (Kept(keep, 0), Kept(keep, 1))
-        batch.teacher_logprobs, batch.teacher_indices = out if topk else (out, None)
-        return batch
-
-    with Turns(plan, {"train": trainer, "rollout": rollout, "teacher": teacher}, cfg.run, cfg.weight_sync, log,
-                      eval_set, data=cfg.data) as turns:
+    score_ahead = scores_ahead(cfg, plan, keep)
+    with Steps(plan, {"train": trainer, "rollout": rollout, "teacher": teacher}, cfg.run, cfg.weight_sync, log,
+               eval_set, data=cfg.data) as steps:
+        turns = steps.turns
         # Prompts continue where a resumed run's checkpoint left them.
-        stream = common.PromptStream(train_set, cfg.run.prompts_per_step, cfg.run.seed, turns.resumed.get("stream", 0))
-        prefetch = overlap.Prefetch(rollout, log, stream, sampling, algo.max_staleness, cfg.run.steps,
-                                    generates=lambda s: on_policy[s], seed=cfg.run.seed, first_step=turns.first_step)
+        stream = PromptStream(train_set, cfg.run.prompts_per_step, cfg.run.seed, steps.resumed.get("stream", 0))
+        prefetch = Prefetch(rollout, log, stream, sampling, algo.max_staleness, cfg.run.steps,
+                            generates=lambda s: on_policy[s], seed=cfg.run.seed, first_step=steps.first_step)
         ahead: dict[int, tuple] = {}  # step -> (its batch, the teacher's answer to come), sent the step before
-        for step in range(turns.first_step, cfg.run.steps + 1):
+        for step in range(steps.first_step, cfg.run.steps + 1):
             metrics: dict = dict(step0 or {}) if step == 0 else {}
             if step > 0:
                 metrics["gkd/on_policy"] = float(on_policy[step])
                 if score_ahead:  # (a layout that never scores ahead leaves the metric out)
                     metrics["gkd/scored_ahead"] = float(step in ahead)
-                # Generate: the student writes the completions (on-policy), else dataset responses
-                # (with seq_kd, the teacher's own samples). Teacher: its logprobs.
-                if step in ahead:  # scored ahead: this step's teacher phase is the wait for the answer
+                if step in ahead:
+                    # Scored ahead during the last train call: the teacher phase is the wait for it.
                     batch, answer = ahead.pop(step)
                     with log.phase("teacher"):
-                        batch = scored(batch, answer.get())
-                elif on_policy[step]:
-                    with turns.rollout_turn(step - 1, metrics, one_call=not algo.max_staleness):
-                        with log.phase("generate"):
-                            _, comps = prefetch.take(step)
-                    metrics.update(overlap.staleness(comps, step, algo.max_staleness))
-                    batch = batch_of(comps, on_policy=True)
-                    batch = scored(batch, teacher_call(batch))
+                        scored = answer.get()
                 else:
-                    batch = off_policy_batch(step)
-                    batch = scored(batch, teacher_call(batch))
+                    # Generate: the student writes the completions (on-policy), else the dataset's
+                    # responses (with seq_kd, the teacher's own samples).
+                    if on_policy[step]:
+                        with turns.rollout_turn(step - 1, metrics, one_call=not algo.max_staleness):
+                            with log.phase("generate"):
+                                _, comps = prefetch.take(step)
+                        metrics.update(staleness(comps, step, algo.max_staleness))
+                    else:
+                        with log.phase("generate"):
+                            examples, _ = prefetch.take(step)
+                        comps = _off_policy(examples, tokenizer, writer, sampling, log, cfg.data.chat)
+                    batch = _gkd_batch(tokenizer, comps, on_policy[step])
+                    # Teacher: its logprobs at every position (top-k or the full vocabulary).
+                    scored = turns.call("teacher", "logits", batch, topk, keep=keep, **scoring)
+                _attach_teacher(batch, scored, topk, keep)
                 # Train: one update of the student on the generalized JSD; then the weights go to the
                 # rollout when it samples before the next update (once generations started ahead
                 # finish). The trainer's onload, the weights' send and its offload ride on the call.
                 with turns.train_turn(step, prefetch, algo.max_staleness, metrics, one_call=True):
                     with log.phase("train", "train"):
                         future = trainer.async_call("train_step", batch, train_temperature, dispatch="slice",
-                                                    collect=common.first)
-                        # The next step's dataset responses do not depend on this update: when nothing
-                        # else comes between the two steps, the teacher scores them now, beside this
-                        # call, instead of after the driver has read its answer.
-                        if score_ahead and turns.quiet_after(step, prefetch):  # (the next step is off-policy)
-                            nxt = off_policy_batch(step + 1, timed=False)
-                            ahead[step + 1] = (nxt, teacher_call(nxt, ahead=True))
+                                                    collect=first)
+                        # Score ahead: when nothing else comes between this step and the next
+                        # (off-policy) one, the teacher scores the next step's dataset responses now,
+                        # beside this train call; the next step reads the answer.
+                        if score_ahead and steps.quiet_after(step, prefetch):
+                            examples, _ = prefetch.take(step + 1)
+                            nxt = _gkd_batch(tokenizer, _off_policy(examples, tokenizer, None, sampling, log,
+                                                                    cfg.data.chat), on_policy=False)
+                            ahead[step + 1] = (nxt, turns.call("teacher", "logits", nxt, topk, ahead=True, **scoring))
                         metrics.update({f"train/{k}": v for k, v in future.get().items()})
             # (A batch drawn ahead is drawn again by a run resumed from this step.)
-            turns.end_step(step, metrics, {"stream": prefetch.position() - len(ahead)})
-        return turns.finish({"stream": prefetch.position()})
+            steps.end_step(step, metrics, {"stream": prefetch.position() - len(ahead)})
+        return steps.finish({"stream": prefetch.position()})
+
+
+def scores_ahead(cfg: GKDConfig, plan: Plan, keep: Optional[str]) -> bool:
+    """Whether the teacher may score the next step's dataset responses while this step trains:
+    on Ray, with devices of its own (a teacher in the trainer's processes or on its devices
+    waits for the trainer anyway; its call rides on the trainer's then), strictly on-policy
+    generation and the dataset's own responses (not seq_kd)."""
+    algo = cfg.algorithm
+    return (algo.score_ahead and cfg.backend.workers == "ray" and not algo.seq_kd and not algo.max_staleness
+            and keep is None and not {"train", "rollout"} & set(plan["teacher"].colocated_with))
+
+
+def _gkd_batch(tokenizer: Any, comps: Any, on_policy: bool) -> Any:
+    """Completions as a training batch; sft_alpha's NLL term counts dataset responses only,
+    never the student's own text."""
+    batch = batch_of(tokenizer, comps)
+    batch.sft_weight = torch.full((len(batch),), 0.0 if on_policy else 1.0)
+    return batch
+
+
+def _attach_teacher(batch: Any, answer: Any, topk: Optional[int], keep: Optional[str]) -> None:
+    """`batch` with the teacher's answer: top-k (logprobs, indices), or full-vocabulary
+    logprobs. An answer kept on the trainer's ranks is named there (`Kept`)."""
+    if keep and topk:
+        answer = (Kept(keep, 0), Kept(keep, 1))
+    batch.teacher_logprobs, batch.teacher_indices = answer if topk else (answer, None)
 
 
 def _off_policy(examples: list, tokenizer: Any, teacher_writer: Any, sampling: SamplingParams, log: RunLog,
@@ -163,7 +226,7 @@ def _off_policy(examples: list, tokenizer: Any, teacher_writer: Any, sampling: S
     """Completions of an off-policy step: the dataset's responses (prompts rendered as data.chat
     says: `chat`), or with a teacher writer (sequence-level KD) the teacher's own samples."""
     if teacher_writer is None:
-        return common.encode_examples(tokenizer, examples, pretrain=False, chat=chat)
+        return encode_examples(tokenizer, examples, pretrain=False, chat=chat)
     with log.phase("generate", "teacher_writer"):
         comps = teacher_writer.call("generate", [ex.prompt_messages() for ex in examples], sampling,
                                     dispatch="slice", collect="flatten")
@@ -171,7 +234,7 @@ def _off_policy(examples: list, tokenizer: Any, teacher_writer: Any, sampling: S
     return comps
 
 
-def warm_teacher(cfg: GKDRunConfig, out_dir: Path) -> str:
+def warm_teacher(cfg: GKDConfig, out_dir: Path) -> str:
     """Train the teacher by SFT on the task once; cached by everything that shapes it."""
     t = cfg.teacher
     key = json.dumps({"model": t.model, "steps": t.warmup_steps, "lr": t.warmup_lr, "batch": t.warmup_batch,
@@ -184,9 +247,8 @@ def warm_teacher(cfg: GKDRunConfig, out_dir: Path) -> str:
     logger.info(f"gkd: training the teacher ({t.model}) by SFT for {t.warmup_steps} steps; cached at {path}")
     # The run's sections (engines and their options, weight sync) with the teacher's model and
     # its own optimizer settings (the cache key holds those).
-    warm = sft_phase(cfg, model=resolve_config(t.model),
-                     trainer=TrainerConfig(lr=t.warmup_lr, warmup_steps=common.warmup_steps(t.warmup_steps),
-                                           total_steps=t.warmup_steps, micro_batch_per_device=t.warmup_batch),
+    warm = sft.phase_config(cfg, model=resolve_config(t.model),
+                     trainer=teacher_trainer(t),
                      run=phase_run(cfg.run, out_dir, "teacher_warmup", steps=t.warmup_steps,
                                    prompts_per_step=t.warmup_batch, eval_max_new_tokens=cfg.run.eval_max_new_tokens,
                                    save_final=True))
@@ -200,14 +262,21 @@ def warm_teacher(cfg: GKDRunConfig, out_dir: Path) -> str:
     return str(path)
 
 
-def teacher_spec(cfg: GKDRunConfig, plan: Plan) -> str:
+def teacher_trainer(t: TeacherModelConfig) -> TrainerConfig:
+    """The trainer section of the teacher's SFT warm-up: TrainerConfig's defaults with the
+    teacher section's own learning rate and batch (the cache key holds those)."""
+    return TrainerConfig(lr=t.warmup_lr, warmup_steps=warmup_steps(t.warmup_steps), total_steps=t.warmup_steps,
+                         micro_batch_per_device=t.warmup_batch)
+
+
+def teacher_spec(cfg: GKDConfig, plan: Plan) -> str:
     """The teacher's model (placement.teacher_model or placement.teacher.model, else teacher.model)
     as every process reads it: a folder as an absolute path (the actors of a cluster the run
     joins do not work in the driver's directory), a preset name as given."""
     return local_model_path(plan["teacher"].model or cfg.teacher.model)
 
 
-def hosting(cfg: GKDRunConfig, plan: Plan) -> Plan:
+def hosting(cfg: GKDConfig, plan: Plan) -> Plan:
     """The plan as started: a teacher planned in the trainer's processes
     (placement.teacher_in_trainer_process) gets processes of its own when its engine is not
     torch's (vLLM starts a distributed group of its own), with a note saying so."""
@@ -217,7 +286,7 @@ def hosting(cfg: GKDRunConfig, plan: Plan) -> Plan:
     return plan
 
 
-def run(cfg: GKDRunConfig, plan: Plan, out_dir: Path) -> dict:
+def run(cfg: GKDConfig, plan: Plan, out_dir: Path) -> dict:
     set_log_level(cfg.run.log_level)
     plan = hosting(cfg, plan)
     train_set, eval_set, stats = load_task(cfg.data, row_limits(cfg, cfg.algorithm.max_new_tokens,
@@ -232,17 +301,17 @@ def run(cfg: GKDRunConfig, plan: Plan, out_dir: Path) -> dict:
     student = as_dict(cfg.model)
     loss = gkd_loss(cfg, plan)
     # The teacher's accuracy, for reference (the gap the student closes).
-    judge = driver_group(Rollout, {"model": teacher_model, "config": common.rollout_config(cfg)}, "teacher_eval")
-    teacher_accuracy = common.accuracy(judge, eval_set, cfg.run.eval_max_new_tokens, cfg.data)
+    judge = driver_group(Rollout, {"model": teacher_model, "config": rollout_section(cfg)}, "teacher_eval")
+    teacher_accuracy = accuracy(judge, eval_set, cfg.run.eval_max_new_tokens, cfg.data)
     if not cfg.algorithm.seq_kd:  # with seq_kd it writes the off-policy completions
         judge.shutdown()
     roles = start_roles(cfg, plan, {
         "train": (Trainer, {"model": student, "config": as_dict(cfg.trainer), "loss_fn": loss,
                             "loss_inputs": loss.loss_inputs, **engine_args(cfg, "train")}),
-        "rollout": (Rollout, {"model": student, "config": common.rollout_config(cfg), **engine_args(cfg, "rollout")}),
+        "rollout": (Rollout, {"model": student, "config": rollout_section(cfg), **engine_args(cfg, "rollout")}),
         "teacher": (Teacher, {"model": teacher_model, "config": as_dict(cfg.teacher.engine),
                               **engine_args(cfg, "teacher")})}, restarts=cfg.run.max_restarts)
-    log = RunLog(out_dir, cfg.run.steps, resolved_config=cfg, cfg=cfg)
+    log = RunLog(out_dir, cfg.run.steps, cfg.run, resolved_config=cfg)
     topk = plan.gkd_logits_topk
     logger.info(f"gkd: {len(train_set)} train / {len(eval_set)} held-out examples; {cfg.run.steps} steps x "
                 f"{cfg.run.prompts_per_step} prompts; teacher {teacher_model} (accuracy {teacher_accuracy:.3f}, "
@@ -260,8 +329,8 @@ def run(cfg: GKDRunConfig, plan: Plan, out_dir: Path) -> dict:
             judge.shutdown()
 
 
-def validate(cfg: GKDRunConfig, plan: Plan) -> None:
-    """Every check of a GKD run, before anything starts (algorithms/validation.py)."""
+def validate(cfg: GKDConfig, plan: Plan) -> None:
+    """Every check of a GKD run, before anything starts (shared checks: algorithms/config/checks.py)."""
     require_roles(plan, ("train", "rollout", "teacher"), "GKD", "add them (a colocated teacher: "
                   "placement.teacher_model=NAME; a teacher group: placement.teacher.gpus=N)")
     check_run(cfg, plan)
@@ -280,8 +349,7 @@ def validate(cfg: GKDRunConfig, plan: Plan) -> None:
     teacher_model = plan["teacher"].model or t.model
     check_model(teacher_key, teacher_model)
     if t.warmup_steps:
-        check_trainer(TrainerConfig(lr=t.warmup_lr, warmup_steps=common.warmup_steps(t.warmup_steps)), "teacher",
-                      t.warmup_steps, "teacher.warmup_steps")
+        check_trainer(teacher_trainer(t), "teacher", t.warmup_steps, "teacher.warmup_steps")
     topk = plan.gkd_logits_topk
     if topk is not None:
         require(topk >= 1, "placement.gkd_logits_topk", topk, "must be >= 1", "set it >= 1, or null for the full "
@@ -290,25 +358,24 @@ def validate(cfg: GKDRunConfig, plan: Plan) -> None:
         require(topk <= vocab, "placement.gkd_logits_topk", topk, f"exceeds the {vocab}-token vocabulary",
                 f"set it to at most {vocab}, or null for the full vocabulary")
     if cfg.backend.teacher == "vllm":
-        if plan.gkd_logits_topk is None:
-            raise ConfigError("config key 'backend.teacher'=vllm serves top-k logprobs only, but "
-                              "placement.gkd_logits_topk is unset (full vocabulary). Fix: set "
-                              "placement.gkd_logits_topk (e.g. 64), or use backend.teacher=torch")
-        if plan.gkd_logits_topk > cfg.vllm.max_logprobs:
-            raise ConfigError(f"config key 'placement.gkd_logits_topk'={plan.gkd_logits_topk} exceeds "
-                              f"vllm.max_logprobs={cfg.vllm.max_logprobs}. Fix: raise vllm.max_logprobs to at "
-                              f"least {plan.gkd_logits_topk} or lower gkd_logits_topk")
+        require(topk is not None, "backend.teacher", "vllm", "serves top-k logprobs only, but "
+                "placement.gkd_logits_topk is unset (full vocabulary)",
+                "set placement.gkd_logits_topk (e.g. 64), or use backend.teacher=torch")
+        require(topk <= cfg.vllm.max_logprobs, "placement.gkd_logits_topk", topk,
+                f"exceeds vllm.max_logprobs={cfg.vllm.max_logprobs}",
+                f"raise vllm.max_logprobs to at least {topk} or lower gkd_logits_topk")
         sleeps = plan["rollout"].sleep_level or plan["teacher"].offload_model
-        if cfg.backend.workers == "local" and cfg.backend.rollout == "vllm" and sleeps and torch.cuda.is_available():
-            raise ConfigError("config keys 'backend.rollout'=vllm and 'backend.teacher'=vllm with backend.workers="
-                              "local put two GPU vLLM engines in one process, where vLLM's sleep mode would put "
-                              "both to sleep at once. Fix: backend.workers=ray (a process per role), or keep "
-                              "both awake: placement.sleep_level=0 placement.offload_teacher_model=false")
-    overlap.check_staleness(a.max_staleness, plan)
+        require(not (cfg.backend.workers == "local" and cfg.backend.rollout == "vllm" and sleeps
+                     and torch.cuda.is_available()), "backend.rollout", "vllm",
+                "and backend.teacher=vllm with backend.workers=local put two GPU vLLM engines in one process, "
+                "where vLLM's sleep mode would put both to sleep at once",
+                "backend.workers=ray (a process per role), or keep both awake: placement.sleep_level=0 "
+                "placement.offload_teacher_model=false")
+    check_staleness(a.max_staleness, plan)
     gkd_loss(cfg, plan)
 
 
-def student_topk(cfg: GKDRunConfig, plan: Plan) -> bool:
+def student_topk(cfg: GKDConfig, plan: Plan) -> bool:
     """Whether the student's loss reads its log-softmax at the teacher's top-k tokens instead of
     its full logits: a top-k teacher, the torch trainer with fused_logprobs (which then never
     makes the [B, T, V] logits), and no SFT term (it needs the whole distribution)."""
@@ -316,26 +383,16 @@ def student_topk(cfg: GKDRunConfig, plan: Plan) -> bool:
             and cfg.algorithm.sft_alpha == 0)
 
 
-def gkd_loss(cfg: GKDRunConfig, plan: Plan):
+def gkd_loss(cfg: GKDConfig, plan: Plan):
     a = cfg.algorithm
     return make_loss("gkd", beta=a.beta, temperature=a.temperature, sft_alpha=a.sft_alpha, topk_mode=a.topk_mode,
                      teacher_temperature_applied=plan.gkd_logits_topk is not None,
                      student_topk=student_topk(cfg, plan))
 
 
-register_schema(GKDRunConfig)
-
-
-@checked_command_line(GKDRunConfig)
-@hydra.main(config_path="pkg://conf", config_name="config", version_base=None)
-@common.friendly_errors
-def main(cfg: DictConfig) -> None:
-    typed, plan = prepare(cfg, GKDRunConfig)
-    validate(typed, plan)
-    record = common.run_with_restarts(run, typed, plan, run_dir())
-    print(json.dumps({k: v for k, v in record.items() if k.startswith(("eval/", "teacher/"))}))
+def main() -> None:
+    driver_main(GKDConfig, validate, run, shown=("eval/", "teacher/"))
 
 
 if __name__ == "__main__":
-    sys.argv = output_run_dir(sys.argv)
     main()

@@ -26,31 +26,32 @@ process, or on the planned `orm`/`prm` roles.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import re
-import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, ClassVar, List, Optional
 
-import hydra
 import torch
-from omegaconf import DictConfig
 
-from algorithms import common, overlap, sft
-from algorithms.advantages import group_advantages, zero_variance_groups
-from algorithms.config import RunConfig, as_dict, engine_args, fit_epochs, prepare, sft_phase
-from algorithms.data import load_task, row_limits
-from algorithms.grpo_rewards import Rewards, planned_reward_configs, reward_specs
-from algorithms.losses import LOSS_TYPES, make_loss
-from algorithms.runlog import RunLog, phase_run, run_dir
-from algorithms.swift_args import output_run_dir
-from algorithms.turns import Turns
-from algorithms.validation import (AT_LEAST_1, NON_NEGATIVE, POSITIVE, check_importable, check_run,
-                                   check_trainer, require, require_all, require_roles)
+from algorithms import sft
+from algorithms.config.checks import (AT_LEAST_1, NON_NEGATIVE, POSITIVE, check_importable, check_run,
+                                      check_staleness, check_trainer, require, require_all, require_roles,
+                                      validate_check)
+from algorithms.config.schema import (DriverConfig, as_dict, engine_args, fit_epochs, phase_run, rollout_section,
+                                      warmup_steps)
+from algorithms.data.answers import checker, correct, reference
+from algorithms.data.loading import load_task, row_limits
+from algorithms.data.prompts import PromptStream, batch_of
+from algorithms.objectives.advantages import SCALE_REWARDS, group_advantages, zero_variance_groups
+from algorithms.objectives.losses import LOSS_TYPES, make_loss
+from algorithms.objectives.rewards import Rewards, planned_reward_configs, reward_specs
+from algorithms.records.runlog import RunLog, record_data_stats
+from algorithms.runtime.ahead import Prefetch, staleness
+from algorithms.runtime.entry import driver_main
+from algorithms.runtime.steps import Steps
+from algorithms.runtime.turns import first
 from orchestration.cluster import init_cluster, set_log_level
-from orchestration.config import ConfigError, checked_command_line, register_schema
 from orchestration.dispatch import flatten, slice_bounds
 from orchestration.launch import start_roles
 from orchestration.planner import Plan, make_plan, with_colocated_role
@@ -114,6 +115,8 @@ class GRPOAlgorithm:
     warmup_sft_steps: int = 0
     # Learning rate of that SFT.
     warmup_sft_lr: float = 5e-3
+    # Learning-rate schedule of that SFT (see trainer.schedule).
+    warmup_sft_schedule: str = "cosine"
     # Sequences per SFT step.
     warmup_sft_batch: int = 64
     # SFT on only the first N training examples (a small labelled set; GRPO needs only the
@@ -125,29 +128,34 @@ class GRPOAlgorithm:
 
 
 @dataclass
-class GRPORunConfig(RunConfig):
+class GRPOConfig(DriverConfig):
     DRIVER: ClassVar[str] = "grpo"
     # GRPO options.
     algorithm: GRPOAlgorithm = field(default_factory=GRPOAlgorithm)
 
+    def updates(self, steps: int) -> int:
+        """steps_per_generation optimizer updates a step."""
+        return steps * self.algorithm.steps_per_generation
+
 
 # ----------------------------------------------------------------------------- the loop
 
-def train(cfg: GRPORunConfig, plan: Plan, trainer: Any, rollout: Any, reference: Any, rewards: Rewards,
+def train(cfg: GRPOConfig, plan: Plan, trainer: Any, rollout: Any, reference: Any, rewards: Rewards,
           train_set: list, eval_set: list, tokenizer: Any, log: RunLog) -> dict:
     """The GRPO loop; roles are worker groups (or fakes in tests), `reference` is None when
     beta = 0. Returns the last record."""
     algo, G = cfg.algorithm, cfg.algorithm.num_generations
     sampling = SamplingParams(temperature=algo.temperature, max_new_tokens=algo.max_new_tokens, n=G)
-    check = common.checker(cfg.data)
-    with Turns(plan, {"train": trainer, "rollout": rollout, "reference": reference}, cfg.run, cfg.weight_sync,
-                      log, eval_set, data=cfg.data) as turns:
+    check = checker(cfg.data)
+    with Steps(plan, {"train": trainer, "rollout": rollout, "reference": reference}, cfg.run, cfg.weight_sync,
+                      log, eval_set, data=cfg.data) as steps:
+        turns = steps.turns
         # Prompts continue where a resumed run's checkpoint left them; step k's generation starts
         # up to max_staleness steps early (0: after step k-1's weight sync).
-        stream = common.PromptStream(train_set, cfg.run.prompts_per_step, cfg.run.seed, turns.resumed.get("stream", 0))
-        prefetch = overlap.Prefetch(rollout, log, stream, sampling, algo.max_staleness, cfg.run.steps,
-                                    seed=cfg.run.seed, first_step=turns.first_step)
-        for step in range(turns.first_step, cfg.run.steps + 1):
+        stream = PromptStream(train_set, cfg.run.prompts_per_step, cfg.run.seed, steps.resumed.get("stream", 0))
+        prefetch = Prefetch(rollout, log, stream, sampling, algo.max_staleness, cfg.run.steps,
+                                    seed=cfg.run.seed, first_step=steps.first_step)
+        for step in range(steps.first_step, cfg.run.steps + 1):
             metrics: dict = {}
             if step > 0:
                 # Generate + score: G completions per prompt and their rewards (with dynamic_sample,
@@ -159,9 +167,9 @@ def train(cfg: GRPORunConfig, plan: Plan, trainer: Any, rollout: Any, reference:
                 comps, scores = _pick_groups(rounds, cfg.run.prompts_per_step, G, algo.dynamic_sample)
                 # Staleness: trainer version minus each sample's; the ratio below uses the samples'
                 # own (behaviour) logprobs, so stale samples stay correctly weighted.
-                metrics.update(overlap.staleness(comps, step, algo.max_staleness))
+                metrics.update(staleness(comps, step, algo.max_staleness))
                 # Advantages: each reward against its prompt's group.
-                batch = common.batch_of(tokenizer, comps)
+                batch = batch_of(tokenizer, comps)
                 batch.rewards = scores
                 batch.advantages = group_advantages(scores, G, algo.scale_rewards, algo.leave_one_out)
                 metrics.update({f"advantages/{k}": float(getattr(batch.advantages, k)())
@@ -177,12 +185,12 @@ def train(cfg: GRPORunConfig, plan: Plan, trainer: Any, rollout: Any, reference:
                                       one_call=algo.steps_per_generation == 1):
                     with log.phase("train", "train"):
                         results = [trainer.call("train_step", part, algo.temperature, dispatch="slice",
-                                                collect=common.first)
+                                                collect=first)
                                    for part in _parts(batch, algo.steps_per_generation)]
                         metrics.update({f"train/{k}": sum(r[k] for r in results) / len(results) for k in results[0]})
                         metrics["train/step"] = results[-1]["step"]
-            turns.end_step(step, metrics, {"stream": prefetch.position()})
-        return turns.finish({"stream": prefetch.position()})
+            steps.end_step(step, metrics, {"stream": prefetch.position()})
+        return steps.finish({"stream": prefetch.position()})
 
 
 def _generate_and_score(algo: GRPOAlgorithm, want: int, prefetch: Any, rewards: Rewards, check: ORM, step: int,
@@ -196,12 +204,12 @@ def _generate_and_score(algo: GRPOAlgorithm, want: int, prefetch: Any, rewards: 
             examples, comps = prefetch.take(step) if r == 0 else prefetch.extra(step)
         with log.phase("score", "reward"):
             scores, means = rewards.score([ex.prompt for ex in examples for _ in range(G)], comps.texts,
-                                          [common.reference(ex) for ex in examples for _ in range(G)])
+                                          [reference(ex) for ex in examples for _ in range(G)])
         zero = zero_variance_groups(scores, G)
         rounds.append((comps, scores, zero))
         varied += int((~zero).sum())
         if r == 0:
-            metrics.update(_sample_metrics(comps, scores, means, zero, common.correct(check, examples, comps.texts)))
+            metrics.update(_sample_metrics(comps, scores, means, zero, correct(check, examples, comps.texts)))
         if not algo.dynamic_sample or varied >= want:
             break
     metrics["grpo/generation_rounds"] = len(rounds)
@@ -254,15 +262,20 @@ def warmup_rows(data: Any, examples: int) -> dict:
     return {"max_rows": examples} if data.task == "files" else {"train_size": examples}
 
 
-def warm_start(cfg: GRPORunConfig, train_ranks: int, out_dir: Path) -> str:
+def warm_start_trainer(cfg: GRPOConfig) -> Any:
+    """The trainer section of the SFT warm start: GRPO's, with the warm start's own learning
+    rate, schedule and batch."""
+    a = cfg.algorithm
+    return replace(cfg.trainer, lr=a.warmup_sft_lr, warmup_steps=warmup_steps(a.warmup_sft_steps),
+                   total_steps=a.warmup_sft_steps, schedule=a.warmup_sft_schedule,
+                   micro_batch_per_device=a.warmup_sft_batch)
+
+
+def warm_start(cfg: GRPOConfig, train_ranks: int, out_dir: Path) -> str:
     """SFT on the task's reference solutions with GRPO's engine, engine options and number of
     trainer ranks (so its optimizer moments fit GRPO's trainer); returns its checkpoint."""
     a = cfg.algorithm
-    warm = sft_phase(cfg,
-                     trainer=replace(cfg.trainer, lr=a.warmup_sft_lr,
-                                     warmup_steps=common.warmup_steps(a.warmup_sft_steps),
-                                     total_steps=a.warmup_sft_steps, schedule="cosine",
-                                     micro_batch_per_device=a.warmup_sft_batch),
+    warm = sft.phase_config(cfg, trainer=warm_start_trainer(cfg),
                      data=replace(cfg.data, **warmup_rows(cfg.data, a.warmup_sft_examples)),
                      run=phase_run(cfg.run, out_dir, "sft_warmup", steps=a.warmup_sft_steps,
                                    prompts_per_step=a.warmup_sft_batch, eval_max_new_tokens=cfg.run.eval_max_new_tokens,
@@ -272,7 +285,7 @@ def warm_start(cfg: GRPORunConfig, train_ranks: int, out_dir: Path) -> str:
     return record["checkpoint"]
 
 
-def run(cfg: GRPORunConfig, plan: Plan, out_dir: Path) -> dict:
+def run(cfg: GRPOConfig, plan: Plan, out_dir: Path) -> dict:
     """Warm start (optional), start the roles of `plan`, train, shut down. Returns the last record."""
     set_log_level(cfg.run.log_level)
     out_dir = Path(out_dir)
@@ -286,8 +299,7 @@ def run(cfg: GRPORunConfig, plan: Plan, out_dir: Path) -> dict:
         model["path"] = warm
     loss = make_loss("grpo", epsilon=a.epsilon, epsilon_high=a.epsilon_high, beta=a.beta, loss_type=a.loss_type,
                      max_completion_length=a.max_new_tokens)
-    # The learning-rate schedule spans every optimizer update of the run.
-    trainer_cfg = {**as_dict(cfg.trainer), "total_steps": cfg.run.steps * a.steps_per_generation}
+    trainer_cfg = as_dict(cfg.trainer)  # (its schedule spans cfg.updates(run.steps) updates: prepare)
     specs = reward_specs(a, cfg.data)
     planned = planned_reward_configs(specs, plan)
     if a.beta:  # the initial policy for the KL term, on the trainer's devices and with its engine
@@ -295,7 +307,7 @@ def run(cfg: GRPORunConfig, plan: Plan, out_dir: Path) -> dict:
     policy = {"model": model, "config": trainer_cfg, **engine_args(cfg, "train")}
     roles = start_roles(cfg, plan, {
         "train": (Trainer, {**policy, "loss_fn": loss, "loss_inputs": ("entropy",)}),
-        "rollout": (Rollout, {"model": model, "config": common.rollout_config(cfg), **engine_args(cfg, "rollout")}),
+        "rollout": (Rollout, {"model": model, "config": rollout_section(cfg), **engine_args(cfg, "rollout")}),
         **({"reference": (Trainer, policy)} if a.beta else {}),
         **{role: ({"orm": ORM, "prm": PRM}[role], {"config": c}) for role, c in planned.items()}},
         restarts=cfg.run.max_restarts)
@@ -303,8 +315,8 @@ def run(cfg: GRPORunConfig, plan: Plan, out_dir: Path) -> dict:
         roles["train"].call("load_optimizer_moments", warm)
     rewards = Rewards(specs, {role: roles[role] for role in planned})
     reference = roles["reference"] if a.beta else None
-    log = RunLog(out_dir, cfg.run.steps, resolved_config=cfg, cfg=cfg)
-    common.record_data_stats(log, stats, cfg.run.resume)
+    log = RunLog(out_dir, cfg.run.steps, cfg.run, resolved_config=cfg)
+    record_data_stats(log, stats, cfg.run.resume)
     logger.info(f"grpo: {len(train_set)} train / {len(eval_set)} held-out examples; {cfg.run.steps} steps x "
                 f"{cfg.run.prompts_per_step} prompts x {a.num_generations} completions = "
                 f"{cfg.run.prompts_per_step * a.num_generations} sequences in {a.steps_per_generation} update(s); "
@@ -318,89 +330,69 @@ def run(cfg: GRPORunConfig, plan: Plan, out_dir: Path) -> dict:
         roles.shutdown()
 
 
-def validate(cfg: GRPORunConfig, plan: Plan) -> None:
-    """Every check of a GRPO run, before anything starts (algorithms/validation.py)."""
+def validate(cfg: GRPOConfig, plan: Plan) -> None:
+    """Every check of a GRPO run, before anything starts (shared checks: algorithms/config/checks.py)."""
     a = cfg.algorithm
     require_roles(plan, ("train", "rollout"), "GRPO", "add them, e.g. placement.train.gpus=1 placement.rollout.gpus=1, "
                   "or placement=colocate")
-    check_run(cfg, plan, updates=cfg.run.steps * max(a.steps_per_generation, 1))
+    check_run(cfg, plan, updates=cfg.updates(cfg.run.steps))
     require_all(a, "algorithm", {"epsilon": POSITIVE, "beta": NON_NEGATIVE, "temperature": POSITIVE,
                                  "max_new_tokens": AT_LEAST_1, "warmup_sft_steps": NON_NEGATIVE,
                                  "warmup_sft_lr": POSITIVE, "warmup_sft_batch": AT_LEAST_1,
-                                 "warmup_sft_examples": NON_NEGATIVE})
+                                 "warmup_sft_examples": NON_NEGATIVE, "max_resample_times": NON_NEGATIVE,
+                                 "num_generations": (lambda v: v >= 2, ">= 2 (a group compares its completions)")})
     require(a.epsilon_high is None or a.epsilon_high >= a.epsilon, "algorithm.epsilon_high", a.epsilon_high,
             f"is below algorithm.epsilon={a.epsilon}", "set it >= epsilon, or null to use epsilon")
     if a.warmup_sft_steps:
-        check_trainer(replace(cfg.trainer, lr=a.warmup_sft_lr, warmup_steps=common.warmup_steps(a.warmup_sft_steps)),
-                      "trainer", a.warmup_sft_steps, "algorithm.warmup_sft_steps")
-    if a.num_generations < 2:
-        raise ConfigError(f"config key 'algorithm.num_generations'={a.num_generations}: a group needs at least 2 "
-                          "completions to compare. Fix: set it to 2 or more")
-    if a.scale_rewards not in ("group", "batch", "none"):
-        raise ConfigError(f"config key 'algorithm.scale_rewards'={a.scale_rewards!r}. Fix: use group, batch or none")
-    if a.loss_type not in LOSS_TYPES:
-        raise ConfigError(f"config key 'algorithm.loss_type'={a.loss_type!r}. Fix: use one of {list(LOSS_TYPES)}")
-    if a.prm_aggregate not in AGGREGATES:
-        raise ConfigError(f"config key 'algorithm.prm_aggregate'={a.prm_aggregate!r}. "
-                          f"Fix: use one of {list(AGGREGATES)}")
-    if not a.reward_funcs:
-        raise ConfigError("config key 'algorithm.reward_funcs' is empty. Fix: e.g. algorithm.reward_funcs=[accuracy]")
-    if a.reward_weights and len(a.reward_weights) != len(a.reward_funcs):
-        raise ConfigError(f"config key 'algorithm.reward_weights' has {len(a.reward_weights)} weights for "
-                          f"{len(a.reward_funcs)} reward_funcs. Fix: one weight per function, or [] for 1.0 each")
+        check_trainer(warm_start_trainer(cfg), "trainer", a.warmup_sft_steps, "algorithm.warmup_sft_steps")
+    require(a.scale_rewards in SCALE_REWARDS, "algorithm.scale_rewards", a.scale_rewards, "is not a scale",
+            f"use one of {list(SCALE_REWARDS)}")
+    require(a.loss_type in LOSS_TYPES, "algorithm.loss_type", a.loss_type, "is not a loss type",
+            f"use one of {list(LOSS_TYPES)}")
+    require(a.prm_aggregate in AGGREGATES, "algorithm.prm_aggregate", a.prm_aggregate, "is not an aggregate",
+            f"use one of {list(AGGREGATES)}")
+    require(bool(a.reward_funcs), "algorithm.reward_funcs", list(a.reward_funcs), "is empty",
+            "e.g. algorithm.reward_funcs=[accuracy]")
+    require(not a.reward_weights or len(a.reward_weights) == len(a.reward_funcs), "algorithm.reward_weights",
+            list(a.reward_weights), f"has {len(a.reward_weights)} weights for {len(a.reward_funcs)} reward_funcs",
+            "give one weight per function, or [] for 1.0 each")
     bad = [f for f in a.reward_funcs if f not in ("accuracy", "format", "prm", *ANSWER_KINDS) and "." not in f]
-    if bad:
-        raise ConfigError(f"config key 'algorithm.reward_funcs': unknown {bad}. Fix: use accuracy, format, prm, "
-                          f"one of {list(ANSWER_KINDS)} or a dotted path 'pkg.mod.fn'")
+    require(not bad, "algorithm.reward_funcs", list(a.reward_funcs), f"names unknown functions {bad}",
+            f"use accuracy, format, prm, one of {list(ANSWER_KINDS)} or a dotted path 'pkg.mod.fn'")
     for f in a.reward_funcs:
         if "." in f:
             check_importable("algorithm.reward_funcs", f)
         elif f in ANSWER_KINDS:
-            common.validate_check(cfg.data, f)
+            validate_check(cfg.data, f)
     if a.format_pattern is not None:
         try:
             re.compile(a.format_pattern)
         except re.error as e:
-            raise ConfigError(f"config key 'algorithm.format_pattern'={a.format_pattern!r} is not a regular "
-                              f"expression ({e}). Fix: correct it, or null for the default") from None
+            require(False, "algorithm.format_pattern", a.format_pattern, f"is not a regular expression ({e})",
+                    "correct it, or null for the default")
     kinds = [c["kind"] for _, _, cls, c in reward_specs(a, cfg.data) if cls is ORM]
-    if "orm" in plan.roles and len(set(kinds)) < len(kinds):
-        raise ConfigError("config key 'algorithm.reward_funcs': a planned orm role combines the ORM functions "
-                          "by kind, so each kind (and at most one dotted path) may appear once. Fix: drop the "
-                          "repeats or remove orm from the placement")
-    if sum(f == "prm" for f in a.reward_funcs) > 1:
-        raise ConfigError("config key 'algorithm.reward_funcs' lists prm twice. Fix: list it once")
+    require("orm" not in plan.roles or len(set(kinds)) == len(kinds), "algorithm.reward_funcs", list(a.reward_funcs),
+            "repeats a kind, but a planned orm role combines the ORM functions by kind (at most one dotted path)",
+            "drop the repeats or remove orm from the placement")
+    require(sum(f == "prm" for f in a.reward_funcs) <= 1, "algorithm.reward_funcs", list(a.reward_funcs),
+            "lists prm twice", "list it once")
     for role, used in (("orm", bool(kinds)), ("prm", "prm" in a.reward_funcs)):
-        if role in plan.roles and not used:
-            raise ConfigError(f"the placement plans an {role} role but algorithm.reward_funcs uses none. "
-                              f"Fix: add a reward function it serves, or remove {role} from the placement")
-    if a.warmup_sft_steps and a.warmup_sft_batch < (n := plan["train"].world_size):
-        raise ConfigError(f"config key 'algorithm.warmup_sft_batch'={a.warmup_sft_batch} is below the {n} "
-                          f"trainer ranks. Fix: raise it to at least {n}")
+        require(role not in plan.roles or used, "algorithm.reward_funcs", list(a.reward_funcs),
+                f"uses no function that the planned {role} role serves",
+                f"add a reward function it serves, or remove {role} from the placement")
+    n = plan["train"].world_size
+    require(not a.warmup_sft_steps or a.warmup_sft_batch >= n, "algorithm.warmup_sft_batch", a.warmup_sft_batch,
+            f"is below the {n} trainer ranks", f"raise it to at least {n}")
     per_update = cfg.run.prompts_per_step * a.num_generations // max(a.steps_per_generation, 1)
-    if a.steps_per_generation < 1 or per_update < plan["train"].world_size:
-        raise ConfigError(f"config key 'algorithm.steps_per_generation'={a.steps_per_generation}: each update needs "
-                          f"at least one sequence per trainer rank ({plan['train'].world_size}). Fix: use 1 to "
-                          f"{cfg.run.prompts_per_step * a.num_generations // plan['train'].world_size}")
-    if a.dynamic_sample and a.max_resample_times < 0:
-        raise ConfigError(f"config key 'algorithm.max_resample_times'={a.max_resample_times} must be >= 0. "
-                          "Fix: set the extra generation rounds per step, e.g. 3")
-    overlap.check_staleness(a.max_staleness, plan)
+    require(a.steps_per_generation >= 1 and per_update >= n, "algorithm.steps_per_generation",
+            a.steps_per_generation, f"leaves an update without a sequence for each of the {n} trainer ranks",
+            f"use 1 to {cfg.run.prompts_per_step * a.num_generations // n}")
+    check_staleness(a.max_staleness, plan)
 
 
-register_schema(GRPORunConfig)
-
-
-@checked_command_line(GRPORunConfig)
-@hydra.main(config_path="pkg://conf", config_name="config", version_base=None)
-@common.friendly_errors
-def main(cfg: DictConfig) -> None:
-    typed, plan = prepare(cfg, GRPORunConfig)
-    validate(typed, plan)
-    record = common.run_with_restarts(run, typed, plan, run_dir())
-    print(json.dumps({k: v for k, v in record.items() if k.startswith("eval/")}))
+def main() -> None:
+    driver_main(GRPOConfig, validate, run)
 
 
 if __name__ == "__main__":
-    sys.argv = output_run_dir(sys.argv)
     main()

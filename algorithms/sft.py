@@ -12,23 +12,20 @@ directory. The placement needs a `train` role (Megatron form) or `default` (devi
 from __future__ import annotations
 
 import logging
-import sys
+from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
-import hydra
-from omegaconf import DictConfig
-
-from algorithms import common
-from algorithms.config import SFTRunConfig, as_dict, engine_args, fit_epochs, prepare
-from algorithms.data import load_task, row_limits
-from algorithms.losses import make_loss
-from algorithms.runlog import RunLog, run_dir
-from algorithms.swift_args import output_run_dir
-from algorithms.turns import Turns
-from algorithms.validation import check_run, require_roles
+from algorithms.config.checks import check_run, require_roles
+from algorithms.config.schema import DriverConfig, as_dict, engine_args, fit_epochs, rollout_section
+from algorithms.data.loading import load_task, row_limits
+from algorithms.data.prompts import PromptStream, batch_of, encode_examples
+from algorithms.objectives.losses import make_loss
+from algorithms.records.runlog import RunLog, record_data_stats
+from algorithms.runtime.entry import driver_main
+from algorithms.runtime.steps import Steps
+from algorithms.runtime.turns import first
 from orchestration.cluster import set_log_level
-from orchestration.config import checked_command_line, register_schema
 from orchestration.launch import driver_group, start_roles
 from roles.models import load_tokenizer
 from roles.rollout import Rollout
@@ -37,28 +34,49 @@ from roles.trainer import Trainer
 logger = logging.getLogger("algorithms.sft")  # not __name__: python -m runs this module as __main__
 
 
-def train(cfg: SFTRunConfig, plan: Any, trainer: Any, evaluator: Any, train_set: list, eval_set: list,
+@dataclass
+class SFTAlgorithm:
+    # Sequences per step are run.prompts_per_step; the loss counts response tokens only
+    # (prompt tokens are context), or every token with pretrain=true.
+    pretrain: bool = False
+
+
+@dataclass
+class SFTConfig(DriverConfig):
+    DRIVER: ClassVar[str] = "sft"
+    # SFT / pretraining options.
+    algorithm: SFTAlgorithm = field(default_factory=SFTAlgorithm)
+
+
+def phase_config(cfg: DriverConfig, **changes: Any) -> SFTConfig:
+    """The config of an SFT phase inside another run (GRPO's warm start, distill's SFT): every
+    section of `cfg` (placement, engines and their options, weight sync, ...) with `changes`."""
+    return SFTConfig(**{**{f.name: getattr(cfg, f.name) for f in fields(DriverConfig)}, **changes})
+
+
+def train(cfg: SFTConfig, plan: Any, trainer: Any, evaluator: Any, train_set: list, eval_set: list,
           tokenizer: Any, log: RunLog) -> dict:
     """The SFT loop; roles are worker groups (or fakes in tests); the evaluator (a rollout)
     gets the trainer's weights before each eval. Returns the last record."""
-    with Turns(plan, {"train": trainer, "rollout": evaluator}, cfg.run, cfg.weight_sync, log, eval_set,
-                      rollout_behind=True, data=cfg.data) as turns:
+    with Steps(plan, {"train": trainer, "rollout": evaluator}, cfg.run, cfg.weight_sync, log, eval_set,
+                      rollout_behind=True, data=cfg.data) as steps:
+        turns = steps.turns
         # Examples continue where a resumed run's checkpoint left them.
-        stream = common.PromptStream(train_set, cfg.run.prompts_per_step, cfg.run.seed, turns.resumed.get("stream", 0))
-        for step in range(turns.first_step, cfg.run.steps + 1):
+        stream = PromptStream(train_set, cfg.run.prompts_per_step, cfg.run.seed, steps.resumed.get("stream", 0))
+        for step in range(steps.first_step, cfg.run.steps + 1):
             metrics: dict = {}
             if step > 0:
                 # Train: one optimizer update on this step's examples, split over the ranks.
                 with turns.turn("train", "train"):
-                    examples = common.encode_examples(tokenizer, next(stream), cfg.algorithm.pretrain, cfg.data.chat)
-                    batch = common.batch_of(tokenizer, examples)
+                    examples = encode_examples(tokenizer, next(stream), cfg.algorithm.pretrain, cfg.data.chat)
+                    batch = batch_of(tokenizer, examples)
                     metrics.update({f"train/{k}": v for k, v in
-                                    trainer.call("train_step", batch, dispatch="slice", collect=common.first).items()})
-            turns.end_step(step, metrics, {"stream": stream.drawn})
-        return turns.finish({"stream": stream.drawn})
+                                    trainer.call("train_step", batch, dispatch="slice", collect=first).items()})
+            steps.end_step(step, metrics, {"stream": stream.drawn})
+        return steps.finish({"stream": stream.drawn})
 
 
-def run(cfg: SFTRunConfig, plan: Any, out_dir: Path) -> dict:
+def run(cfg: SFTConfig, plan: Any, out_dir: Path) -> dict:
     """Start the roles of `plan`, train, shut down. Returns the last metrics record."""
     set_log_level(cfg.run.log_level)
     train_set, eval_set, stats = load_task(cfg.data, row_limits(cfg, replies=True))
@@ -68,9 +86,9 @@ def run(cfg: SFTRunConfig, plan: Any, out_dir: Path) -> dict:
     roles = start_roles(cfg, plan, {role: (Trainer, {"model": as_dict(cfg.model), "config": as_dict(cfg.trainer),
                                                      "loss_fn": loss, "loss_inputs": loss.loss_inputs,
                                                      **engine_args(cfg, "train")})})
-    evaluator = driver_group(Rollout, {"model": as_dict(cfg.model), "config": common.rollout_config(cfg)}, "evaluator")
-    log = RunLog(out_dir, cfg.run.steps, resolved_config=cfg, cfg=cfg)
-    common.record_data_stats(log, stats, cfg.run.resume)
+    evaluator = driver_group(Rollout, {"model": as_dict(cfg.model), "config": rollout_section(cfg)}, "evaluator")
+    log = RunLog(out_dir, cfg.run.steps, cfg.run, resolved_config=cfg)
+    record_data_stats(log, stats, cfg.run.resume)
     logger.info(f"sft: {len(train_set)} train / {len(eval_set)} held-out examples; {cfg.run.steps} steps x "
                 f"{cfg.run.prompts_per_step} sequences over {plan[role].world_size} {role} rank(s); output {log.dir}")
     try:
@@ -80,24 +98,15 @@ def run(cfg: SFTRunConfig, plan: Any, out_dir: Path) -> dict:
         roles.shutdown()
 
 
-def validate(cfg: SFTRunConfig, plan: Any) -> None:
-    """Every check of an SFT run, before anything starts (algorithms/validation.py)."""
+def validate(cfg: SFTConfig, plan: Any) -> None:
+    """Every check of an SFT run, before anything starts (algorithms/config/checks.py)."""
     require_roles(plan, (("train", "default"),), "SFT", "placement.train.gpus=1 (or device_groups workers [default])")
     check_run(cfg, plan)
 
 
-register_schema(SFTRunConfig)
-
-
-@checked_command_line(SFTRunConfig)
-@hydra.main(config_path="pkg://conf", config_name="config", version_base=None)
-@common.friendly_errors
-def main(cfg: DictConfig) -> None:
-    typed, plan = prepare(cfg, SFTRunConfig)
-    validate(typed, plan)
-    common.run_with_restarts(run, typed, plan, run_dir())
+def main() -> None:
+    driver_main(SFTConfig, validate, run)
 
 
 if __name__ == "__main__":
-    sys.argv = output_run_dir(sys.argv)
     main()

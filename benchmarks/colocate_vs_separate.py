@@ -18,7 +18,7 @@ cached. Timed steps are 2..steps-1 (step 1 warms up and has nothing to overlap w
 step also evaluates). Prints one table per workload (step time, trained tokens/s, seconds per
 phase, idle fraction per role, weight-sync time and MB/s, peak host RSS per role, final
 eval accuracy); writes table.md, results.json, one timeline_<algo>_<mode>.png per run and
-timeline_<algo>.png with the modes one above the other (drawn by algorithms/plots.py) into
+timeline_<algo>.png with the modes one above the other (drawn by algorithms/records/plots.py) into
 the run directory, each run's own metrics.jsonl and timeline.jsonl under <algo>_<mode>/.
 """
 from __future__ import annotations
@@ -35,9 +35,11 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
 from algorithms import gkd, grpo
-from algorithms.config import GKDRunConfig, prepare
-from algorithms.plots import timeline
-from algorithms.runlog import read_metrics, run_dir
+from algorithms.gkd import GKDConfig
+from algorithms.config.schema import prepare
+from algorithms.records.plots import timeline
+from algorithms.records.trackers import read_metrics
+from algorithms.records.runlog import run_dir
 from orchestration.cluster import init_cluster
 from orchestration.config import ClusterConfig, register_schema
 
@@ -100,7 +102,7 @@ def overrides(bench: BenchConfig, algo: str, mode: str, warm: str | None) -> lis
 
 def composed(algo: str, items: list[str], separate_teacher: bool = False):
     """(composed config, typed config, plan) as the driver's main builds them, checks included."""
-    driver, schema = (grpo, grpo.GRPORunConfig) if algo == "grpo" else (gkd, GKDRunConfig)
+    driver, schema = (grpo, grpo.GRPOConfig) if algo == "grpo" else (gkd, GKDConfig)
     register_schema(schema)
     cfg = compose(config_name="config", overrides=items + ["placement.teacher.gpus=1"] * separate_teacher)
     typed, plan = prepare(cfg, schema)

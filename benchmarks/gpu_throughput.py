@@ -47,33 +47,14 @@ from pathlib import Path
 
 import torch
 
-from algorithms.tasks import arithmetic_examples
+from algorithms.data.tasks import arithmetic_examples
 from roles.batch import SamplingParams, batch_from_completions
+from roles.engines import torch_decode
 from roles.models import build_model
 from roles.rollout import Rollout
 from roles.trainer import Trainer, TrainerConfig
-
-# Dense bf16 peak FLOP/s by device name (datasheet figures, no sparsity): MFU's denominator.
-PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
-# What one H200 sustains in practice (bf16 GEMMs at about 790 TFLOP/s, HBM reads at about
-# 4.3 TB/s): the decode floors' numerators.
-SUSTAINED = {"H200": (790e12, 4.3e12), "H100": (790e12, 3.0e12)}
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def peak_flops() -> float:
-    name = torch.cuda.get_device_name()
-    return next((v for k, v in PEAK_BF16.items() if k in name), float("nan"))
-
-
-def sustained() -> tuple[float, float]:
-    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
-    return next((v for k, v in SUSTAINED.items() if k in name), (float("nan"), float("nan")))
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
+# The train mode and the device figures MFU and the floors divide by (a sibling script).
+from train_throughput import ROOT, peak_flops, sustained, sync, train
 
 
 # ----------------------------------------------------------------------------- generate
@@ -134,7 +115,7 @@ class RolloutGenerate:
 
     def _direct(self, prompts, samples: int, new_tokens: int, seed: int, per_row: bool, seeded: bool,
                 logprobs: bool) -> int:
-        import vllm
+        import vllm  # optional (the vLLM engine only): imported on use
         from vllm.inputs import TokensPrompt
 
         base = dict(temperature=1.0, max_tokens=new_tokens, ignore_eos=True, detokenize=False,
@@ -225,7 +206,6 @@ def generate_one(args) -> dict:
     engine_options = {k: v for k, v in options.items() if k not in BENCH_OPTIONS}
     if options.get("cudnn_sdp") is False:
         torch.backends.cuda.enable_cudnn_sdp(False)
-    from roles.engines import torch_decode
     if options.get("cuda_graphs") is False:
         torch_decode.CUDA_GRAPHS = False
     if options.get("static_decode") is False:
@@ -454,10 +434,7 @@ def main() -> None:
                    help="teacher rows per forward; 0: sized by its micro_batch_memory_mb, as in a run")
     args = p.parse_args()
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
-    if args.mode == "train":  # benchmarks/train_throughput.py, which imports this module's helpers
-        from train_throughput import train as run
-    else:
-        run = {"generate": generate_all, "generate-one": generate_one, "cycle": cycle}[args.mode]
+    run = {"generate": generate_all, "generate-one": generate_one, "cycle": cycle, "train": train}[args.mode]
     result = run(args)
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)

@@ -55,6 +55,14 @@ if str(ROOT) not in sys.path:  # run as a script: the project's packages
 
 from orchestration.cluster import init_cluster  # noqa: E402
 from orchestration.config import ClusterConfig  # noqa: E402
+from algorithms import gkd, grpo
+from algorithms.records.plots import timeline
+from orchestration.placement import create_placement
+from orchestration.planner import make_plan
+from orchestration.worker_group import WorkerGroup
+from roles.batch import Batch
+from roles.models import build_model
+from roles.trainer import Trainer, TrainerConfig
 
 
 def _benchmark(name: str):
@@ -116,9 +124,6 @@ def placement_overrides(args, algo: str, mode: str, out: Path) -> list[str]:
 def placement(args, out: Path) -> list[dict]:
     from hydra import initialize_config_module
 
-    from algorithms import gkd, grpo
-    from algorithms.plots import timeline
-
     cvs = _benchmark("colocate_vs_separate")
     results = []
     for algo in args.algorithms:
@@ -170,19 +175,12 @@ VARIANTS = {
 
 def random_batch(rows: int, tokens: int, vocab: int, seed: int):
     """Random token ids, every position trained (the same batch every step and variant)."""
-    from roles.batch import Batch
-
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(3, vocab, (rows, tokens), generator=gen)
     return Batch(input_ids=ids, attention_mask=torch.ones_like(ids), loss_mask=torch.ones(rows, tokens))
 
 
 def train_variant(name: str, args, batch, params: int, peak: float) -> dict:
-    from orchestration.placement import create_placement
-    from orchestration.planner import make_plan
-    from orchestration.worker_group import WorkerGroup
-    from roles.trainer import Trainer, TrainerConfig
-
     engine, options, gpus = VARIANTS[name]
     device, dtype = ("cpu", "float32") if args.simulate else ("cuda", "bfloat16")
     config = TrainerConfig(lr=args.lr, warmup_steps=0, device=device, dtype=dtype,
@@ -215,8 +213,6 @@ def train_variant(name: str, args, batch, params: int, peak: float) -> dict:
 
 
 def train(args, out: Path) -> list[dict]:
-    from roles.models import build_model
-
     model = build_model(args.train_model)
     params, vocab = sum(p.numel() for p in model.parameters()), model.config.vocab_size
     del model
@@ -278,10 +274,6 @@ SYNC_LAYOUTS = {
 
 
 def sync_model(model: str, args) -> list[dict]:
-    from orchestration.placement import create_placement
-    from orchestration.planner import make_plan
-    from orchestration.worker_group import WorkerGroup
-
     ws = _benchmark("weight_sync")
     device = "cpu" if args.simulate else "cuda"
     settings = ws.WeightSyncBench(bucket_mb=args.bucket_mb, warmup=1, reps=args.reps, device=device)

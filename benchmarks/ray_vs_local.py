@@ -40,6 +40,17 @@ import time
 from pathlib import Path
 
 import numpy as np
+from algorithms import gkd, grpo
+from algorithms.config.schema import prepare
+from algorithms.gkd import GKDConfig
+from algorithms.records.trackers import read_metrics
+from orchestration.cluster import init_cluster
+from orchestration.config import ClusterConfig, register_schema
+from orchestration.placement import create_placement
+from orchestration.planner import make_plan
+from orchestration.transport import send_tensors_as_arrays
+from orchestration.worker_group import WorkerGroup
+from roles.batch import Batch
 
 QUICKSTARTS = {"grpo": "grpo_quickstart", "gkd": "gkd_quickstart"}
 
@@ -57,12 +68,7 @@ def driver_overrides(args: argparse.Namespace, algo: str, backend: str) -> list[
 def run_driver(algo: str, items: list[str], out: Path) -> list[dict]:
     from hydra import compose, initialize_config_module
 
-    from algorithms import gkd, grpo
-    from algorithms.config import GKDRunConfig, prepare
-    from algorithms.runlog import read_metrics
-    from orchestration.config import register_schema
-
-    driver, schema = (grpo, grpo.GRPORunConfig) if algo == "grpo" else (gkd, GKDRunConfig)
+    driver, schema = (grpo, grpo.GRPOConfig) if algo == "grpo" else (gkd, GKDConfig)
     register_schema(schema)
     with initialize_config_module("conf", version_base=None):
         cfg = compose(config_name="config", overrides=items)
@@ -131,14 +137,12 @@ def drivers_table(rows: list[dict], algos: list[str], ray_sides: tuple[str, ...]
 
 class Sink:
     """A rank that reports what it received (its size), so nothing is sent back."""
-
     def size(self, x) -> int:
         return int(x.nbytes)
 
 
 class TorchRole:
     """A role whose process needs torch and a tiny model, as every real role does."""
-
     def __init__(self):
         import torch
 
@@ -147,7 +151,6 @@ class TorchRole:
 
 class Busy:
     """Matmuls for a given time; reports when its method started and ended (wall clock)."""
-
     def __init__(self):
         import torch
 
@@ -165,11 +168,6 @@ def bench_calls(args: argparse.Namespace) -> dict:
     import ray
     import torch
 
-    from orchestration.placement import create_placement
-    from orchestration.planner import make_plan
-    from orchestration.transport import send_tensors_as_arrays
-    from orchestration.worker_group import WorkerGroup
-    from roles.batch import Batch
 
     @ray.remote(num_cpus=0)
     class BareBusy(Busy):
@@ -206,9 +204,6 @@ def bench_calls(args: argparse.Namespace) -> dict:
 def bench_dispatch(args: argparse.Namespace) -> dict:
     import ray
 
-    from orchestration.placement import create_placement
-    from orchestration.planner import make_plan
-    from orchestration.worker_group import WorkerGroup
 
     plan = make_plan({"device_groups": {"nproc_per_node": 1,
                                         "d": {"device": "CPU", "ranks": args.workers, "workers": ["default"]}}})
@@ -245,10 +240,6 @@ def bench_dispatch(args: argparse.Namespace) -> dict:
 
 
 def bench_start(args: argparse.Namespace) -> dict:
-    from orchestration.placement import create_placement
-    from orchestration.planner import make_plan
-    from orchestration.worker_group import WorkerGroup
-
     names = ["train", "rollout", "teacher", "sampler"]
     plan = make_plan({"device_groups": {"nproc_per_node": 1, **{
         f"g{i}": {"device": "CPU", "ranks": 1, "workers": [r]} for i, r in enumerate(names)}}})
@@ -294,8 +285,6 @@ def main() -> None:
     p.add_argument("--out", default="benchmarks/results/ray_vs_local.json")
     args = p.parse_args()
 
-    from orchestration.cluster import init_cluster
-    from orchestration.config import ClusterConfig
 
     # One local cluster for every part: room for the 4 start-part roles and the dispatch ranks.
     init_cluster(ClusterConfig(num_cpus=max(args.workers, 4) + 1, simulate_gpus=args.gpus, log_to_driver=False))

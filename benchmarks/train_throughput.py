@@ -41,8 +41,7 @@ from typing import Optional
 
 import torch
 
-from gpu_throughput import ROOT, peak_flops, sustained, sync
-from algorithms.losses import GKDLoss, gkd_loss
+from algorithms.objectives.losses import GKDLoss, gkd_loss
 from roles.batch import Batch, fitting_rows, token_bytes
 from roles.models import build_model, resolve_config
 from roles.teacher import Teacher, TeacherConfig
@@ -51,6 +50,27 @@ from roles.trainer import Trainer, TrainerConfig
 
 # GKD's loss settings in --gkd-topk runs (the quickstart's beta and temperature, renorm top-k).
 GKD = dict(beta=0.5, temperature=0.9, sft_alpha=0.0, topk_mode="renorm", teacher_temperature_applied=True)
+# Dense bf16 peak FLOP/s by device name (datasheet figures, no sparsity): MFU's denominator.
+PEAK_BF16 = {"H200": 989e12, "H100": 989e12, "A100": 312e12}
+# What one H200 sustains in practice (bf16 GEMMs at about 790 TFLOP/s, HBM reads at about
+# 4.3 TB/s): the decode floors' numerators (gpu_throughput.py's generate mode).
+SUSTAINED = {"H200": (790e12, 4.3e12), "H100": (790e12, 3.0e12)}
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def peak_flops() -> float:
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_BF16.items() if k in name), float("nan"))
+
+
+def sustained() -> tuple[float, float]:
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    return next((v for k, v in SUSTAINED.items() if k in name), (float("nan"), float("nan")))
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
 
 
 def train_batch(rows: int, tokens: int, vocab: int, ragged: bool, seed: int, gkd_topk: int = 0) -> Batch:

@@ -28,13 +28,17 @@ import torch
 from hydra.core.config_store import ConfigStore
 from omegaconf import OmegaConf
 
-from algorithms.runlog import run_dir
+from algorithms.records.runlog import run_dir
 from orchestration.config import ClusterConfig, WeightSyncConfig
 from orchestration.weight_sync import WeightSync
 from roles.models import ModelConfig
 from roles.rollout import Rollout
 from roles.trainer import Trainer
 from roles.weight_buckets import layout_of
+from orchestration.cluster import init_cluster
+from orchestration.placement import create_placement
+from orchestration.planner import make_plan
+from orchestration.worker_group import WorkerGroup
 
 
 @dataclass
@@ -135,10 +139,6 @@ ConfigStore.instance().store(name="weight_sync_bench", node=WeightSyncBench)
 @hydra.main(config_path=None, config_name="weight_sync_bench", version_base=None)
 def main(raw) -> None:
     cfg: WeightSyncBench = OmegaConf.to_object(raw)
-    from orchestration.cluster import init_cluster
-    from orchestration.placement import create_placement
-    from orchestration.planner import make_plan
-    from orchestration.worker_group import WorkerGroup
 
     heads = max(1, cfg.hidden_size // 64)
     model = ModelConfig(name="bench_qwen2", tokenizer="char", hidden_size=cfg.hidden_size,

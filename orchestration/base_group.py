@@ -220,6 +220,9 @@ class BaseWorkerGroup:
     hosted_by: "BaseWorkerGroup | None" = None
     # Whether its ranks can keep a call's answer (`keep`): each rank is a process of its own.
     keeps_answers: bool = False
+    # Calls the driver has sent (a restart's calls from a watching thread not counted): a turn
+    # promised to be one call checks it made exactly one.
+    calls_sent: int = 0
 
     def call(self, method: str, *args: Any, dispatch: dsp.Dispatch = "all", execute: dsp.Execute = "all",
              collect: dsp.Collect = "none", **kwargs: Any) -> Any:
@@ -239,6 +242,7 @@ class BaseWorkerGroup:
         if CALLS.in_watcher():  # (a restart's calls) what the driver queued rides on the driver's next call
             before = then = deps = ()
         else:
+            self.calls_sent += 1
             before, self._deferred = self._deferred, ()
             then, self._then = self._then, ()
             deps, self._waits_for = self._waits_for, ()

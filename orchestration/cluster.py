@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from orchestration import cleanup
-from orchestration.config import ClusterConfig, ConfigError
+from orchestration.config import ClusterConfig, ConfigError, check_cluster
 
 QUIET_ENV = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0",
              "RAY_DEDUP_LOGS": "1", "RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO": "0"}
@@ -181,6 +181,17 @@ def loopback_interface() -> str:
     return "lo0" if sys.platform == "darwin" else "lo"
 
 
+def check_local_size(cfg: ClusterConfig, demand: dict[str, float]) -> None:
+    """A new local cluster (one node) set to fewer GPUs or CPUs than the plan reserves is
+    refused before it starts, naming the cluster key that sets its size."""
+    for key, resource in (("simulate_gpus", "GPU"), ("num_cpus", "CPU")):
+        have, need = getattr(cfg, key), int(demand.get(resource, 0))
+        if have is not None and have < need:
+            raise ConfigError(f"config key 'cluster.{key}'={have} gives the local cluster {have} {resource}(s), "
+                              f"but the placement reserves {need}. Fix: set cluster.{key}={need} (or null), or give "
+                              "the roles fewer devices in the placement config")
+
+
 def init_cluster(cfg: ClusterConfig, demand: dict[str, float] | None = None):
     """Join `cfg.address` (or RAY_ADDRESS) if set, else start a local cluster sized for `demand`.
 
@@ -188,9 +199,7 @@ def init_cluster(cfg: ClusterConfig, demand: dict[str, float] | None = None):
     CPUs are scheduling slots, not cores) and `simulate_gpus` fake GPUs if set: actors
     then reserve and see GPU ids while engines compute on the CPU.
     """
-    if not cfg.call_timeout_s >= 0:
-        raise ConfigError(f"config key 'cluster.call_timeout_s'={cfg.call_timeout_s} must be >= 0. "
-                          "Fix: set the seconds a worker may stay silent, or 0 for no bound")
+    check_cluster(cfg)
     quiet_ray_env()
     import ray
 
@@ -203,6 +212,7 @@ def init_cluster(cfg: ClusterConfig, demand: dict[str, float] | None = None):
         ray.init(address=address, log_to_driver=cfg.log_to_driver, runtime_env=job_runtime_env(env))
         return ray
     demand = demand or {}
+    check_local_size(cfg, demand)
     num_gpus = cfg.simulate_gpus
     if num_gpus is None and cfg.simulate_missing_gpus and demand.get("GPU") and not _torch_sees_gpu():
         num_gpus = int(demand["GPU"])

@@ -1,6 +1,6 @@
 """Typed config sections owned by the orchestration layer, their validation, and the
 placement part of ms-swift YAML files (`config_file=PATH`; the drivers translate the
-training keys: algorithms/swift_args.py).
+training keys: algorithms/config/swift_keys.py).
 
 Defaults live here, once; the YAML files under conf/ only choose values and carry a
 comment above every field. `validate` merges a composed config into these dataclasses
@@ -12,13 +12,17 @@ import difflib
 import functools
 import sys
 from dataclasses import dataclass, field
+from importlib import resources
 from typing import Any, Callable, Dict, List, Mapping, Optional
 
 import yaml
+from hydra.core.config_store import ConfigStore
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from orchestration.planner import MEGATRON_KEYS, MEGATRON_ROLES, ROLE_ENTRY_KEYS, SWIFT_KEYS
+from orchestration.plan_types import MEGATRON_ROLES, PLACEMENT_KEYS, ROLE_ENTRY_KEYS
 
 
 class ConfigError(ValueError):
@@ -73,7 +77,9 @@ class PlacementConfig:
     teacher: Optional[RoleDevices] = field(default_factory=RoleDevices)
     # Swift-Ray form: {nproc_per_node: N, <group>: {device: GPU|CPU, ranks, workers: [...]}};
     # a group may add vllm_tensor_parallel_size (ranks per vLLM engine of its vLLM roles).
-    device_groups: Optional[Dict[str, Any]] = None
+    # Empty: no device groups (a mapping, so `+placement.device_groups.<group>.<key>=...` can
+    # add one on the command line).
+    device_groups: Optional[Dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass
@@ -106,6 +112,20 @@ class ClusterConfig:
     # reports the first silent rank like a dead one (stopped, hung, stuck in a collective);
     # 0: no bound. Generous: a call may load a model or generate a long batch.
     call_timeout_s: float = 1800.0
+
+
+def check_cluster(cluster: ClusterConfig) -> None:
+    """The ClusterConfig values a cluster can start with; else a ConfigError naming the key."""
+    rules = {"placement_timeout_s": (lambda v: v > 0, "> 0", "the seconds to wait for placement groups, e.g. 60"),
+             "call_timeout_s": (lambda v: v >= 0, ">= 0", "the seconds a worker may stay silent, or 0 for no bound"),
+             "inline_object_mb": (lambda v: v >= 0, ">= 0", "a size in MiB, e.g. 4 (0: everything through the "
+                                                            "object store)")}
+    rules.update({key: (lambda v: v is None or v >= 1, ">= 1 (or null)", "a positive count, or null for the default")
+                  for key in ("simulate_gpus", "num_cpus", "object_store_mb")})
+    for key, (ok, want, fix) in rules.items():
+        value = getattr(cluster, key)
+        if not ok(value):
+            raise ConfigError(f"config key 'cluster.{key}'={value!r} must be {want}. Fix: set it to {fix}")
 
 
 @dataclass
@@ -190,8 +210,6 @@ def register_schema(schema: type) -> None:
     Each entry point registers its own schema before Hydra composes, so the composed
     config is typed and its defaults come from the dataclasses.
     """
-    from hydra.core.config_store import ConfigStore
-
     ConfigStore.instance().store(name="base_config", node=schema)
 
 
@@ -219,15 +237,15 @@ def validate(cfg: DictConfig | Mapping, schema: type, sections: list[str] | None
 @functools.cache
 def config_groups() -> frozenset:
     """The config groups under conf/ (`placement=separate` picks one of their files)."""
-    from importlib import resources
-
     return frozenset(p.name for p in resources.files("conf").iterdir() if p.is_dir() and p.name != "__pycache__")
 
 
 def unknown_override(args: list[str], schema: type) -> Optional[str]:
-    """The error for the first command-line override `key=value` whose key `schema` lacks, with
-    the nearest key, else None. (Hydra's own message for it suggests `+key=value`, which a typed
-    config refuses too.) Group choices, `+`/`~` overrides, Hydra's keys and flags pass."""
+    """The error for the first command-line override `key=value` whose key `schema` lacks (with
+    the nearest key), or whose value the key's type refuses, else None. (Hydra's own messages
+    for these span several lines, and for a missing key suggest `+key=value`, which a typed
+    config refuses too.) Group choices, `+`/`~` overrides, sweeps, interpolations, Hydra's keys
+    and flags pass, and so does anything below a list or a free-form mapping."""
     top = OmegaConf.structured(schema)
     for arg in args:
         key, eq, value = arg.partition("=")
@@ -237,8 +255,8 @@ def unknown_override(args: list[str], schema: type) -> Optional[str]:
             continue
         node: Any = top
         for i, part in enumerate(parts):
-            if not isinstance(node, DictConfig) or OmegaConf.get_type(node) is dict:
-                break  # a list, a value or a free-form mapping: not checked further
+            if not isinstance(node, DictConfig) or node._is_none() or OmegaConf.get_type(node) is dict:
+                break  # a list, a value, an unset section or a free-form mapping: not checked further
             if part not in node:
                 where = ".".join(parts[:i])
                 close = difflib.get_close_matches(part, [str(k) for k in node.keys()], n=1, cutoff=0.6)
@@ -246,6 +264,31 @@ def unknown_override(args: list[str], schema: type) -> Optional[str]:
                 return (f"config key '{key}'={value} is not a key of {f'{where!r}' if where else 'the config'}{hint}. "
                         f"Fix: use a key of {schema.__name__} (python -m <driver> --cfg job lists them)")
             node = node._get_node(part)
+        else:
+            problem = _refused_value(top, key, arg, node)
+            if problem:
+                return f"config key '{key}'={value} {problem}"
+    return None
+
+
+def _refused_value(top: DictConfig, key: str, arg: str, node: Any) -> Optional[str]:
+    """Why the typed config `top` refuses the value of override `arg` for `key` (its `node`), else None."""
+    try:
+        override = OverridesParser.create().parse_overrides([arg])[0]
+    except HydraException:
+        return None  # Hydra reports its own syntax errors
+    if override.is_sweep_override():
+        return None
+    value = override.value()
+    if isinstance(value, str) and "${" in value:
+        return None  # an interpolation: resolved (and checked) later
+    try:
+        OmegaConf.update(top, key, value, merge=True)
+    except OmegaConfBaseException as e:
+        wanted = str(node._metadata.ref_type).replace("typing.", "")
+        wanted = getattr(node._metadata.ref_type, "__name__", wanted) if "[" not in wanted else wanted
+        first = str(getattr(e, "msg", e)).splitlines()[0].rstrip(".")
+        return f"does not fit the key's type {wanted} ({first}). Fix: give it a value of type {wanted}"
     return None
 
 
@@ -262,9 +305,6 @@ def checked_command_line(schema: type) -> Callable:
             return main(*args, **kwargs)
         return checked
     return wrap
-
-
-PLACEMENT_KEYS = MEGATRON_KEYS | SWIFT_KEYS
 
 
 def read_config_file(path: str) -> dict:
@@ -286,7 +326,7 @@ def split_config_file(data: Mapping) -> tuple[dict, list[tuple[str, str, Any]]]:
     """(placement keys, [(where, key, value)] training keys) of a config_file's keys. The
     Megatron form's role sections (train:, rollout:, teacher:) hold a role's devices (gpus,
     model, vllm_tensor_parallel_size: placement) and that role's training keys (where:
-    'train.lr'); the drivers translate the training keys (algorithms/swift_args.py)."""
+    'train.lr'); the drivers translate the training keys (algorithms/config/swift_keys.py)."""
     placement, items = {}, []
     for key, value in data.items():
         if key in MEGATRON_ROLES and isinstance(value, Mapping):
@@ -304,11 +344,18 @@ def apply_placement(cfg: DictConfig, placement: Mapping) -> bool:
     form, orchestration/planner.py) when there are any. Returns whether there were."""
     if not placement:
         return False
-    try:
-        cfg.placement = OmegaConf.merge(OmegaConf.structured(PlacementConfig), placement)
-    except OmegaConfBaseException as e:
-        raise ConfigError(f"config key 'config_file'={cfg.config_file!r}: placement key "
-                          f"'{getattr(e, 'full_key', '?')}': {getattr(e, 'msg', e)}. Fix: correct it in the file") from None
+    merged = OmegaConf.structured(PlacementConfig)
+    for key, value in placement.items():  # one key at a time, so an error names its key
+        try:
+            merged = OmegaConf.merge(merged, {key: value})
+        except OmegaConfBaseException as e:
+            where = getattr(e, "full_key", "") or key
+            for part in where.split(".")[1:]:  # the value at the nested key the error names
+                value = value.get(part) if isinstance(value, Mapping) else value
+            first = str(getattr(e, "msg", e)).splitlines()[0].rstrip(".")
+            raise ConfigError(f"config key 'config_file'={cfg.config_file!r} sets {where}={value!r}, which does not "
+                              f"fit the placement's types ({first}). Fix: correct {where} in the file") from None
+    cfg.placement = merged
     return True
 
 

@@ -42,7 +42,13 @@ from typing import Any, Callable, Mapping
 
 from orchestration import dispatch as dsp
 from orchestration.base_group import BaseWorkerGroup
-from orchestration.planner import Plan, make_plan
+from orchestration.cluster import init_cluster
+from orchestration.config import ClusterConfig
+from orchestration.local import LocalWorkerGroup
+from orchestration.placement import create_placement
+from orchestration.plan_types import Plan
+from orchestration.planner import make_plan
+from orchestration.worker_group import WorkerGroup
 
 _STATE = "_rayhelper_state"  # instance attribute holding an _Instance once configured
 
@@ -83,10 +89,8 @@ class _Config:
             factory = functools.partial(_make_replica, cls, tuple(served))
             env = _swift_env(served, entry.world_size)
             if self.backend == "local":
-                from orchestration.local import LocalWorkerGroup
                 group = LocalWorkerGroup(factory, entry, kwargs, init_args=args, env=env)
             else:
-                from orchestration.worker_group import WorkerGroup
                 group = WorkerGroup(factory, entry, kwargs, placement=self.placement, init_args=args, env=env,
                                     timeout_s=self.call_timeout_s)
             self.owners.append(group)
@@ -115,8 +119,6 @@ def configure(plan: Plan | Mapping, backend: str = "ray", placement: Any = None,
     e.g. with simulate_gpus) and the plan is placed; `teardown` removes that placement. Waits for
     the workers are bounded by `cluster.call_timeout_s` (ClusterConfig's default without one).
     """
-    from orchestration.config import ClusterConfig
-
     global _config
     teardown()
     if backend not in ("ray", "local"):
@@ -125,8 +127,6 @@ def configure(plan: Plan | Mapping, backend: str = "ray", placement: Any = None,
     owns = False
     cluster = cluster or ClusterConfig()
     if backend == "ray" and placement is None:
-        from orchestration.cluster import init_cluster
-        from orchestration.placement import create_placement
         init_cluster(cluster, plan.demand())
         placement, owns = create_placement(plan, cluster.placement_timeout_s), True
     _config = _Config(plan, backend, placement, owns, call_timeout_s=cluster.call_timeout_s)
@@ -201,8 +201,9 @@ def try_init_ray(argv: list[str] | None = None) -> bool:
 
 
 def plan_device_groups(device_groups: Mapping) -> Plan:
-    """Plan a `device_groups` mapping whose workers are any names (model1, model2, ...)."""
-    return make_plan({"device_groups": device_groups}, any_role_names=True)
+    """Plan a `device_groups` mapping whose workers are any names (model1, model2, ...); errors
+    name its keys as given (`device_groups.<group>.ranks`)."""
+    return make_plan({"device_groups": device_groups}, any_role_names=True, section="")
 
 
 def _make_replica(cls: type, serves: tuple[str, ...], *args: Any, **kwargs: Any) -> Any:

@@ -8,19 +8,22 @@ import ast
 import re
 from typing import Any, Mapping
 
-from orchestration.planner import (GROUP_ENTRY_KEYS, ROLES, VLLM_ROLES, Plan, PlanError, RolePlan, _check_capacity,
-                                   _common, _defaults, _num_cpus, _positive_int, _reject_unknown)
+from orchestration.config import RoleDevices
+from orchestration.plan_types import (DEVICES, GROUP_ENTRY_KEYS, ROLES, VLLM_ROLES, Plan, PlanError, RolePlan,
+                                      check_capacity, num_cpus, positive_int, reject_unknown)
 
 _RANGE = re.compile(r"^\s*list\(\s*range\(\s*(\d+)\s*(?:,\s*(\d+)\s*)?\)\s*\)\s*$")
+_RANKS_FIX = "write an int (2), a list like [0, 1], or 'list(range(0, 2))'"
 
 
 def parse_ranks(value: Any, key: str) -> int | list[int]:
     """`ranks` as given by users: an int, a list of ints, or the strings
     'list(range(a, b))', 'list(range(n))', '[0, 1]' or '0,1'. Never eval'd."""
+    given = value
     if isinstance(value, bool):
-        raise PlanError(key, f"expected an int or a list of ints, got {value!r}", "write ranks: 2 or ranks: [0, 1]")
+        raise PlanError(key, "is not an int or a list of ints", _RANKS_FIX, given)
     if isinstance(value, int):
-        return _positive_int(value, key)
+        return positive_int(value, key)
     if isinstance(value, str):
         m = _RANGE.match(value)
         if m:
@@ -30,34 +33,38 @@ def parse_ranks(value: Any, key: str) -> int | list[int]:
             text = value.strip()
             try:
                 value = ast.literal_eval(text if text.startswith("[") else f"[{text}]")
-            except (ValueError, SyntaxError):
-                raise PlanError(key, f"cannot read ranks {value!r}",
-                                "write an int, a list like [0, 1], or 'list(range(0, 2))'") from None
+            except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+                raise PlanError(key, "cannot be read as ranks", _RANKS_FIX, given) from None
     if isinstance(value, (list, tuple)):
         if not value or any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in value):
-            raise PlanError(key, f"expected a non-empty list of ranks >= 0, got {value!r}",
-                            "write ranks like [0, 1] or 'list(range(0, 2))'")
+            raise PlanError(key, "is not a non-empty list of ranks >= 0", _RANKS_FIX, given)
         if len(set(value)) != len(value):
-            raise PlanError(key, f"rank listed twice in {list(value)}", "list each rank once")
+            raise PlanError(key, "lists a rank twice", "list each rank once", given)
         return list(value)
-    raise PlanError(key, f"expected an int or a list of ints, got {value!r}", "write ranks: 2 or ranks: [0, 1]")
+    raise PlanError(key, "is not an int or a list of ints", _RANKS_FIX, given)
 
 
 _NAME = re.compile(r"^[A-Za-z_][\w-]*$")
 
 
-def plan_device_groups(cfg: dict, any_role_names: bool = False) -> Plan:
-    common = _common(cfg)
-    default_tp = _defaults()[1].vllm_tensor_parallel_size
+def plan_device_groups(cfg: dict, common: dict[str, Any], any_role_names: bool = False) -> Plan:
+    """The plan of a placement with `device_groups`; `common`: its shared keys, checked
+    (planner.common_settings); `any_role_names`: workers may be any identifier."""
+    default_tp = RoleDevices.vllm_tensor_parallel_size
     dg = cfg["device_groups"]
     if not isinstance(dg, Mapping):
-        raise PlanError("device_groups", f"expected a mapping, got {dg!r}",
-                        "write device_groups: {nproc_per_node: N, my_group: {device, ranks, workers}}")
+        raise PlanError("device_groups", "is not a mapping of device groups",
+                        "write device_groups: {nproc_per_node: N, my_group: {device: GPU, ranks: N, workers: [role]}}",
+                        dg)
     dg = dict(dg)
     if "nproc_per_node" not in dg:
-        raise PlanError("device_groups.nproc_per_node", "missing",
+        raise PlanError("device_groups.nproc_per_node", "is missing",
                         "set device_groups.nproc_per_node to the devices per node")
-    per_node = _positive_int(dg.pop("nproc_per_node"), "device_groups.nproc_per_node")
+    per_node = positive_int(dg.pop("nproc_per_node"), "device_groups.nproc_per_node")
+    if not dg:
+        raise PlanError("device_groups", "holds no device group",
+                        "add one: device_groups.<group>: {device: GPU, ranks: N, workers: [role]}",
+                        cfg["device_groups"])
 
     parsed = []  # (name, device, ranks|count, workers, vLLM tensor parallel size)
     cpus: dict[str, float | None] = {}  # group -> num_cpus of its ranks
@@ -65,43 +72,47 @@ def plan_device_groups(cfg: dict, any_role_names: bool = False) -> Plan:
     for name, group in dg.items():
         key = f"device_groups.{name}"
         if not isinstance(group, Mapping):
-            raise PlanError(key, f"expected a mapping with device/ranks/workers, got {group!r}",
-                            f"write {name}: {{device: GPU, ranks: 2, workers: [sampler]}}")
+            raise PlanError(key, "is not a device group (a mapping with device, ranks and workers)",
+                            f"write {name}: {{device: GPU, ranks: 2, workers: [sampler]}}", group)
         group = dict(group)
-        _reject_unknown(group, GROUP_ENTRY_KEYS, key)
+        reject_unknown(group, GROUP_ENTRY_KEYS, key)
         device = str(group.get("device", "GPU")).upper()
-        if device not in ("GPU", "CPU"):
-            raise PlanError(f"{key}.device", f"unknown device {group.get('device')!r}", "use GPU or CPU")
-        if "ranks" not in group:
-            raise PlanError(f"{key}.ranks", "missing", "give ranks as a count (2) or a list ([0, 1])")
+        if device not in DEVICES:
+            raise PlanError(f"{key}.device", "is an unknown device", "use GPU or CPU", group.get("device"))
+        if group.get("ranks") is None:
+            raise PlanError(f"{key}.ranks", "is missing", "give the group's ranks as a count (2) or a list ([0, 1])")
         ranks = parse_ranks(group["ranks"], f"{key}.ranks")
         if device == "CPU" and isinstance(ranks, list):
-            raise PlanError(f"{key}.ranks", "CPU groups take a process count, not a list of ranks",
-                            f"write ranks: {len(ranks)}")
+            raise PlanError(f"{key}.ranks", "lists ranks, but a CPU group takes a process count",
+                            f"write ranks: {len(ranks)}", group["ranks"])
         workers = group.get("workers")
         workers = [workers] if isinstance(workers, str) else workers
+        if workers is None:
+            raise PlanError(f"{key}.workers", "is missing", f"list the group's roles, e.g. workers: [sampler], with "
+                            f"roles from {list(ROLES)}")
         if not workers or not isinstance(workers, (list, tuple)):
-            raise PlanError(f"{key}.workers", f"expected a non-empty list of roles, got {workers!r}",
-                            f"write workers: [sampler] with roles from {list(ROLES)}")
+            raise PlanError(f"{key}.workers", "is not a non-empty list of roles",
+                            f"write workers: [sampler] with roles from {list(ROLES)}", workers)
         for role in workers:
             known = role in ROLES or (any_role_names and isinstance(role, str) and bool(_NAME.match(role)))
             if not known:
-                raise PlanError(f"{key}.workers", f"unknown role '{role}'", f"use roles from {list(ROLES)}")
+                raise PlanError(f"{key}.workers", f"names an unknown role '{role}'", f"use roles from {list(ROLES)}",
+                                list(workers))
             if role in owner:
-                raise PlanError(f"{key}.workers", f"role '{role}' is already in group '{owner[role]}'",
-                                "list each role in exactly one group")
+                raise PlanError(f"{key}.workers", f"names role '{role}', which is already in group '{owner[role]}'",
+                                "list each role in exactly one group", list(workers))
             owner[role] = name
         # Beyond ms-swift's form: ranks per vLLM engine of the group's rollout/sampler/teacher.
-        tp = _positive_int(group.get("vllm_tensor_parallel_size", default_tp), f"{key}.vllm_tensor_parallel_size")
+        tp = positive_int(group.get("vllm_tensor_parallel_size", default_tp), f"{key}.vllm_tensor_parallel_size")
         count = len(ranks) if isinstance(ranks, list) else ranks
         if tp > 1 and (device == "CPU" or count % tp or not set(workers) & set(VLLM_ROLES)):
-            problem = ("CPU groups run no vLLM engine" if device == "CPU" else
-                       f"tensor parallel size {tp} does not divide the group's {count} ranks" if count % tp else
-                       f"no role of {list(workers)} runs a vLLM engine")
+            problem = ("is set on a CPU group, and CPU groups run no vLLM engine" if device == "CPU" else
+                       f"does not divide the group's {count} ranks" if count % tp else
+                       f"is set, but no role of {list(workers)} runs a vLLM engine")
             raise PlanError(f"{key}.vllm_tensor_parallel_size", problem,
-                            f"set it on a GPU group holding one of {list(VLLM_ROLES)}, dividing its ranks")
+                            f"set it on a GPU group holding one of {list(VLLM_ROLES)}, dividing its ranks", tp)
         parsed.append((name, device, ranks, list(workers), tp))
-        cpus[name] = _num_cpus(group, key)
+        cpus[name] = num_cpus(group, key)
 
     # Explicit GPU ranks first; counts then take the lowest free ranks, in group order.
     taken: dict[int, str] = {}
@@ -109,9 +120,9 @@ def plan_device_groups(cfg: dict, any_role_names: bool = False) -> Plan:
         if device == "GPU" and isinstance(ranks, list):
             for r in ranks:
                 if r in taken:
-                    raise PlanError(f"device_groups.{name}.ranks",
-                                    f"rank {r} is also used by group '{taken[r]}'",
-                                    "give each group its own ranks, or list both roles in one group's workers to colocate them")
+                    raise PlanError(f"device_groups.{name}.ranks", f"holds rank {r}, but rank {r} is also used by "
+                                    f"group '{taken[r]}'", "give each group its own ranks, or list both roles in "
+                                    "one group's workers to colocate them", dg[name]["ranks"])
                 taken[r] = name
     resolved: dict[str, list[int]] = {}
     next_cpu = 0
@@ -132,8 +143,8 @@ def plan_device_groups(cfg: dict, any_role_names: bool = False) -> Plan:
 
     gpu_ranks = [r for name, device, _, _, _ in parsed if device == "GPU" for r in resolved[name]]
     if "nnodes" in cfg:
-        nnodes = _positive_int(cfg["nnodes"], "nnodes")
-        _check_capacity(gpu_ranks, nnodes, per_node, "nnodes")
+        nnodes = positive_int(cfg["nnodes"], "nnodes")
+        check_capacity(gpu_ranks, nnodes, per_node, "nnodes", nnodes)
     else:
         nnodes = (max(gpu_ranks) // per_node + 1) if gpu_ranks else 1
 

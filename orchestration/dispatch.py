@@ -1,4 +1,5 @@
-"""Dispatch semantics shared by the Ray and the local worker groups (DESIGN §5).
+"""Dispatch semantics shared by the Ray and the local worker groups: ms-swift's @worker/@function
+modes with their gaps fixed (docs/placement.md, "Worker groups and dispatch").
 
 dispatch: 'slice' splits every sequence-like argument (list, tuple, tensor, array, batch
           dataclass: one that defines __len__) along its first axis, first workers taking the remainder (10 over 4 ->

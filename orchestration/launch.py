@@ -12,8 +12,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from orchestration.base_group import BaseWorkerGroup
+from orchestration.cluster import init_cluster
+from orchestration.config import ConfigError
 from orchestration.local import LocalWorkerGroup
-from orchestration.planner import Plan
+from orchestration.placement import create_placement
+from orchestration.plan_types import Plan, RolePlan
+from orchestration.worker_group import WorkerGroup
 
 
 @dataclass
@@ -36,18 +40,35 @@ class Roles:
         self._closed = True
 
 
+def meets_in_collectives(role_cls: type, entry: Any) -> bool:
+    """The role's ranks meet in collectives: several ranks per engine (tensor parallel), or a
+    lockstep method (the class's LOCKSTEP_METHODS) across several ranks."""
+    return entry.tensor_parallel_size > 1 or bool(entry.world_size > 1 and getattr(role_cls, "LOCKSTEP_METHODS", ()))
+
+
 def restartable(role_cls: type, entry: Any) -> bool:
     """A rank of this role can be replaced alone: the class says it keeps no state of its own
-    (RESTARTABLE), and its ranks meet in no collective (one rank per engine, and no lockstep
-    method across several ranks)."""
-    collective = entry.tensor_parallel_size > 1 or (entry.world_size > 1 and getattr(role_cls, "LOCKSTEP_METHODS", ()))
-    return getattr(role_cls, "RESTARTABLE", False) and not collective
+    (RESTARTABLE), and its ranks meet in no collective."""
+    return getattr(role_cls, "RESTARTABLE", False) and not meets_in_collectives(role_cls, entry)
+
+
+def check_local_backend(plan: Plan, classes: dict[str, type]) -> None:
+    """backend.workers=local builds every rank in this one process, so no role whose ranks meet
+    in collectives (`meets_in_collectives`) may have several; a ConfigError names the keys."""
+    for role, cls in classes.items():
+        entry = plan[role]
+        if meets_in_collectives(cls, entry):
+            size = f"placement.{plan.size_key(role)}"  # placement.train.gpus, placement.device_groups.g.ranks
+            tp = entry.tensor_parallel_size
+            what, fix = ((f"ranks of one vLLM engine ({tp})", f"{size.rsplit('.', 1)[0]}.vllm_tensor_parallel_size=1")
+                         if tp > 1 else (f"{entry.world_size} ranks", f"{size}=1"))
+            raise ConfigError(f"config key 'backend.workers'='local' runs every rank in this process, but the {role} "
+                              f"role's {what} meet in collectives, which need a process per rank. Fix: set "
+                              f"backend=ray, or {fix}")
 
 
 def driver_group(role_cls: type, init_kwargs: dict, role: str = "driver") -> LocalWorkerGroup:
     """One rank of a role inside the driver process (e.g. an evaluator beside remote trainers)."""
-    from orchestration.planner import RolePlan
-
     entry = RolePlan(role=role, device="CPU", ranks=(0,), nodes=(0,), local_devices=(0,), group="driver",
                      offload_model=False, offload_optimizer=False, sleep_level=0, tensor_parallel_size=1)
     return LocalWorkerGroup(role_cls, entry, init_kwargs)
@@ -65,12 +86,8 @@ def start_roles(cfg: Any, plan: Plan, roles: dict[str, tuple[type, dict]], resta
         raise ValueError(f"roles {missing} are not in the placement plan (planned: {sorted(plan.roles)}); "
                          "add them to the placement config")
     if cfg.backend.workers == "local":
+        check_local_backend(plan, {r: cls for r, (cls, _) in roles.items()})
         return Roles({r: LocalWorkerGroup(cls, plan[r], kw) for r, (cls, kw) in roles.items()})
-
-    from orchestration.cluster import init_cluster
-    from orchestration.placement import create_placement
-    from orchestration.worker_group import WorkerGroup
-
     init_cluster(cfg.cluster, plan.demand())
     placement = create_placement(plan, timeout_s=cfg.cluster.placement_timeout_s)
     started = Roles({}, placement)

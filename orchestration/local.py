@@ -16,7 +16,7 @@ import traceback
 from typing import Any
 
 from orchestration.base_group import CALLS, BaseWorkerGroup, ResultOf, WorkerError
-from orchestration.planner import RolePlan
+from orchestration.plan_types import RolePlan
 
 
 @contextlib.contextmanager

@@ -14,13 +14,14 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from orchestration.planner import Plan, RolePlan
+from orchestration.plan_types import Plan, RolePlan
 
 NODE_LABEL = "ray.io/node-id"
 
 
 class PlacementError(RuntimeError):
-    """The cluster cannot hold the plan; says what is missing."""
+    """The cluster cannot hold the plan: one line `config key 'placement' ... Fix: ...` saying
+    what is missing."""
 
 
 @dataclass
@@ -76,9 +77,9 @@ def _choose_nodes(need: dict[int, dict[str, float]]) -> dict[int, str]:
         else:
             have = [{res: n["Resources"].get(res, 0) for res in ("GPU", "CPU")} for n in alive]
             raise PlacementError(
-                f"planned node {k} needs {need[k]} but no unused alive node has it; the cluster has "
-                f"{len(alive)} node(s) with {have}. Start more nodes or GPUs, lower the devices in the "
-                "placement config, or on a CPU machine set cluster.simulate_gpus=N")
+                f"config key 'placement' plans node {k}, which needs {need[k]}, but no unused alive node has it (the "
+                f"cluster has {len(alive)} node(s) with {have}). Fix: give the roles fewer devices in the placement "
+                "config, start more nodes or GPUs, or on a CPU machine raise cluster.simulate_gpus")
     return chosen
 
 
@@ -106,7 +107,8 @@ def create_placement(plan: Plan, timeout_s: float) -> Placement:
         for pg in groups.values():
             remove_placement_group(pg)
         raise PlacementError(
-            f"placement groups not ready after {timeout_s:.0f}s; they need {need} per planned node and the "
-            f"cluster has {ray.available_resources()} free. Free the resources (other jobs or placement "
-            "groups hold them) or plan fewer devices") from None
+            f"config key 'placement' needs {need} per planned node, but its placement groups were not ready after "
+            f"{timeout_s:.0f}s (cluster.placement_timeout_s; the cluster has {ray.available_resources()} free). Fix: "
+            "free the resources (other jobs or placement groups hold them), give the roles fewer devices, or raise "
+            "cluster.placement_timeout_s") from None
     return Placement(plan, groups, slots, node_ids)

@@ -13,9 +13,12 @@ import sys
 import hydra
 from omegaconf import DictConfig
 
-from orchestration.config import (ConfigError, PlanConfig, apply_placement, checked_command_line, placement_dict,
-                                  read_config_file, register_schema, split_config_file, validate)
-from orchestration.planner import Plan, PlanError, as_started, make_plan
+from orchestration.config import (ConfigError, PlanConfig, apply_placement, check_cluster, checked_command_line,
+                                  placement_dict, read_config_file, register_schema, split_config_file, validate)
+from orchestration.launch import start_roles
+from orchestration.placement import PlacementError
+from orchestration.plan_types import Plan, PlanError
+from orchestration.planner import as_started, make_plan
 
 COLUMNS = ("role", "device", "ranks", "nodes", "group", "colocated_with", "offload", "sleep", "tp", "model", "process")
 
@@ -47,8 +50,6 @@ class _Idle:
 
 def launch_report(cfg: DictConfig, plan: Plan) -> str:
     """Place one idle actor per planned rank and describe where each one runs."""
-    from orchestration.launch import start_roles
-
     started = start_roles(cfg, plan, {r: (_Idle, {}) for r in plan.roles})
     try:
         nodes = {}
@@ -67,6 +68,7 @@ def plan_from_config(cfg: DictConfig) -> tuple[DictConfig, Plan, list[str], list
     """The validated config, the plan as its roles start (`as_started`), the config file's
     keys the planner does not read, and notes on roles the engines moved."""
     typed = validate(cfg, PlanConfig, sections=["placement", "cluster", "backend", "config_file", "plan"])
+    check_cluster(typed.cluster)
     unused = []
     if typed.config_file:
         placement, items = split_config_file(read_config_file(typed.config_file))
@@ -76,17 +78,9 @@ def plan_from_config(cfg: DictConfig) -> tuple[DictConfig, Plan, list[str], list
     return typed, plan, unused, notes
 
 
-register_schema(PlanConfig)
-
-
-@checked_command_line(PlanConfig)
-@hydra.main(config_path="pkg://conf", config_name="config", version_base=None)
-def main(cfg: DictConfig) -> None:
-    try:
-        typed, plan, unused, notes = plan_from_config(cfg)
-    except (ConfigError, PlanError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+def report(cfg: DictConfig) -> None:
+    """Print the plan of `cfg` (and, with plan.launch=true, where its ranks land)."""
+    typed, plan, unused, notes = plan_from_config(cfg)
     if cfg.plan.json:
         print(json.dumps(plan.rows(), indent=2))
     else:
@@ -100,6 +94,19 @@ def main(cfg: DictConfig) -> None:
             print("note: backend=local runs every role in this process; nothing to place", file=sys.stderr)
         else:
             print(launch_report(typed, plan))
+
+
+register_schema(PlanConfig)
+
+
+@checked_command_line(PlanConfig)
+@hydra.main(config_path="pkg://conf", config_name="config", version_base=None)
+def main(cfg: DictConfig) -> None:
+    try:
+        report(cfg)
+    except (ConfigError, PlanError, PlacementError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -50,7 +50,7 @@ from orchestration import rank_process as rp
 from orchestration.base_group import CALLS, KEEP_KEY, BaseWorkerGroup, ResultOf, WorkerError, pick
 from orchestration.cluster import LOG_LEVEL_ENV, cluster_is_local, log_level_env, loopback_env, set_log_level
 from orchestration.placement import Placement
-from orchestration.planner import RolePlan
+from orchestration.plan_types import RolePlan
 from orchestration.transport import (AFTER_PREFIX, GUESTS_KEY, LIFTED_PREFIX, RESULTS_KEY, GuestFailed, Rider, fill,
                                      lift, put_large, resolve_kept, send_tensors_as_arrays, sent)
 

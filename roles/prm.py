@@ -11,7 +11,7 @@ Kinds, chosen by `PRMConfig.kind`:
   'a op b = c' (integers, possibly negative; op one of + - * /; '/' only exact division)
   and be arithmetically right. Chaining: from the second step on, `a` must be the previous
   step's result (the chains are evaluated left to right). When the prompt is itself a
-  chain in the task's form ('((a+b)*c)-d', see algorithms/tasks.py) and `check_prompt` is
+  chain in the task's form ('((a+b)*c)-d', see algorithms/data/tasks.py) and `check_prompt` is
   on, step i must also use the prompt's i-th operator and operand, and there may be no
   more steps than the prompt has operations. A step scores 1.0 when it and every step
   before it are right, so scores are 0.0 from the first wrong step on. The answer step

@@ -36,6 +36,7 @@ from roles.engines.options import ROLLOUT_ENGINES, check_engine
 from roles.batch import Completions, SamplingParams
 from roles.engines.torch_engine import pick_device, process_memory
 from roles.engines.torch_generate import generate_batch
+from roles.engines.vllm_engine import VLLMEngine
 from roles.models import DTYPES, ModelSpec, build_model, load_tokenizer
 from roles.weight_transfer import WeightReceiver
 
@@ -163,7 +164,6 @@ class Rollout(WeightReceiver):
         uses_template(self.tokenizer, self.config.chat)  # chat=true needs a template: refused here
         self._vllm = None
         if engine == "vllm":  # vLLM holds the model; generation, weights and sleep go to it
-            from roles.engines.vllm_engine import VLLMEngine
             self._vllm = VLLMEngine(model, self.tokenizer, self.device, self.config.dtype, engine_options, "rollout")
             tok, self.weight_version = self.tokenizer, 0
             self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id

@@ -14,6 +14,7 @@ from omegaconf import OmegaConf
 
 from roles.batch import pad_sequences
 from roles.engines.torch_engine import pick_device
+from roles.models import build_model, load_tokenizer
 
 # File next to the HF weights holding the value head, optimizer and step.
 HEAD_FILE = "value_head.pt"
@@ -58,9 +59,6 @@ class ScalarHeadModel:
 
     def __init__(self, model: Any, device: str, seed: int, use_chat_template: bool, lr: float, weight_decay: float,
                  max_grad_norm: float, micro_batch: int):
-        # Imported here so that rule-based scoring never pays for transformers.
-        from roles.models import build_model, load_tokenizer
-
         if model is None:
             raise ValueError("model-based scoring needs `model` (a preset name, a checkpoint "
                              "directory or a model config)")

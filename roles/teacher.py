@@ -1,4 +1,5 @@
-"""Teacher role: next-token distributions of a frozen model for distillation (DESIGN §4).
+"""Teacher role: next-token distributions of a frozen model for distillation (top-k or the
+full vocabulary), moved off the device and back (`offload`/`onload`) when it shares one.
 
     teacher = Teacher("small_qwen2")
     values, indices = teacher.logits(batch, topk=64)            # [B, T, k] logprobs, token ids
@@ -19,18 +20,21 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
 import torch
 from omegaconf import OmegaConf
 
 from roles.batch import Batch, fitting_rows, token_bytes
+from roles.engines import megatron_trainer as mt
 from roles.engines.host_copies import host_bytes, module_tensors, to_device, to_host
 from roles.engines.options import TEACHER_ENGINES, MegatronOptions, check_engine
 from roles.engines.torch_engine import process_memory
 from roles.engines.torch_trainer import rank_device
 from roles.engines.train_kernels import (check_plain_head, chunked_vocab_logprobs, next_token_vocab_logprobs, pack,
                                         packed_forward, use_packing, vocab_logprobs)
+from roles.engines.vllm_engine import VLLMEngine
 from roles.models import DTYPES, ModelSpec, build_model, load_tokenizer, resolve_config
 from roles.weight_transfer import WeightReceiver, load_named_weights
 
@@ -100,7 +104,6 @@ class Teacher(WeightReceiver):
         self.engine = engine
         self._vllm = None
         if engine == "vllm":  # vLLM holds the model and serves top-k through prompt logprobs
-            from roles.engines.vllm_engine import VLLMEngine
             self._vllm = VLLMEngine(self.model_config, self.tokenizer, self.device, config.dtype, engine_options,
                                     "teacher", wake_call="onload()")
             self._vocab_size, self._host, self.weight_version = self._vllm.vocab_size, None, 0
@@ -110,7 +113,6 @@ class Teacher(WeightReceiver):
             self.model = self.model.to(DTYPES[config.dtype])
         self._vocab_size = self.model.config.vocab_size
         if engine == "megatron":  # this TP rank's shard; TP peers join their slices in logits()
-            from roles.engines import megatron_trainer as mt
             tp = (engine_options or {}).get("tensor_parallel_size", MegatronOptions.tensor_parallel_size)
             # Seed 0: a frozen teacher in eval mode draws no random numbers.
             mt.setup_parallel(int(tp), self.device, seed=0)
@@ -177,7 +179,6 @@ class Teacher(WeightReceiver):
             return self._vllm.topk_logprobs(batch.input_ids, batch.attention_mask, topk, tail, temperature)
         own = slice(None)
         if self.engine == "megatron":
-            from roles.engines import megatron_trainer as mt
             batch, own = mt.join_rows(batch)
         B, T = batch.input_ids.shape
         width = V if topk is None else topk
@@ -240,8 +241,6 @@ class Teacher(WeightReceiver):
 
     def update_weights_from_path(self, path: str, version: int) -> None:
         """Load weights from a folder of safetensors files (or one file)."""
-        from pathlib import Path
-
         from safetensors.torch import load_file
 
         files = sorted(Path(path).glob("*.safetensors")) if Path(path).is_dir() else [Path(path)]
@@ -272,7 +271,6 @@ class Teacher(WeightReceiver):
             return self._vllm.info()
         size, rank = 1, 0
         if self.engine == "megatron":
-            from roles.engines import megatron_trainer as mt
             rank, size, _ = mt.tp_info()
         return {"engine": self.engine, "tensor_parallel_size": size, "tensor_parallel_rank": rank,
                 "weight_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters())}

@@ -1,4 +1,5 @@
-"""Trainer role: optimises a causal LM with a pluggable per-token loss (DESIGN §4).
+"""Trainer role: optimises a causal LM with a pluggable per-token loss, and serves its
+per-token logprobs, its weights in buckets for sync, checkpoints and offload/onload.
 
     trainer = Trainer("tiny_qwen2", TrainerConfig(lr=1e-3), loss_fn=my_loss)
     metrics = trainer.train_step(batch)          # loss, grad_norm, lr, tokens, sequences, step
@@ -33,6 +34,9 @@ import torch
 import torch.nn.functional as F
 
 from roles.batch import Batch, batch_to, fitting_rows, slice_batch, token_bytes
+from roles.engines.collectives import size_buckets, tensor_bytes
+from roles.engines.deepspeed_trainer import DeepSpeedTrainEngine
+from roles.engines.megatron_trainer import MegatronTrainEngine
 from roles.engines.options import TRAIN_ENGINES, check_engine
 from roles.engines.torch_engine import process_memory, token_entropy, token_logprobs
 from roles.engines.torch_trainer import TorchTrainEngine, rank_device, rng_state, set_rng_state
@@ -95,10 +99,8 @@ class Trainer(WeightSender):
                      schedule=c.schedule, min_lr=c.min_lr,
                      seed=c.seed)
         if engine == "megatron":
-            from roles.engines.megatron_trainer import MegatronTrainEngine
             self.engine = MegatronTrainEngine(build_model(self.model_config), options=engine_options or {}, **optim)
         elif engine == "deepspeed":
-            from roles.engines.deepspeed_trainer import DeepSpeedTrainEngine
             self.engine = DeepSpeedTrainEngine(build_model(self.model_config), options=engine_options or {}, **optim)
         else:
             self.engine = TorchTrainEngine(build_model(self.model_config), **optim)
@@ -251,24 +253,16 @@ class Trainer(WeightSender):
         tensor gets a bucket of its own), in the model's state_dict order; a tied weight
         appears once. `dtype` casts (e.g. 'bfloat16' for the rollout); `to_cpu` returns
         host copies that can cross processes and are not changed by later steps."""
-        limit = bucket_mb * 2**20
         cast = getattr(torch, dtype) if dtype else None
-        buckets, current, size = [], [], 0
-        for name, t in self.engine.named_weights():
-            t = t.detach()
-            if cast is not None:
-                t = t.to(cast)
-            if to_cpu:
-                t = t.to("cpu", copy=True)
-            nbytes = t.numel() * t.element_size()
-            if current and size + nbytes > limit:
-                buckets.append(current)
-                current, size = [], 0
-            current.append((name, t))
-            size += nbytes
-        if current:
-            buckets.append(current)
-        return buckets
+
+        def prepared():
+            for name, t in self.engine.named_weights():
+                t = t.detach()
+                if cast is not None:
+                    t = t.to(cast)
+                yield name, t.to("cpu", copy=True) if to_cpu else t
+
+        return list(size_buckets(prepared(), bucket_mb * 2**20, lambda pair: tensor_bytes(pair[1])))
 
     def offload(self, model: bool = True, optimizer: bool = True) -> dict[str, float]:
         """Move the weights and/or optimizer state into host buffers, releasing device

@@ -8,8 +8,9 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_module
 
-from algorithms.config import prepare
-from algorithms.runlog import RunLog, read_metrics
+from algorithms.config.schema import LoopConfig, prepare
+from algorithms.records.runlog import RunLog
+from algorithms.records.trackers import read_metrics
 from orchestration.base_group import BaseWorkerGroup
 from orchestration.config import register_schema
 from roles.batch import Completions
@@ -177,7 +178,7 @@ class MarkedLog(RunLog):
     """A RunLog that puts ('log', 'step', N) into the call list when step N is recorded."""
 
     def __init__(self, out_dir, total_steps, calls):
-        super().__init__(out_dir, total_steps, stream=io.StringIO())
+        super().__init__(out_dir, total_steps, LoopConfig(), stream=io.StringIO())
         self.calls = calls
 
     def step(self, step, metrics, quiet=False):

@@ -1,5 +1,5 @@
 """Bad rows never stop a run: undecodable, malformed, wrong-type, empty and over-long rows of a
-user file are skipped (over-long SFT replies cut) by the rules of algorithms/data.py, counted per
+user file are skipped (over-long SFT replies cut) by the rules of algorithms/data/loading.py, counted per
 reason, printed as one line and written into the step-0 metrics record. In-process, no Ray."""
 import io
 import json
@@ -7,12 +7,17 @@ from dataclasses import replace
 
 import pytest
 
-from algorithms import common, sft
-from algorithms.config import SFTRunConfig
-from algorithms.data import DataConfig, RowLimits, load_task, model_context, row_limits
-from algorithms.runlog import RunLog, read_metrics
-from algorithms.tasks import Example
-from algorithms.user_data import load_user_data
+from algorithms import sft
+from algorithms.sft import SFTConfig
+from algorithms.data.loading import DataConfig, RowLimits, load_task, model_context, row_limits
+from algorithms.records.runlog import RunLog
+from algorithms.records.trackers import read_metrics
+from algorithms.data.tasks import Example
+from algorithms.data.user_data import load_user_data
+from algorithms.data.prompts import chat_prompt, encode_examples
+from algorithms.data.answers import accuracy
+from algorithms.records.runlog import record_data_stats
+from algorithms.config.schema import LoopConfig
 from orchestration.config import ConfigError
 from roles.models import load_tokenizer
 from roles.rollout import Rollout
@@ -134,10 +139,10 @@ def test_length_rules(tmp_path, tokenizer, line, where, kind, outcome):
     # What the model gets: prompts fit with their generation budget, conversations fit the context.
     budget = EVAL_NEW if where == "held" else GEN_NEW
     for ex in held + (train if kind == "generate" else []):
-        assert len(tokenizer(common.chat_prompt(tokenizer, ex), add_special_tokens=False)["input_ids"]) + budget \
+        assert len(tokenizer(chat_prompt(tokenizer, ex), add_special_tokens=False)["input_ids"]) + budget \
             <= CONTEXT
     if kind == "sft":
-        encoded = common.encode_examples(tokenizer, train, False)
+        encoded = encode_examples(tokenizer, train, False)
         lengths = [len(p) + len(c) for p, c in zip(encoded.prompt_ids, encoded.completion_ids)]
         assert max(lengths) <= CONTEXT and min(len(c) for c in encoded.completion_ids) >= 1
         assert (max(lengths) == CONTEXT) == (outcome == "truncated")
@@ -145,7 +150,7 @@ def test_length_rules(tmp_path, tokenizer, line, where, kind, outcome):
 
 def test_a_cut_reply_keeps_its_start(tokenizer):
     ex = Example(prompt="1+1", solution="1+1=2\n" + "9" * 200 + "\n#### 2", answer="2")
-    encoded = common.encode_examples(tokenizer, [ex, replace(ex, max_tokens=64)], False)
+    encoded = encode_examples(tokenizer, [ex, replace(ex, max_tokens=64)], False)
     assert encoded.prompt_ids[0] == encoded.prompt_ids[1]
     whole, cut = encoded.completion_ids
     assert len(encoded.prompt_ids[1]) + len(cut) == 64 and cut == whole[:len(cut)] and len(whole) > len(cut)
@@ -176,14 +181,14 @@ def test_an_overlong_heldout_row_does_not_kill_the_eval(tmp_path, tokenizer):
     rollout = Rollout("tiny_qwen2")
     _, unchecked, _ = load_task(data)
     with pytest.raises(ValueError, match="exceed the model's max_position_embeddings"):
-        common.accuracy(OneRank(rollout), unchecked, EVAL_NEW)
+        accuracy(OneRank(rollout), unchecked, EVAL_NEW)
     _, held, stats = load_task(data, limits(tokenizer, "generate"))
     assert stats["data/skipped/too_long"] == 1 and len(held) == 2
-    assert common.accuracy(OneRank(rollout), held, EVAL_NEW) in (0.0, 0.5, 1.0)
+    assert accuracy(OneRank(rollout), held, EVAL_NEW) in (0.0, 0.5, 1.0)
 
 
 class OneRank:
-    """A rollout behind the group interface that common.accuracy calls."""
+    """A rollout behind the group interface that accuracy calls."""
 
     def __init__(self, rollout):
         self.rollout = rollout
@@ -212,14 +217,14 @@ CONFIGS = [
 
 @pytest.mark.parametrize("overrides,kwargs,want", [c[1:] for c in CONFIGS], ids=[c[0] for c in CONFIGS])
 def test_row_limits_from_the_run_config(overrides, kwargs, want):
-    _, typed, _ = prepared(SFTRunConfig, ["+experiment=sft_quickstart", *TINY, *overrides])
+    _, typed, _ = prepared(SFTConfig, ["+experiment=sft_quickstart", *TINY, *overrides])
     got = row_limits(typed, **kwargs)
     assert (got.context, got.new_tokens, got.max_length) == want
     assert got.eval_new_tokens == typed.run.eval_max_new_tokens == 12
 
 
 def test_limits_refuse_what_cannot_run(tmp_path, tokenizer):
-    _, typed, _ = prepared(SFTRunConfig, ["+experiment=sft_quickstart", *TINY, "data.max_length=-5"])
+    _, typed, _ = prepared(SFTConfig, ["+experiment=sft_quickstart", *TINY, "data.max_length=-5"])
     with pytest.raises(ConfigError, match="data.max_length"):
         row_limits(typed, replies=True)
     # No held-out prompt leaves room for the eval budget: one error that names the fix.
@@ -238,7 +243,7 @@ def test_sft_run_on_bad_rows_finishes_and_records_the_counts(tmp_path, capsys):
     lines = [*good_rows(4), b'{"prompt": "\xff", "solution": "#### 1"}', row(prompt=3.5), b'{"prompt": ""}',
              row(LONG, "#### 1"), row("5+5", HUGE), b"{", *good_rows(3, 20), row(LONG + "?", "#### 2")]
     path = write(tmp_path / "data.jsonl", lines)
-    cfg, typed, plan = prepared(SFTRunConfig, ["+experiment=sft_quickstart", *TINY, "backend=local",
+    cfg, typed, plan = prepared(SFTConfig, ["+experiment=sft_quickstart", *TINY, "backend=local",
                                                "data.task=files", f"data.paths=[{path}]",
                                                f"data.cache_dir={tmp_path / 'cache'}", "run.save_final=false"])
     sft.validate(typed, plan)
@@ -264,16 +269,16 @@ def test_counts_go_into_step_0_only_of_a_fresh_run(tmp_path):
     """A run resuming from a checkpoint keeps its earlier step-0 record: the counts are not
     written again into the first step after the checkpoint."""
     stats = {"data/skipped_rows": 2, "data/skipped/empty": 2, "data/truncated": 0}
-    fresh = RunLog(tmp_path / "fresh", 2, stream=io.StringIO())
-    common.record_data_stats(fresh, stats, "auto")  # auto without a checkpoint: a fresh start
+    fresh = RunLog(tmp_path / "fresh", 2, LoopConfig(), stream=io.StringIO())
+    record_data_stats(fresh, stats, "auto")  # auto without a checkpoint: a fresh start
     fresh.step(0, {})
     step = tmp_path / "resumed" / "checkpoints" / "step_1"
     step.mkdir(parents=True)
     for name in ("trainer_state.pt", "config.json"):
         (step / name).write_text("{}")
     (step / "driver_state.json").write_text(json.dumps({"step": 1}))
-    resumed = RunLog(tmp_path / "resumed", 2, stream=io.StringIO())
-    common.record_data_stats(resumed, stats, "auto")
+    resumed = RunLog(tmp_path / "resumed", 2, LoopConfig(), stream=io.StringIO())
+    record_data_stats(resumed, stats, "auto")
     resumed.step(2, {})
     fresh.close(), resumed.close()
     assert read_metrics(tmp_path / "fresh" / "metrics.jsonl")[0]["data/skipped/empty"] == 2

@@ -5,12 +5,13 @@ import json
 
 import pytest
 
-from algorithms import common, grpo
-from algorithms.config import LoopConfig
-from algorithms.data import DataConfig
-from algorithms.tasks import Example
-from algorithms.user_data import load_user_data
-from algorithms.validation import check_data
+from algorithms import grpo
+from algorithms.config.schema import LoopConfig
+from algorithms.data.loading import DataConfig
+from algorithms.data.tasks import Example
+from algorithms.data.user_data import load_user_data
+from algorithms.config.checks import check_data
+from algorithms.data.answers import accuracy, checker, correct
 from orchestration.config import ConfigError
 from orchestration.launch import driver_group
 from orchestration.planner import make_plan
@@ -62,7 +63,7 @@ TABLE = [
 def test_each_check_kind(check, pattern, example, reply, score):
     data = DataConfig(check=check, check_pattern=pattern)
     check_data(data)
-    assert common.correct(common.checker(data), [example], [reply]) == [score]
+    assert correct(checker(data), [example], [reply]) == [score]
 
 
 def test_bare_answers_of_a_user_file_read_right(tmp_path):
@@ -72,14 +73,14 @@ def test_bare_answers_of_a_user_file_read_right(tmp_path):
     path.write_text("".join(json.dumps({"prompt": f"{i}+40", "solution": str(i + 40)}) + "\n" for i in range(4)))
     examples = load_user_data([str(path)], max_examples=4, cache_dir=str(tmp_path / "cache")).examples
     replies = [f"{i}+40 is {i + 40}" for i in range(4)]
-    assert common.correct(common.checker(DataConfig(check="last_number")), examples, replies) == [1.0] * 4
-    assert common.correct(common.checker(DataConfig()), examples, replies) == [0.0] * 4
+    assert correct(checker(DataConfig(check="last_number")), examples, replies) == [1.0] * 4
+    assert correct(checker(DataConfig()), examples, replies) == [0.0] * 4
     wrong = [f"{i}+40 is {i + 41}" for i in range(4)]
-    assert common.correct(common.checker(DataConfig(check="last_number")), examples, wrong) == [0.0] * 4
+    assert correct(checker(DataConfig(check="last_number")), examples, wrong) == [0.0] * 4
 
 
 def test_accuracy_of_a_real_rollout_uses_data_check():
-    """common.accuracy (eval/accuracy, teacher/eval_accuracy) generates greedily and scores by
+    """accuracy (eval/accuracy, teacher/eval_accuracy) generates greedily and scores by
     data.check: references that are the model's own greedy replies read 1.0 with exact."""
     rollout = driver_group(Rollout, {"model": "tiny_qwen2"}, "checks_rollout")
     try:
@@ -88,10 +89,10 @@ def test_accuracy_of_a_real_rollout_uses_data_check():
                                SamplingParams(temperature=0.0, max_new_tokens=6), dispatch="slice",
                                collect="flatten").texts
         examples = [Example(prompt=ex.prompt, solution=r, answer="") for ex, r in zip(prompts, replies)]
-        assert common.accuracy(rollout, examples, 6, DataConfig(check="exact")) == 1.0
+        assert accuracy(rollout, examples, 6, DataConfig(check="exact")) == 1.0
         shifted = [Example(prompt=ex.prompt, solution=r + " x", answer="") for ex, r in zip(prompts, replies)]
-        assert common.accuracy(rollout, shifted, 6, DataConfig(check="exact")) == 0.0
-        assert common.accuracy(rollout, examples, 6, DataConfig()) == 0.0  # no '#### N' in the replies
+        assert accuracy(rollout, shifted, 6, DataConfig(check="exact")) == 0.0
+        assert accuracy(rollout, examples, 6, DataConfig()) == 0.0  # no '#### N' in the replies
     finally:
         rollout.shutdown()
 
@@ -130,7 +131,7 @@ def test_bad_checks_are_refused_before_a_run(fields, key, problem):
 
 def test_grpo_refuses_a_regex_reward_without_a_pattern():
     plan = make_plan({"train": {"gpus": 1}, "rollout": {"gpus": 1}})
-    cfg = grpo.GRPORunConfig(run=LoopConfig(prompts_per_step=4),
+    cfg = grpo.GRPOConfig(run=LoopConfig(prompts_per_step=4),
                              algorithm=grpo.GRPOAlgorithm(reward_funcs=["accuracy", "regex"]))
     with pytest.raises(ConfigError, match="data.check_pattern"):
         grpo.validate(cfg, plan)

@@ -92,17 +92,17 @@ def test_unknown_key_and_wrong_type_name_the_key():
     (["trainer.lrr=1"], "config key 'trainer.lrr'=1 is not a key of 'trainer' (did you mean 'trainer.lr'?). Fix:"),
     (["run.steps=3", "traner.lr=1"], "config key 'traner.lr'=1 is not a key of the config (did you mean 'trainer'?)."),
     (["placement.train.gpuz=2"], "(did you mean 'placement.train.gpus'?)"),
-    (["algorithm.zzz=1"], "config key 'algorithm.zzz'=1 is not a key of 'algorithm'. Fix: use a key of SFTRunConfig"),
+    (["algorithm.zzz=1"], "config key 'algorithm.zzz'=1 is not a key of 'algorithm'. Fix: use a key of SFTConfig"),
     # group choices, appended and deleted keys, Hydra's own, lists, free-form values and flags pass
     (["placement=separate", "backend=local", "model=tiny_llama", "+experiment=sft_quickstart", "+new.key=1",
       "~trainer.betas", "hydra.run.dir=.", "hydra/job_logging=none", "trainer.betas.0=0.5", "--cfg", "job",
       "-m", "trainer.lr=1e-3,1e-4", "placement.train.gpus=2", "config_file=x.yaml", "run.loggers=[jsonl]"], None),
 ])
 def test_an_unknown_command_line_key_names_the_nearest_one(args, message):
-    from algorithms.sft import SFTRunConfig
+    from algorithms.sft import SFTConfig
     from orchestration.config import unknown_override
 
-    problem = unknown_override(args, SFTRunConfig)
+    problem = unknown_override(args, SFTConfig)
     assert problem == message if message is None else message in problem
 
 
@@ -221,8 +221,8 @@ def test_plan_cli_launch_places_on_a_fresh_local_cluster():
     assert by_role["train"] == by_role["rollout"] == by_role["teacher"] == {0: "0"}
 
 
-DRIVER_SCHEMAS = {"sft": ("algorithms.sft", "SFTRunConfig"), "gkd": ("algorithms.gkd", "GKDRunConfig"),
-                  "grpo": ("algorithms.grpo", "GRPORunConfig"), "distill": ("algorithms.distill", "DistillRunConfig")}
+DRIVER_SCHEMAS = {"sft": ("algorithms.sft", "SFTConfig"), "gkd": ("algorithms.gkd", "GKDConfig"),
+                  "grpo": ("algorithms.grpo", "GRPOConfig"), "distill": ("algorithms.distill", "DistillConfig")}
 
 
 @pytest.mark.parametrize("name", EXPERIMENTS)
@@ -231,10 +231,10 @@ def test_every_experiment_validates_against_its_driver(name):
     experiments pass the common run schema."""
     import importlib
 
-    from algorithms.config import RunConfig, prepare
+    from algorithms.config.schema import DriverConfig, prepare
 
     prefix = name.split("_")[0]
-    schema = RunConfig
+    schema = DriverConfig
     if prefix in DRIVER_SCHEMAS and not name.endswith(("_colocate", "_separate", "_two_nodes")):
         module, cls = DRIVER_SCHEMAS[prefix]
         schema = getattr(importlib.import_module(module), cls)
@@ -248,13 +248,14 @@ def test_every_experiment_validates_against_its_driver(name):
 def test_sft_phase_keeps_the_runs_engine_sections():
     """GRPO's warm start and distill's SFT run with the run's engines and their options (a
     phase built from a few sections ran Megatron at TP=1 under a TP=2 run)."""
-    from algorithms.config import LoopConfig, sft_phase
-    from algorithms.grpo import GRPORunConfig
+    from algorithms.config.schema import LoopConfig
+    from algorithms.sft import phase_config
+    from algorithms.grpo import GRPOConfig
 
-    run = GRPORunConfig()
+    run = GRPOConfig()
     run.backend.train, run.megatron.tensor_parallel_size, run.deepspeed.zero_stage = "megatron", 2, 3
     run.weight_sync.bucket_mb = 8.0
-    phase = sft_phase(run, run=LoopConfig(steps=3))
+    phase = phase_config(run, run=LoopConfig(steps=3))
     assert phase.backend.train == "megatron" and phase.megatron.tensor_parallel_size == 2
     assert phase.deepspeed.zero_stage == 3 and phase.weight_sync.bucket_mb == 8.0
     assert phase.run.steps == 3 and type(phase.algorithm).__name__ == "SFTAlgorithm"
@@ -263,17 +264,18 @@ def test_sft_phase_keeps_the_runs_engine_sections():
 def test_command_line_wins_over_the_config_file(tmp_path, capsys):
     """A config_file value silently beat the command line (a regression): the file's keys
     apply, then the command line's overrides of the same keys are put back."""
-    from algorithms.config import GKDRunConfig, prepare
+    from algorithms.gkd import GKDConfig
+    from algorithms.config.schema import prepare
 
     path = tmp_path / "swift.yaml"
     path.write_text("max_steps: 7\nlearning_rate: 1.0e-3\nbeta: 0.25\nlmbda: 0.5\n"
                     "colocate_groups: [[train, rollout]]\nsleep_level: 1\nteacher_model: tiny_llama\n"
                     "train: {gpus: 1}\nrollout: {gpus: 1}\n")
     cli = [f"config_file={path}", "run.steps=3", "placement.sleep_level=2", "trainer.weight_decay=0.1"]
-    register_schema(GKDRunConfig)
+    register_schema(GKDConfig)
     with initialize_config_module(config_module="conf", version_base=None):
         cfg = compose(config_name="config", overrides=cli)
-    typed, plan = prepare(cfg, GKDRunConfig, cli=cli)
+    typed, plan = prepare(cfg, GKDConfig, cli=cli)
     assert typed.run.steps == 3 and plan["rollout"].sleep_level == 2  # the command line's
     assert typed.trainer.lr == 1e-3 and typed.algorithm.beta == 0.25 and typed.algorithm.lmbda == 0.5  # the file's
     assert typed.trainer.weight_decay == 0.1 and plan["teacher"].model == "tiny_llama"

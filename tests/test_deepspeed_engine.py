@@ -150,10 +150,10 @@ def test_sft_driver_end_to_end_with_zero3_on_two_ranks(ray_cluster, tmp_path):
     Llama preset, run in-process on the test cluster: evaluations at the run.eval_every cadence
     and the end, weight syncs to the evaluator from rank 0's copy, a Llama checkpoint."""
     from algorithms import sft
-    from algorithms.config import SFTRunConfig
+    from algorithms.sft import SFTConfig
     from tests.driver_helpers import TINY, check_checkpoint, check_outputs, prepared
 
-    cfg, typed, plan = prepared(SFTRunConfig, ["+experiment=sft_quickstart", *TINY, "model=tiny_llama",
+    cfg, typed, plan = prepared(SFTConfig, ["+experiment=sft_quickstart", *TINY, "model=tiny_llama",
                                                "run.eval_every=2", "placement.train.gpus=2",
                                                "backend.train=deepspeed", "deepspeed.zero_stage=3"])
     assert typed.backend.workers == "ray" and plan["train"].world_size == 2

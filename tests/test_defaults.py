@@ -1,4 +1,4 @@
-"""Each default in exactly one place (DESIGN §9): the typed config dataclasses.
+"""Each default in exactly one place: the typed config dataclasses.
 
 The config dataclasses are the schemas the entry points register (`register_schema(X)`,
 `ConfigStore...store(node=X)`) and every dataclass reachable from them through field types
@@ -6,7 +6,10 @@ and base classes. For each of their fields with a default, the source tree is sc
 for the same key given a literal default anywhere else:
 * a keyword default of a function, method or lambda (`def f(lr=1e-5)`),
 * an annotated field of another class (`lr: float = 1e-5`, `field(default=...)`),
-* a mapping read with a fallback (`options.get("lr", 1e-5)`).
+* a mapping read with a fallback (`options.get("lr", 1e-5)`),
+* a config section built or changed in code with a literal (`TrainerConfig(lr=1e-5)`,
+  `replace(cfg.trainer, schedule="cosine")`), outside benchmarks/ (whose settings are the
+  benchmark's own choices).
 Not counted: None (it says "not given", the callee then reads the config or derives a value),
 a literal of a type the setting cannot hold (a flag `seed: bool = False` is no seed), and two
 config fields of one name (`run.seed`, `data.seed`: two keys, each with its one default).
@@ -36,11 +39,11 @@ EXCEPTIONS = {
     ("roles/teacher.py", "Teacher.logits", "temperature"): "untempered",
     # The scale of the logits the trainer handed over (extras['temperature']), 1 when absent;
     # GKD's own temperature is GKDLoss.temperature, required.
-    ("algorithms/losses.py", "GKDLoss._student_logits", "temperature"): "untempered",
+    ("algorithms/objectives/losses.py", "GKDLoss._student_logits", "temperature"): "untempered",
     # A request that sets nothing samples the model's distribution unchanged, as in vLLM.
     ("roles/batch.py", "SamplingParams", "temperature"): "untempered",
     ("roles/batch.py", "SamplingParams", "top_p"): "no nucleus cut",
-    # DESIGN §4's offload(model: bool, optimizer: bool): flags, not the model setting.
+    # The role contract's offload(model: bool, optimizer: bool): flags, not the model setting.
     ("roles/trainer.py", "Trainer.offload", "model"): "a flag",
     # The tensor-parallel group's rendezvous address from the worker's environment, not the
     # Ray cluster's address.
@@ -54,6 +57,17 @@ EXCEPTIONS = {
     ("roles/engines/train_kernels.py", "TrainKernelOptions", "activation_checkpointing"): "the plain forward",
     ("roles/engines/train_kernels.py", "TrainKernelOptions", "cuda_graphs"): "the plain forward",
     ("roles/engines/train_kernels.py", "TrainKernelOptions", "fused_logprobs"): "the plain forward",
+    # Settings that follow from what the code does, not defaults of the config field:
+    # distill's SFT phase reads the JSONL file the sampling phase wrote;
+    ("algorithms/distill.py", "run", "task"): "the phase's own input",
+    # a run restarted after a lost trainer rank continues from its newest checkpoint;
+    ("algorithms/runtime/entry.py", "run_with_restarts", "resume"): "what a restart is",
+    # GRPO's reference policy never steps (no optimizer), never sleeps, and is one process a rank;
+    ("orchestration/planner.py", "with_colocated_role", "offload_optimizer"): "the reference has no optimizer",
+    ("orchestration/planner.py", "with_colocated_role", "sleep_level"): "only a rollout sleeps",
+    ("orchestration/planner.py", "with_colocated_role", "tensor_parallel_size"): "one process a rank",
+    # a checkpoint's weights are read in float32 (the master weights) whatever the compute dtype.
+    ("roles/trainer.py", "Trainer.load", "dtype"): "the master weights' dtype",
 }
 
 # Repeated defaults not removed yet: an entry goes together with its default. Each names the
@@ -81,19 +95,24 @@ def source_files() -> Dict[str, str]:
 
 
 def schema_roots(sources: Dict[str, str]) -> List[type]:
-    """The classes module-level `register_schema(X)` / `.store(..., node=X)` calls name."""
+    """The classes that `register_schema(X)`, `.store(..., node=X)` and the drivers'
+    `driver_main(X, ...)` calls name (a module-level name)."""
     roots = []
     for path, text in sources.items():
-        for stmt in ast.parse(text).body:
-            call = stmt.value if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Call) else None
-            if call is None:
+        for call in ast.walk(ast.parse(text)):
+            if not isinstance(call, ast.Call):
                 continue
             func = call.func.attr if isinstance(call.func, ast.Attribute) else getattr(call.func, "id", "")
-            args = call.args if func == "register_schema" else [k.value for k in call.keywords if k.arg == "node"]
-            names = [a.id for a in args if isinstance(a, ast.Name)] if func in ("register_schema", "store") else []
+            if func in ("register_schema", "driver_main"):
+                args = call.args[:1]
+            elif func == "store":
+                args = [k.value for k in call.keywords if k.arg == "node"]
+            else:
+                continue
+            names = [a.id for a in args if isinstance(a, ast.Name)]
             if names:
                 module = importlib.import_module(path[:-3].replace("/", "."))
-                roots += [getattr(module, n) for n in names]
+                roots += [getattr(module, n) for n in names if isinstance(getattr(module, n, None), type)]
     return roots
 
 
@@ -220,6 +239,11 @@ class _Scanner(ast.NodeVisitor):
         self.scope.pop()
 
     def visit_Call(self, node) -> None:
+        name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        if not self.path.startswith("benchmarks/") and (name == "replace" or name.endswith(("Config", "Options"))):
+            for k in node.keywords:
+                if k.arg is not None:
+                    self._check(k.arg, k.value, node.lineno)
         if (isinstance(node.func, ast.Attribute) and node.func.attr == "get" and len(node.args) == 2
                 and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
             self._check(node.args[0].value, node.args[1], node.lineno)
@@ -248,7 +272,7 @@ def test_each_default_in_one_place():
     sources = source_files()
     roots = schema_roots(sources)
     # The drivers' and the plan CLI's schemas at least; a lost root would hide its fields.
-    assert {"GRPORunConfig", "GKDRunConfig", "SFTRunConfig", "DistillRunConfig", "PlanConfig"} <= {
+    assert {"GRPOConfig", "GKDConfig", "SFTConfig", "DistillConfig", "PlanConfig"} <= {
         r.__name__ for r in roots}
     classes = config_classes(roots)
     settings = config_settings(classes)

@@ -7,12 +7,12 @@ from pathlib import Path
 import pytest
 from hydra import compose, initialize_config_module
 
-from algorithms.config import LoopConfig, prepare
-from algorithms.distill import (DistillAlgorithm, DistillRunConfig, validate, run, sample,
-                                select)
-from algorithms.runlog import RunLog, read_metrics
-from algorithms.tasks import arithmetic_examples
-from algorithms.user_data import load_user_data
+from algorithms.config.schema import LoopConfig, prepare
+from algorithms.distill import DistillAlgorithm, DistillConfig, validate, run, sample, select
+from algorithms.records.runlog import RunLog
+from algorithms.records.trackers import read_metrics
+from algorithms.data.tasks import arithmetic_examples
+from algorithms.data.user_data import load_user_data
 from orchestration.config import BackendConfig, ConfigError, register_schema
 from orchestration.base_group import GroupFuture
 from roles.batch import Completions
@@ -64,12 +64,12 @@ def fake_roles(examples, calls):
 @pytest.mark.parametrize("workers", ["ray", "local"])
 def test_selection_call_order_and_dataset_with_fake_roles(tmp_path, workers):
     examples = arithmetic_examples(6, seed=3)
-    cfg = DistillRunConfig(algorithm=DistillAlgorithm(num_return_sequences=4, n_best_to_keep=2, prm_threshold=0.5),
+    cfg = DistillConfig(algorithm=DistillAlgorithm(num_return_sequences=4, n_best_to_keep=2, prm_threshold=0.5),
                            run=LoopConfig(steps=2, prompts_per_step=3, eval_max_new_tokens=8),
                            backend=BackendConfig(workers=workers))
     calls = []
     sampler, prm, orm = fake_roles(examples, calls)
-    log = RunLog(tmp_path, cfg.run.steps, stream=io.StringIO())
+    log = RunLog(tmp_path, cfg.run.steps, LoopConfig(), stream=io.StringIO())
     record = sample(cfg, sampler, prm, orm, examples, examples[:2], tmp_path / "sampled.jsonl", log)
     log.close()
 
@@ -157,7 +157,7 @@ def test_end_to_end_on_ray_with_a_tensor_parallel_vllm_sampler_and_a_cpu_reward_
     groups = {**DEVICE_GROUPS, "nproc_per_node": 2, "sample_group": {
         "device": "GPU", "ranks": [0, 1], "workers": ["sampler"], "vllm_tensor_parallel_size": 2}}
     typed, plan = prepare({**tiny_config({"device_groups": groups}), "backend": {"rollout": "vllm"}},
-                          DistillRunConfig)
+                          DistillConfig)
     validate(typed, plan)
     assert plan["sampler"].world_size == 2 and plan["sampler"].tensor_parallel_size == 2
     assert plan["prm"].device == "CPU" and plan["orm"].world_size == 2 and plan["sampler"].device == "GPU"
@@ -165,12 +165,12 @@ def test_end_to_end_on_ray_with_a_tensor_parallel_vllm_sampler_and_a_cpu_reward_
     check_outputs(tmp_path, record, prompts=6)
     local = {**tiny_config({"device_groups": groups}), "backend": {"rollout": "vllm", "workers": "local"}}
     with pytest.raises(ConfigError, match="device_groups.sample_group.vllm_tensor_parallel_size"):
-        validate(*prepare(local, DistillRunConfig))
+        validate(*prepare(local, DistillConfig))
 
 
 def test_end_to_end_local_with_warmup_and_sft_on_the_kept_rows(tmp_path):
     cfg = tiny_config({"device_groups": DEVICE_GROUPS}, warmup_sft_steps=2, sft_steps=2)
-    typed, plan = prepare({**cfg, "backend": {"workers": "local"}}, DistillRunConfig)
+    typed, plan = prepare({**cfg, "backend": {"workers": "local"}}, DistillConfig)
     validate(typed, plan)
     record = run(typed, plan, tmp_path)
     check_outputs(tmp_path, record, prompts=6)
@@ -211,7 +211,7 @@ device_groups:
 def test_ms_swift_sampling_yaml_loads_through_config_file_and_plans(tmp_path):
     path = tmp_path / "sampling.yaml"
     path.write_text(SWIFT_SAMPLING)
-    typed, plan = prepare({"config_file": str(path)}, DistillRunConfig)
+    typed, plan = prepare({"config_file": str(path)}, DistillConfig)
     validate(typed, plan)
     algo = typed.algorithm
     assert (algo.num_return_sequences, algo.n_best_to_keep, algo.prm_threshold, algo.temperature, algo.top_p,
@@ -222,18 +222,18 @@ def test_ms_swift_sampling_yaml_loads_through_config_file_and_plans(tmp_path):
     path.write_text(SWIFT_SAMPLING + "sampler_engine: vllm\nprm_model: Qwen/Qwen2.5-Math-PRM-7B\norm_model: math\n")
     with pytest.raises(ConfigError, match=r"2 key\(s\) .*prm_model: not supported: set prm.kind.*"
                                           r"orm_model: not supported: set orm.kind"):
-        prepare({"config_file": str(path)}, DistillRunConfig)
+        prepare({"config_file": str(path)}, DistillConfig)
     path.write_text(SWIFT_SAMPLING.replace("n_best_to_keep: 2", "n_best_to_keep: 4"))
-    typed, plan = prepare({"config_file": str(path)}, DistillRunConfig)
+    typed, plan = prepare({"config_file": str(path)}, DistillConfig)
     with pytest.raises(ConfigError, match="algorithm.n_best_to_keep.*must lie in"):
         validate(typed, plan)
 
 
 def test_quickstart_composes_validates_and_plans():
-    register_schema(DistillRunConfig)
+    register_schema(DistillConfig)
     with initialize_config_module(config_module="conf", version_base=None):
         cfg = compose(config_name="config", overrides=["+experiment=distill_quickstart"])
-    typed, plan = prepare(cfg, DistillRunConfig)
+    typed, plan = prepare(cfg, DistillConfig)
     validate(typed, plan)
     assert plan["sampler"].device == "GPU" and plan["prm"].device == "CPU" and plan["prm"].world_size == 2
     assert typed.prm.kind == "arithmetic" and typed.orm.kind == "numeric"
@@ -249,11 +249,11 @@ def test_a_sampling_resumed_after_a_generation_sent_ahead_draws_the_same_prompts
     state written after step k still points the stream at step k+1's prompts, so a run resumed
     from it keeps what a straight run keeps."""
     examples = arithmetic_examples(12, seed=5)
-    cfg = DistillRunConfig(algorithm=DistillAlgorithm(num_return_sequences=4, n_best_to_keep=1),
+    cfg = DistillConfig(algorithm=DistillAlgorithm(num_return_sequences=4, n_best_to_keep=1),
                            run=LoopConfig(steps=3, prompts_per_step=2, eval_max_new_tokens=8))
 
     def sampled(out: Path, resumed=None) -> str:
-        log = RunLog(out, cfg.run.steps, stream=io.StringIO())
+        log = RunLog(out, cfg.run.steps, LoopConfig(), stream=io.StringIO())
         try:
             sample(cfg, *fake_roles(examples, []), examples, examples[:2], out / "sampled.jsonl", log, resumed)
         finally:

@@ -29,9 +29,9 @@ def test_grpo_quickstart_with_vllm_and_megatron_tensor_parallel_engines(ray_clus
     ranks and the reference policy: the SFT warm start, then weights synced to both engine
     ranks every step, two optimizer updates per generated batch (steps_per_generation=2)."""
     pytest.importorskip("vllm")
-    from algorithms.runlog import read_metrics
+    from algorithms.records.trackers import read_metrics
 
-    _, typed, plan = prepared(grpo.GRPORunConfig, TINY_GRPO + [
+    _, typed, plan = prepared(grpo.GRPOConfig, TINY_GRPO + [
         "backend.rollout=vllm", "backend.train=megatron", "megatron.tensor_parallel_size=2",
         "placement.train.gpus=2", "placement.rollout.gpus=2", "placement.rollout.vllm_tensor_parallel_size=2",
         "algorithm.steps_per_generation=2"])

@@ -13,14 +13,14 @@ import pytest
 from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
-from algorithms.config import prepare
-from algorithms.runlog import read_metrics
+from algorithms.config.schema import prepare
+from algorithms.records.trackers import read_metrics
 from orchestration.config import register_schema
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 # Driver module (algorithms.<driver>) -> its typed schema, as its main() uses it.
-DRIVERS = {"sft": "SFTRunConfig", "grpo": "GRPORunConfig", "gkd": "GKDRunConfig", "distill": "DistillRunConfig"}
+DRIVERS = {"sft": "SFTConfig", "grpo": "GRPOConfig", "gkd": "GKDConfig", "distill": "DistillConfig"}
 # Every shipped experiment: the driver it is written for (its name or its header comment says
 # which), where its one-step run places the roles, and the overrides that shrink its layout.
 # Layouts keep their form (colocated, separate, two nodes, a standalone teacher group, a GPU

@@ -4,8 +4,8 @@ it is in flight, on Ray with real roles."""
 import pytest
 
 from algorithms import gkd
-from algorithms.config import GKDRunConfig
-from algorithms.runlog import read_metrics
+from algorithms.gkd import GKDConfig
+from algorithms.records.trackers import read_metrics
 from tests.driver_helpers import TINY_GKD, MarkedLog, prepared
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one intra-op thread
@@ -14,7 +14,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one intra-op thr
 def test_a_teacher_call_made_ahead_that_failed_is_raised_naming_the_teacher_when_read(tmp_path):
     """A call made ahead returns at once; its failure comes when the next step reads the answer,
     as the teacher's own error. `ahead` with `keep` is refused."""
-    from algorithms.turns import Turns
+    from algorithms.runtime.steps import Steps
     from orchestration.base_group import GroupFuture, WorkerError
     from orchestration.config import WeightSyncConfig
 
@@ -36,9 +36,9 @@ def test_a_teacher_call_made_ahead_that_failed_is_raised_naming_the_teacher_when
                 raise WorkerError("teacher", 1, method, "RuntimeError: out of memory")
             return GroupFuture(failed)
 
-    typed, plan = prepared(GKDRunConfig, TINY_GKD)[1:]
-    turns = Turns(plan, {"train": Group(), "teacher": Group()}, typed.run, WeightSyncConfig(),
-                  MarkedLog(tmp_path, 3, []), [])
+    typed, plan = prepared(GKDConfig, TINY_GKD)[1:]
+    turns = Steps(plan, {"train": Group(), "teacher": Group()}, typed.run, WeightSyncConfig(),
+                  MarkedLog(tmp_path, 3, []), []).turns
     future = turns.call("teacher", "logits", "a batch", 4, phase="teacher", ahead=True)
     with pytest.raises(WorkerError, match=r"teacher rank 1 failed in logits\(\): RuntimeError: out of memory"):
         future.get()
@@ -61,7 +61,7 @@ def test_a_teacher_on_devices_of_its_own_scores_the_next_batch_while_the_student
     base = teacher_group(tmp_path, ray_cluster) + ["run.steps=6", "algorithm.lmbda=0.5"]
     records = {}
     for backend in ("local", "ray"):
-        _, typed, plan = prepared(GKDRunConfig, base + [f"backend.workers={backend}"])
+        _, typed, plan = prepared(GKDConfig, base + [f"backend.workers={backend}"])
         gkd.validate(typed, plan)
         gkd.run(typed, plan, tmp_path / backend)
         records[backend] = read_metrics(tmp_path / backend / "metrics.jsonl")
@@ -88,7 +88,7 @@ def test_a_train_step_failing_while_the_next_batch_is_scored_ahead_is_raised_and
     import threading
     import time
 
-    from algorithms.turns import Turns
+    from algorithms.runtime.turns import Turns
     from orchestration.base_group import WorkerError
     from tests.failing_roles import TeacherStallingAtCall3, TrainerFailingAtStep2
 
@@ -106,7 +106,7 @@ def test_a_train_step_failing_while_the_next_batch_is_scored_ahead_is_raised_and
     monkeypatch.setattr(Turns, "call", spied)
     args = teacher_group(tmp_path, ray_cluster) + ["run.steps=4", "run.eval_every=0", "algorithm.lmbda=0",
                                                    "backend.workers=ray"]
-    _, typed, plan = prepared(GKDRunConfig, args)
+    _, typed, plan = prepared(GKDConfig, args)
     gkd.validate(typed, plan)
     with pytest.raises(WorkerError, match=r"train rank 0 failed in \S*train_step\S*\(\): RuntimeError: step 2 broke"):
         gkd.run(typed, plan, tmp_path / "run")

@@ -68,16 +68,16 @@ def test_grpo_driver_colocated_on_one_gpu(tmp_path):
     from hydra import compose, initialize_config_module
 
     from algorithms import grpo
-    from algorithms.config import prepare
-    from algorithms.runlog import read_metrics
+    from algorithms.config.schema import prepare
+    from algorithms.records.trackers import read_metrics
     from orchestration.config import register_schema
 
-    register_schema(grpo.GRPORunConfig)
+    register_schema(grpo.GRPOConfig)
     with initialize_config_module(config_module="conf", version_base=None):
         cfg = compose(config_name="config", overrides=[
             "+experiment=grpo_quickstart", "run.steps=3", "run.prompts_per_step=4", "algorithm.num_generations=4",
             "algorithm.warmup_sft_steps=0", "trainer.warmup_steps=0", "data.train_size=50", "data.eval_size=8", "cluster.simulate_missing_gpus=false"])
-    typed, plan = prepare(cfg, grpo.GRPORunConfig)
+    typed, plan = prepare(cfg, grpo.GRPOConfig)
     grpo.validate(typed, plan)
     try:
         grpo.run(typed, plan, tmp_path)
@@ -209,7 +209,7 @@ def test_gkd_student_topk_trains_as_the_compiled_full_logits(mode):
     compiled trainer that makes the full logits."""
     import dataclasses
 
-    from algorithms.losses import GKDLoss
+    from algorithms.objectives.losses import GKDLoss
 
     cfg = TrainerConfig(lr=1e-3, warmup_steps=0, total_steps=10, device="cuda", dtype="bfloat16",
                         micro_batch_per_device=4, compile=True, packing=True)

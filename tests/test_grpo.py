@@ -7,10 +7,10 @@ import pytest
 import torch
 
 from algorithms import grpo
-from algorithms.advantages import group_advantages
-from algorithms.config import LoopConfig
-from algorithms.runlog import RunLog
-from algorithms.tasks import Example
+from algorithms.objectives.advantages import group_advantages
+from algorithms.config.schema import LoopConfig
+from algorithms.records.runlog import RunLog
+from algorithms.data.tasks import Example
 from orchestration.config import ConfigError
 from orchestration.planner import make_plan
 from roles.batch import Completions
@@ -89,7 +89,7 @@ EXAMPLES = [Example(prompt=q, solution=f"#### {a}", answer=a) for q, a in ANSWER
 
 
 def fake_run(tmp_path, correct, steps=1, placement=None, loop=None, **algo):
-    cfg = grpo.GRPORunConfig(run=LoopConfig(**{"steps": steps, "prompts_per_step": 4, "save_final": False,
+    cfg = grpo.GRPOConfig(run=LoopConfig(**{"steps": steps, "prompts_per_step": 4, "save_final": False,
                                                **(loop or {})}),
                              algorithm=grpo.GRPOAlgorithm(num_generations=G, **algo))
     plan = make_plan({**COLOCATED, **(placement or {})})
@@ -97,7 +97,7 @@ def fake_run(tmp_path, correct, steps=1, placement=None, loop=None, **algo):
     trainer, rollout = FakeGroup("train", log), FakeGroup("rollout", log, correct)
     reference = FakeGroup("reference", log) if cfg.algorithm.beta else None
     rewards = grpo.Rewards(grpo.reward_specs(cfg.algorithm), {})
-    run_log = RunLog(tmp_path, steps, stream=io.StringIO())
+    run_log = RunLog(tmp_path, steps, LoopConfig(), stream=io.StringIO())
     record = grpo.train(cfg, plan, trainer, rollout, reference, rewards, EXAMPLES, EXAMPLES[:3], Tokenizer(), run_log)
     run_log.close()
     return log, record
@@ -206,16 +206,16 @@ def test_dynamic_sample_drops_zero_variance_groups(tmp_path):
 
 def test_check_rejects_bad_settings():
     plan = make_plan(COLOCATED)
-    ok = grpo.GRPORunConfig(run=LoopConfig(prompts_per_step=4))
+    ok = grpo.GRPOConfig(run=LoopConfig(prompts_per_step=4))
     grpo.validate(ok, plan)
     for algo in [dict(num_generations=1), dict(scale_rewards="std"), dict(loss_type="ppo"),
                  dict(reward_funcs=["nope"]), dict(reward_weights=[1.0, 2.0]), dict(steps_per_generation=0)]:
         with pytest.raises(ConfigError):
-            grpo.validate(grpo.GRPORunConfig(run=LoopConfig(prompts_per_step=4), algorithm=grpo.GRPOAlgorithm(**algo)), plan)
+            grpo.validate(grpo.GRPOConfig(run=LoopConfig(prompts_per_step=4), algorithm=grpo.GRPOAlgorithm(**algo)), plan)
     # The warm start runs on the trainer's ranks: each needs a share of every SFT batch.
     two = make_plan({"train": {"gpus": 2}, "rollout": {"gpus": 1}})
     with pytest.raises(ConfigError, match="warmup_sft_batch"):
-        grpo.validate(grpo.GRPORunConfig(run=LoopConfig(prompts_per_step=4), algorithm=grpo.GRPOAlgorithm(
+        grpo.validate(grpo.GRPOConfig(run=LoopConfig(prompts_per_step=4), algorithm=grpo.GRPOAlgorithm(
             warmup_sft_steps=5, warmup_sft_batch=1)), two)
 
 
@@ -237,7 +237,7 @@ def test_planned_orm_and_prm_roles_score_the_rewards():
         "nproc_per_node": 1, "gen": {"device": "GPU", "ranks": [0], "workers": ["train", "rollout"]},
         "rm": {"device": "CPU", "ranks": 1, "workers": ["orm", "prm"]}}})
     algo = grpo.GRPOAlgorithm(reward_funcs=["accuracy", "format", "prm"], reward_weights=[1.0, 0.1, 0.5])
-    grpo.validate(grpo.GRPORunConfig(run=LoopConfig(prompts_per_step=4), algorithm=algo), plan)
+    grpo.validate(grpo.GRPOConfig(run=LoopConfig(prompts_per_step=4), algorithm=algo), plan)
     specs = grpo.reward_specs(algo)
     configs = grpo.planned_reward_configs(specs, plan)
     assert configs["orm"]["kind"] == "combined" and configs["orm"]["weights"] == {"numeric": 1.0, "format": 0.1}

@@ -95,12 +95,12 @@ def test_the_plan_hosts_a_colocated_teacher_in_the_trainers_processes_only_when_
 
 def test_a_teacher_engine_other_than_torchs_gets_processes_of_its_own(caplog):
     from algorithms import gkd
-    from algorithms.config import GKDRunConfig
+    from algorithms.gkd import GKDConfig
     from tests.driver_helpers import TINY_GKD, prepared
 
-    _, typed, plan = prepared(GKDRunConfig, ["+experiment=gkd_quickstart", *TINY_GKD])
+    _, typed, plan = prepared(GKDConfig, ["+experiment=gkd_quickstart", *TINY_GKD])
     assert plan["teacher"].host == "train" and gkd.hosting(typed, plan) is plan  # the quickstart's torch teacher
-    _, typed, plan = prepared(GKDRunConfig, ["+experiment=gkd_quickstart", *TINY_GKD, "backend.teacher=vllm",
+    _, typed, plan = prepared(GKDConfig, ["+experiment=gkd_quickstart", *TINY_GKD, "backend.teacher=vllm",
                                              "placement.gkd_logits_topk=8"])
     gkd.validate(typed, plan)
     started = gkd.hosting(typed, plan)
@@ -200,22 +200,22 @@ def test_turns_send_a_kept_call_and_the_trainers_call_back_to_back(ray_cluster, 
     onload and offload are logged when the step settles; a teacher that failed is the error
     raised, not the trainer's missing answer, and a trainer that failed after it is named as the
     trainer."""
-    from algorithms.gkd import GKDRunConfig
-    from algorithms.turns import Turns
+    from algorithms.gkd import GKDConfig
+    from algorithms.runtime.steps import Steps
     from orchestration.config import WeightSyncConfig
     from orchestration.placement import create_placement
     from orchestration.worker_group import WorkerGroup
     from tests.driver_helpers import TINY_GKD, MarkedLog, prepared
 
-    _, typed, plan = prepared(GKDRunConfig, TINY_GKD + ["placement.offload_teacher_model=true"])
+    _, typed, plan = prepared(GKDConfig, TINY_GKD + ["placement.offload_teacher_model=true"])
     places = two_ranks()
     placement = create_placement(places, timeout_s=30)
     try:
         trainer = WorkerGroup(Taker, places["prm"], placement=placement)
         teacher = WorkerGroup(Keeper, places["orm"], placement=placement, host=trainer)
         log = MarkedLog(tmp_path, 3, [])
-        turns = Turns(plan, {"train": trainer, "teacher": teacher}, typed.run, WeightSyncConfig(), log, [])
-        turns._settle()  # the teacher's first offload, sent as the run starts
+        turns = Steps(plan, {"train": trainer, "teacher": teacher}, typed.run, WeightSyncConfig(), log, []).turns
+        turns.settle()  # the teacher's first offload, sent as the run starts
         batch = batch_of(4)
         before = CALLS.remote
         out = turns.call("teacher", "logits", batch, 2.0, dispatch="slice", phase="teacher", keep="t")
@@ -225,7 +225,7 @@ def test_turns_send_a_kept_call_and_the_trainers_call_back_to_back(ray_cluster, 
             got = trainer.call("train_step", batch, dispatch="slice")
         assert CALLS.remote - before == 2  # one call per rank: the teacher's rode on the trainer's
         assert [r["logprobs"] for r in got] == [[[0.0, 2.0], [4.0, 6.0]], [[8.0, 10.0], [12.0, 14.0]]]
-        turns._settle()
+        turns.settle()
         assert not turns._kept
         assert log._sums["move/teacher_onload_bytes"] == 2 * 3  # both ranks, from the kept call
         assert log._sums["move/teacher_offload_bytes"] == 2 * 5 * 2  # the first offload and the turn's
@@ -253,15 +253,15 @@ def test_gkd_with_the_teacher_in_the_trainers_processes_computes_the_in_process_
     on the trainer's ranks (1 remote call a step: the trainer's, which the teacher's rides on, plus
     the rollout's on on-policy steps) and the losses equal those of backend=local."""
     from algorithms import gkd
-    from algorithms.config import GKDRunConfig
-    from algorithms.runlog import read_metrics
+    from algorithms.gkd import GKDConfig
+    from algorithms.records.trackers import read_metrics
     from tests.driver_helpers import TINY_GKD, prepared
 
     base = ["+experiment=gkd_quickstart", *TINY_GKD, f"teacher.cache_dir={tmp_path / 'teachers'}",
             f"placement.gkd_logits_topk={'null' if topk is None else topk}", "run.steps=3", "run.save_final=false"]
     records = {}
     for backend in ("local", "ray"):
-        _, typed, plan = prepared(GKDRunConfig, base + [f"backend.workers={backend}",
+        _, typed, plan = prepared(GKDConfig, base + [f"backend.workers={backend}",
                                                         f"cluster.address={ray_cluster.address}",
                                                         "placement.teacher_in_trainer_process=true"])
         gkd.validate(typed, plan)

@@ -1,15 +1,17 @@
 """Invalid configs across the drivers and the planner, held to one form: the driver's entry
-point (its Hydra main body on a composed config) exits 2 with one line
+point (algorithms/runtime/entry.py `command`, the body of every driver's Hydra main, on a
+composed config) exits 2 with one line
 `error: config key 'X'=V ... Fix: ...` naming a key the user can set, before anything starts
 (run(), which starts Ray and the roles, is never reached)."""
 import pytest
 
 from algorithms import distill, gkd, grpo, sft
+from algorithms.runtime import entry
 from tests.driver_helpers import composed
 
-DRIVERS = {"sft": (sft, sft.SFTRunConfig, "sft_quickstart"), "grpo": (grpo, grpo.GRPORunConfig, "grpo_quickstart"),
-           "gkd": (gkd, gkd.GKDRunConfig, "gkd_quickstart"),
-           "distill": (distill, distill.DistillRunConfig, "distill_quickstart")}
+DRIVERS = {"sft": (sft, sft.SFTConfig, "sft_quickstart"), "grpo": (grpo, grpo.GRPOConfig, "grpo_quickstart"),
+           "gkd": (gkd, gkd.GKDConfig, "gkd_quickstart"),
+           "distill": (distill, distill.DistillConfig, "distill_quickstart")}
 VLLM_TP = "placement.train.gpus=2 placement.rollout.gpus=2 placement.rollout.vllm_tensor_parallel_size="
 GKD_TEACHER_GROUP = ("placement.teacher_model=null placement.offload_teacher_model=false placement.teacher.gpus=1 "
                      "placement.teacher_in_trainer_process=false")
@@ -91,18 +93,18 @@ CASES = [
     ("sft", "cluster.num_cpus=0", "cluster.num_cpus"),
     ("sft", "config_file=/nonexistent/swift.yaml", "config_file"),
     # the planner
-    ("sft", "placement.train.gpus=0", "train"),
-    ("sft", "placement.train.gpus=-1", "train.gpus"),
+    ("sft", "placement.train.gpus=0", "placement.train.gpus"),
+    ("sft", "placement.train.gpus=-1", "placement.train.gpus"),
     ("sft", "placement.train.gpus=0 placement.train.model=tiny_llama", "placement.train.model"),
-    ("grpo", "placement.rollout.gpus=0", "colocate_groups"),
-    ("gkd", "placement.sleep_level=3", "sleep_level"),
-    ("gkd", "placement.colocate_groups=[[train,rollout,critic]]", "colocate_groups"),
-    ("gkd", "placement.train.gpus=2", "colocate_groups"),
-    ("gkd", "placement.teacher.gpus=1", "offload_teacher_model"),
+    ("grpo", "placement.rollout.gpus=0", "placement.colocate_groups"),
+    ("gkd", "placement.sleep_level=3", "placement.sleep_level"),
+    ("gkd", "placement.colocate_groups=[[train,rollout,critic]]", "placement.colocate_groups"),
+    ("gkd", "placement.train.gpus=2", "placement.colocate_groups"),
+    ("gkd", "placement.teacher.gpus=1", "placement.offload_teacher_model"),
     ("gkd", "placement.teacher_model=null placement.offload_teacher_model=false placement.teacher_in_trainer_process=false",
      "placement"),
-    ("distill", "placement.train={gpus:1}", "train"),
-    ("distill", "+placement.device_groups.sample_group.ranks=[0,0]", "device_groups.sample_group.ranks"),
+    ("distill", "placement.train={gpus:1}", "placement.train"),
+    ("distill", "+placement.device_groups.sample_group.ranks=[0,0]", "placement.device_groups.sample_group.ranks"),
     # GRPO
     ("grpo", "algorithm.num_generations=1", "algorithm.num_generations"),
     ("grpo", "algorithm.scale_rewards=foo", "algorithm.scale_rewards"),
@@ -134,7 +136,7 @@ CASES = [
     ("gkd", "algorithm.sft_alpha=-1", "algorithm.sft_alpha"),
     ("gkd", "algorithm.max_new_tokens=0", "algorithm.max_new_tokens"),
     ("gkd", "placement.gkd_logits_topk=100000", "placement.gkd_logits_topk"),
-    ("gkd", "placement.gkd_logits_topk=0", "gkd_logits_topk"),
+    ("gkd", "placement.gkd_logits_topk=0", "placement.gkd_logits_topk"),
     ("gkd", "backend.teacher=vllm", "backend.teacher"),  # full vocabulary: vLLM serves top-k only
     ("gkd", "backend.teacher=vllm placement.gkd_logits_topk=100", "placement.gkd_logits_topk"),
     ("gkd", "teacher.warmup_lr=0", "teacher.warmup_lr"),
@@ -147,7 +149,7 @@ CASES = [
     # A teacher in the trainer's processes: only a colocated teacher.
     ("gkd", "placement.teacher_model=null placement.offload_teacher_model=false placement.teacher.gpus=1 "
             "placement.teacher_in_trainer_process=true",
-     "teacher_in_trainer_process"),
+     "placement.teacher_in_trainer_process"),
     # Only vLLM engines span several ranks, each rank its own process, heads split evenly.
     ("gkd", VLLM_TP + "2", "placement.rollout.vllm_tensor_parallel_size"),
     ("gkd", "backend.rollout=vllm backend.workers=local " + VLLM_TP + "2",
@@ -194,7 +196,7 @@ def test_invalid_config_is_one_line_naming_the_key_before_anything_starts(monkey
     monkeypatch.setattr("ray.init", started)
     cfg = composed(schema, [f"+experiment={experiment}", *overrides.split()])
     with pytest.raises(SystemExit) as exit_info:
-        module.main.__wrapped__(cfg)
+        entry.command(schema, module.validate, module.run)(cfg)
     err = capsys.readouterr().err.strip()
     assert exit_info.value.code == 2, err
     assert len(err.splitlines()) == 1 and err.startswith("error: ") and "Fix:" in err, err
@@ -206,5 +208,5 @@ def test_the_quickstarts_themselves_pass(monkeypatch):
     for name, (module, schema, experiment) in DRIVERS.items():
         cfg = composed(schema, [f"+experiment={experiment}"])
         monkeypatch.setattr(module, "run", lambda *a, **k: {"checkpoint": None})
-        monkeypatch.setattr(module, "run_dir", lambda: "/nonexistent/run_dir", raising=False)
-        module.main.__wrapped__(cfg)
+        monkeypatch.setattr(entry, "run_dir", lambda: "/nonexistent/run_dir")
+        entry.command(schema, module.validate, module.run)(cfg)

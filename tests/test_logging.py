@@ -9,8 +9,9 @@ import sys
 import pytest
 
 from algorithms import sft
-from algorithms.config import SFTRunConfig
-from algorithms.runlog import read_metrics
+from algorithms.sft import SFTConfig
+from algorithms.records.trackers import read_metrics
+from algorithms.config.schema import LoopConfig
 from orchestration.cluster import set_log_level
 from orchestration.config import ConfigError
 from orchestration.planner import make_plan
@@ -34,7 +35,7 @@ def log_file(tmp_path):
 
 
 def tiny_sft(tmp_path, *overrides):
-    cfg, typed, plan = prepared(SFTRunConfig, ["+experiment=sft_quickstart", *TINY, "backend=local",
+    cfg, typed, plan = prepared(SFTConfig, ["+experiment=sft_quickstart", *TINY, "backend=local",
                                                "run.save_final=false", *overrides])
     sft.validate(typed, plan)
     return sft.run(typed, plan, tmp_path / "run")
@@ -47,7 +48,7 @@ def test_sft_messages_and_metrics_lines_reach_the_log_file(tmp_path, log_file, c
     lines = log_file.read_text().splitlines()
     assert any(line.startswith("[algorithms.sft][INFO] - sft: 50 train / 3 held-out examples; 3 steps x 4 sequences")
                for line in lines), lines
-    metrics = [line for line in lines if line.startswith("[algorithms.runlog][INFO] - [")]
+    metrics = [line for line in lines if line.startswith("[algorithms.records.runlog][INFO] - [")]
     assert [line.split(" - ")[1][:5] for line in metrics] == ["[0/3]", "[2/3]", "[3/3]"]
     last = read_metrics(tmp_path / "run" / "metrics.jsonl")[-1]
     assert f"train/loss={last['train/loss']:.4g}" in metrics[-1]
@@ -135,7 +136,7 @@ def test_cli_run_writes_its_messages_to_the_hydra_job_log(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     log = (run_dir / "sft.log").read_text()
     assert "[algorithms.sft][INFO] - sft: 50 train / 3 held-out examples" in log
-    assert "[algorithms.runlog][INFO] - [0/3]" in log and "[algorithms.runlog][INFO] - [3/3]" in log
+    assert "[algorithms.records.runlog][INFO] - [0/3]" in log and "[algorithms.records.runlog][INFO] - [3/3]" in log
     assert [line[:5] for line in done.stdout.splitlines() if line.startswith("[") and "/3]" in line[:6]] == \
         ["[0/3]", "[3/3]"]
 
@@ -144,10 +145,10 @@ def test_a_metrics_line_shows_a_negative_zero_as_zero(tmp_path):
     """A mean of values that sum to 0 can come out -0.0 (GRPO's advantages/mean): shown as 0."""
     import io
 
-    from algorithms.runlog import RunLog
+    from algorithms.records.runlog import RunLog
 
     stream = io.StringIO()
-    log = RunLog(tmp_path, 1, stream=stream)
+    log = RunLog(tmp_path, 1, LoopConfig(), stream=stream)
     log.step(1, {"advantages/mean": -0.0, "advantages/min": -2.5})
     line = stream.getvalue()
     assert "advantages/mean=0 " in line + " " and "advantages/min=-2.5" in line

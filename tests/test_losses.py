@@ -6,9 +6,8 @@ import pickle
 import pytest
 import torch
 
-from algorithms.advantages import group_advantages, zero_variance_groups
-from algorithms.losses import (GKDLoss, GRPOLoss, SFTLoss, gkd_loss, grpo_loss, k3_kl, loss_denominator,
-                               make_loss, sft_loss)
+from algorithms.objectives.advantages import group_advantages, zero_variance_groups
+from algorithms.objectives.losses import (GKDLoss, GRPOLoss, SFTLoss, gkd_loss, grpo_loss, k3_kl, loss_denominator, make_loss, sft_loss)
 from roles.batch import Batch
 
 EPS = 1e-4

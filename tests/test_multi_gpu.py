@@ -143,7 +143,7 @@ def test_benchmark_simulated_on_cpu(ray_cluster, tmp_path, one_thread):
 
 def check_overlap_run(run_dir: Path) -> None:
     """Separate devices, algorithm.max_staleness=1: generation of the next batch overlaps training."""
-    from algorithms.runlog import read_metrics
+    from algorithms.records.trackers import read_metrics
     from tests.test_overlap import spans
 
     records, timeline = read_metrics(run_dir / "metrics.jsonl"), read_metrics(run_dir / "timeline.jsonl")
@@ -159,7 +159,7 @@ def check_overlap_run(run_dir: Path) -> None:
 
 def check_colocated_run(run_dir: Path) -> None:
     """Trainer and rollout on the same devices take turns, offloading and sleeping between them."""
-    from algorithms.runlog import read_metrics
+    from algorithms.records.trackers import read_metrics
     from tests.test_overlap import spans
 
     records, timeline = read_metrics(run_dir / "metrics.jsonl"), read_metrics(run_dir / "timeline.jsonl")

@@ -15,9 +15,11 @@ import torch
 from hydra import initialize_config_module
 
 from algorithms import gkd, grpo
-from algorithms.config import GKDRunConfig, GKDAlgorithm, LoopConfig
-from algorithms.runlog import RunLog, read_metrics
-from algorithms.tasks import Example
+from algorithms.gkd import GKDConfig, GKDAlgorithm
+from algorithms.config.schema import LoopConfig
+from algorithms.records.runlog import RunLog
+from algorithms.records.trackers import read_metrics
+from algorithms.data.tasks import Example
 from orchestration.base_group import BaseWorkerGroup
 from orchestration.config import ConfigError
 from orchestration.planner import make_plan
@@ -107,9 +109,9 @@ class SlowTeacher:
 
 
 def run_grpo(tmp_path, max_staleness, steps=5, placement=SEPARATE, rollout=None):
-    cfg = grpo.GRPORunConfig(run=LoopConfig(steps=steps, prompts_per_step=2, save_final=False),
+    cfg = grpo.GRPOConfig(run=LoopConfig(steps=steps, prompts_per_step=2, save_final=False),
                              algorithm=grpo.GRPOAlgorithm(num_generations=2, max_staleness=max_staleness))
-    log = RunLog(tmp_path, steps, stream=io.StringIO())
+    log = RunLog(tmp_path, steps, LoopConfig(), stream=io.StringIO())
     try:
         grpo.train(cfg, make_plan(placement), ThreadGroup("train", SlowTrainer()),
                    ThreadGroup("rollout", rollout or SlowRollout()), None,
@@ -173,10 +175,10 @@ def test_samples_older_than_the_bound_stop_the_run(tmp_path):
 
 def test_gkd_staleness_1_overlaps_generation_with_teacher_and_training(tmp_path):
     steps = 4
-    cfg = GKDRunConfig(run=LoopConfig(steps=steps, prompts_per_step=2, save_final=False),
+    cfg = GKDConfig(run=LoopConfig(steps=steps, prompts_per_step=2, save_final=False),
                        algorithm=GKDAlgorithm(lmbda=1.0, max_staleness=1))
     plan = make_plan({**SEPARATE, "teacher": {"gpus": 1, "model": "tiny_llama"}})
-    log = RunLog(tmp_path, steps, stream=io.StringIO())
+    log = RunLog(tmp_path, steps, LoopConfig(), stream=io.StringIO())
     try:
         gkd.train(cfg, plan, ThreadGroup("train", SlowTrainer()), ThreadGroup("rollout", SlowRollout()),
                   ThreadGroup("teacher", SlowTeacher()), EXAMPLES, EXAMPLES[:2], Tokenizer(), log)
@@ -196,18 +198,18 @@ def test_gkd_staleness_1_overlaps_generation_with_teacher_and_training(tmp_path)
 ])
 def test_overlap_on_a_shared_device_is_refused(placement):
     plan = make_plan(placement)
-    cfg = grpo.GRPORunConfig(run=LoopConfig(prompts_per_step=4), algorithm=grpo.GRPOAlgorithm(max_staleness=1))
+    cfg = grpo.GRPOConfig(run=LoopConfig(prompts_per_step=4), algorithm=grpo.GRPOAlgorithm(max_staleness=1))
     with pytest.raises(ConfigError, match=r"'algorithm.max_staleness'=1 .*colocates rollout with \['train'\].*Fix"):
         grpo.validate(cfg, plan)
-    grpo.validate(grpo.GRPORunConfig(run=LoopConfig(prompts_per_step=4)), plan)  # 0 is fine there
+    grpo.validate(grpo.GRPOConfig(run=LoopConfig(prompts_per_step=4)), plan)  # 0 is fine there
 
 
 def test_gkd_overlap_with_a_colocated_rollout_is_refused():
     plan = make_plan({**COLOCATED, "teacher_model": "tiny_llama"})
     with pytest.raises(ConfigError, match="algorithm.max_staleness"):
-        gkd.validate(GKDRunConfig(algorithm=GKDAlgorithm(max_staleness=2)), plan)
+        gkd.validate(GKDConfig(algorithm=GKDAlgorithm(max_staleness=2)), plan)
     with pytest.raises(ConfigError, match="must be >= 0"):
-        grpo.validate(grpo.GRPORunConfig(run=LoopConfig(prompts_per_step=4),
+        grpo.validate(grpo.GRPOConfig(run=LoopConfig(prompts_per_step=4),
                                       algorithm=grpo.GRPOAlgorithm(max_staleness=-1)), make_plan(SEPARATE))
 
 

@@ -6,12 +6,17 @@ import io
 
 import pytest
 
-from algorithms import common, grpo, sft
-from algorithms.config import SFTRunConfig, as_dict
-from algorithms.data import load_task, row_limits
-from algorithms.losses import make_loss
-from algorithms.runlog import RunLog, read_metrics
-from algorithms.tasks import Example
+from algorithms import grpo, sft
+from algorithms.sft import SFTConfig
+from algorithms.config.schema import as_dict
+from algorithms.data.loading import load_task, row_limits
+from algorithms.objectives.losses import make_loss
+from algorithms.records.runlog import RunLog
+from algorithms.records.trackers import read_metrics
+from algorithms.data.tasks import Example
+from algorithms.data.prompts import chat_prompt, chat_texts, encode_examples
+from algorithms.config.schema import rollout_section
+from algorithms.config.schema import LoopConfig
 from orchestration.config import ConfigError
 from orchestration.launch import driver_group
 from roles.models import build_model, load_tokenizer
@@ -48,9 +53,9 @@ def test_plain_encoding_and_rollout_prompts_agree(plain_model):
     templated = load_tokenizer("tiny_qwen2")
     for tok, chat in ((load_tokenizer(plain_model), None), (load_tokenizer(plain_model), False), (templated, False)):
         prompt, reply = plain_ids(tok, EX)
-        enc = common.encode_examples(tok, [EX], pretrain=False, chat=chat)
+        enc = encode_examples(tok, [EX], pretrain=False, chat=chat)
         assert (enc.prompt_ids, enc.completion_ids) == ([prompt], [reply])
-        assert common.chat_texts(tok, EX, chat) == (EX.prompt, EX.prompt + EX.solution)
+        assert chat_texts(tok, EX, chat) == (EX.prompt, EX.prompt + EX.solution)
         rollout = Rollout(plain_model if tok is not templated else "tiny_qwen2", config={"chat": chat})
         out = rollout.generate([EX.prompt_messages()], {"temperature": 0.0, "max_new_tokens": 2})
         assert out.prompt_ids == [prompt]
@@ -58,10 +63,10 @@ def test_plain_encoding_and_rollout_prompts_agree(plain_model):
     turns = Example(prompt="and 3+4?", solution="7", answer="7",
                     context=[{"role": "user", "content": "2+3?"}, {"role": "assistant", "content": "5"},
                              {"role": "user", "content": "and 3+4?"}])
-    assert common.chat_prompt(templated, turns, False) == "2+3?\n5\nand 3+4?"
-    assert all(m in common.chat_prompt(templated, turns, None) for m in TEMPLATE_MARKERS)
+    assert chat_prompt(templated, turns, False) == "2+3?\n5\nand 3+4?"
+    assert all(m in chat_prompt(templated, turns, None) for m in TEMPLATE_MARKERS)
     with pytest.raises(ConfigError, match=r"config key 'data.chat'=True .*no chat template.*Fix:"):
-        common.encode_examples(load_tokenizer(plain_model), [EX], pretrain=False, chat=True)
+        encode_examples(load_tokenizer(plain_model), [EX], pretrain=False, chat=True)
 
 
 class Recorder:
@@ -97,16 +102,16 @@ def test_sft_trains_on_plain_text(tmp_path, plain_model, model):
     """data.chat=false: the SFT trainer's sequences are prompt + reply + eos as plain text (for a
     tokenizer without a template, and for one with a template it must not use)."""
     spec = [f"model.path={plain_model}", "model.tokenizer=null"] if model == "plain" else ["model=tiny_qwen2"]
-    _, cfg, plan = prepared(SFTRunConfig, ["+experiment=sft_quickstart", *TINY, "backend=local", "run.steps=2",
+    _, cfg, plan = prepared(SFTConfig, ["+experiment=sft_quickstart", *TINY, "backend=local", "run.steps=2",
                                            "data.chat=false", *spec])
     train_set, eval_set, _ = load_task(cfg.data, row_limits(cfg, replies=True))
     loss = make_loss("sft")
     trainer = Recorder(driver_group(Trainer, {"model": as_dict(cfg.model), "config": as_dict(cfg.trainer),
                                               "loss_fn": loss, "loss_inputs": loss.loss_inputs}, "train"))
-    evaluator = Recorder(driver_group(Rollout, {"model": as_dict(cfg.model), "config": common.rollout_config(cfg)},
+    evaluator = Recorder(driver_group(Rollout, {"model": as_dict(cfg.model), "config": rollout_section(cfg)},
                                       "evaluator"))
     tok = load_tokenizer(as_dict(cfg.model))
-    log = RunLog(tmp_path, cfg.run.steps, stream=io.StringIO())
+    log = RunLog(tmp_path, cfg.run.steps, LoopConfig(), stream=io.StringIO())
     try:
         sft.train(cfg, plan, trainer, evaluator, train_set, eval_set, tok, log)
     finally:
@@ -126,7 +131,7 @@ def test_sft_trains_on_plain_text(tmp_path, plain_model, model):
 
 
 def test_grpo_generates_and_trains_on_plain_text(tmp_path, plain_model):
-    _, cfg, plan = prepared(grpo.GRPORunConfig, ["+experiment=grpo_quickstart", *TINY, "backend=local", "run.steps=2",
+    _, cfg, plan = prepared(grpo.GRPOConfig, ["+experiment=grpo_quickstart", *TINY, "backend=local", "run.steps=2",
                                             "algorithm.num_generations=2", "algorithm.max_new_tokens=4",
                                             f"model.path={plain_model}", "model.tokenizer=null", "data.chat=null",
                                             "data.check=last_number"])
@@ -137,11 +142,11 @@ def test_grpo_generates_and_trains_on_plain_text(tmp_path, plain_model):
                      max_completion_length=a.max_new_tokens)
     trainer = Recorder(driver_group(Trainer, {"model": as_dict(cfg.model), "config": as_dict(cfg.trainer),
                                               "loss_fn": loss, "loss_inputs": ("entropy",)}, "train"))
-    rollout = Recorder(driver_group(Rollout, {"model": as_dict(cfg.model), "config": common.rollout_config(cfg)},
+    rollout = Recorder(driver_group(Rollout, {"model": as_dict(cfg.model), "config": rollout_section(cfg)},
                                     "rollout"))
     rewards = grpo.Rewards(grpo.reward_specs(a, cfg.data), {})
     tok = load_tokenizer(as_dict(cfg.model))
-    log = RunLog(tmp_path, cfg.run.steps, stream=io.StringIO())
+    log = RunLog(tmp_path, cfg.run.steps, LoopConfig(), stream=io.StringIO())
     try:
         record = grpo.train(cfg, plan, trainer, rollout, None, rewards, train_set, eval_set, tok, log)
     finally:

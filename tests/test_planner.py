@@ -143,7 +143,7 @@ def test_parse_ranks(text, expected):
 
 @pytest.mark.parametrize("text", ["__import__('os')", "list(range(0, 2)); x", "[0, 'a']", "[]", True, "[0, 0]", -1])
 def test_parse_ranks_refuses_unsafe_or_bad(text):
-    with pytest.raises(PlanError, match="'k'"):
+    with pytest.raises(PlanError, match="config key 'placement.k'=.*Fix: "):
         parse_ranks(text, "k")
 
 
@@ -157,7 +157,7 @@ INVALID = [
      "colocate_groups", "unknown role 'critic'"),
     ("colocated role without devices", {"colocate_groups": [["train", "rollout"]], "train": {"gpus": 1}},
      "colocate_groups", "has no devices"),
-    ("unknown top-level key", {"train": {"gpus": 1}, "gpus_per_node": 8}, "placement.gpus_per_node", "unknown key"),
+    ("unknown top-level key", {"train": {"gpus": 1}, "gpus_per_node": 8}, "gpus_per_node", "unknown key"),
     ("unknown role entry key", {"train": {"gpus": 1, "gpu": 2}}, "train.gpu", "unknown key"),
     ("tp does not divide", {"train": {"gpus": 2}, "rollout": {"gpus": 3, "vllm_tensor_parallel_size": 2}},
      "rollout.vllm_tensor_parallel_size", "does not divide"),
@@ -206,7 +206,7 @@ INVALID = [
     ("device_groups tp without a vLLM role", {"device_groups": {
         "nproc_per_node": 2, "g": {"device": "GPU", "ranks": 2, "workers": ["train"], "vllm_tensor_parallel_size": 2}}},
      "device_groups.g.vllm_tensor_parallel_size", "no role of ['train'] runs a vLLM engine"),
-    ("no roles", {"offload_model": True}, "train", "no role has devices"),
+    ("no roles", {"offload_model": True}, "train.gpus", "no train or rollout role has devices"),
 ]
 
 
@@ -216,7 +216,7 @@ def test_invalid_layouts_name_key_and_fix(cfg, key, fragment):
         make_plan(cfg)
     assert info.value.key == key
     msg = str(info.value)
-    assert f"placement key '{key}'" in msg and fragment in msg and "Fix: " in msg
+    assert msg.startswith(f"config key 'placement.{key}'") and fragment in msg and "Fix: " in msg
 
 
 def test_any_role_names_for_the_decorator_front_end():

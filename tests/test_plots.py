@@ -2,12 +2,13 @@
 timeline as Chrome trace events that tracing tools read."""
 import json
 
-from algorithms.plots import CURVES, chrome_trace, write_run_pictures
-from algorithms.runlog import RunLog
+from algorithms.records.plots import CURVES, chrome_trace, write_run_pictures
+from algorithms.records.runlog import RunLog
+from algorithms.config.schema import LoopConfig
 
 
 def fake_run(tmp_path, keys):
-    log = RunLog(tmp_path, 4, stream=open("/dev/null", "w"))
+    log = RunLog(tmp_path, 4, LoopConfig(), stream=open("/dev/null", "w"))
     for step in range(5):
         with log.phase("generate", "rollout"):
             pass

@@ -9,9 +9,10 @@ import time
 
 import pytest
 
-from algorithms import common, grpo
-from algorithms.runlog import read_metrics
-from algorithms.turns import Turns
+from algorithms import grpo
+from algorithms.records.trackers import read_metrics
+from algorithms.runtime.steps import Steps
+from algorithms.runtime.entry import run_with_restarts
 from orchestration.base_group import CALLS, WorkerError
 from orchestration.planner import make_plan
 from tests.driver_helpers import TINY, prepared
@@ -94,7 +95,7 @@ def test_a_killed_rank_of_a_restartable_group_is_replaced_and_its_share_run_agai
 
 def kill_after(monkeypatch, *kills: tuple[int, str]):
     """SIGKILL rank 0 of each (step, role) right after that step's record is first written."""
-    end_step, done = Turns.end_step, []
+    end_step, done = Steps.end_step, []
 
     def killing(self, s, metrics, state=None):
         record = end_step(self, s, metrics, state)
@@ -106,7 +107,7 @@ def kill_after(monkeypatch, *kills: tuple[int, str]):
                 wait_dead(pid)
         return record
 
-    monkeypatch.setattr(Turns, "end_step", killing)
+    monkeypatch.setattr(Steps, "end_step", killing)
 
 
 GRPO = ["+experiment=grpo_quickstart", *TINY, "algorithm.num_generations=2", "algorithm.max_new_tokens=8",
@@ -124,10 +125,10 @@ def test_grpo_survives_a_killed_rollout_and_continues_from_its_checkpoint_after_
     """One run loses both: the rollout process after step 1 (its group replaces the rank; no
     step lost) and the trainer process after step 3 (every role restarts from step 2's
     checkpoint; step 3 is redone)."""
-    _, typed, plan = prepared(grpo.GRPORunConfig, GRPO)
+    _, typed, plan = prepared(grpo.GRPOConfig, GRPO)
     grpo.validate(typed, plan)
     kill_after(monkeypatch, (1, "rollout"), (3, "train"))
-    record = common.run_with_restarts(grpo.run, typed, plan, tmp_path)
+    record = run_with_restarts(grpo.run, typed, plan, tmp_path)
     records = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["step"] for r in records] == [0, 1, 2, 3, 4]  # nothing lost, step 3 written once
     assert records[2]["events/restarts"] == 1 and records[2]["staleness/max"] == 0
@@ -135,10 +136,10 @@ def test_grpo_survives_a_killed_rollout_and_continues_from_its_checkpoint_after_
                                                                                ("run", "train", 0)]
     assert record["checkpoint"].endswith("step_4")
     # Without restarts the loss is the caller's, naming the rank.
-    _, typed, plan = prepared(grpo.GRPORunConfig, GRPO + ["run.max_restarts=0"])
+    _, typed, plan = prepared(grpo.GRPOConfig, GRPO + ["run.max_restarts=0"])
     kill_after(monkeypatch, (1, "train"))
     with pytest.raises(WorkerError, match="train rank 0 failed") as lost:
-        common.run_with_restarts(grpo.run, typed, plan, tmp_path / "again")
+        run_with_restarts(grpo.run, typed, plan, tmp_path / "again")
     assert lost.value.lost
 
 
@@ -161,9 +162,10 @@ def test_a_rollout_rank_replaced_during_a_train_call_gets_the_trainers_weights_a
     calls = []
     trainer = FakeGroup("train", [FakeTrainer()], calls)
     rollout = FakeGroup("rollout", [FakeRollout(), FakeRollout()], calls)
-    _, typed, plan = prepared(grpo.GRPORunConfig, GRPO)
-    turns = Turns(plan, {"train": trainer, "rollout": rollout}, typed.run, WeightSyncConfig(),
+    _, typed, plan = prepared(grpo.GRPOConfig, GRPO)
+    steps = Steps(plan, {"train": trainer, "rollout": rollout}, typed.run, WeightSyncConfig(),
                   MarkedLog(tmp_path, 4, []), [])
+    turns = steps.turns
     with turns.train_turn(2, Drained(), 1, {}):
         pass
     assert [r.version for r in rollout.ranks] == [2, 2]
@@ -172,7 +174,7 @@ def test_a_rollout_rank_replaced_during_a_train_call_gets_the_trainers_weights_a
         trainer.defer("memory")  # the driver's, for its next trainer call
         fresh = rollout.ranks[1] = FakeRollout()
         fresh.has_weights = False
-        watcher = threading.Thread(target=lambda: (CALLS.watching(), turns._restored(rollout, 1)))
+        watcher = threading.Thread(target=lambda: (CALLS.watching(), steps._restored(rollout, 1)))
         watcher.start()
         watcher.join()
         assert fresh.has_weights and fresh.version == 2 == rollout.ranks[0].version

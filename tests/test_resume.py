@@ -8,13 +8,18 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from algorithms import checkpoints, gkd, grpo, sft
-from algorithms.checkpoints import complete_checkpoints, find_resume, save_checkpoint
-from algorithms.common import PromptStream
-from algorithms.config import GKDRunConfig, SFTRunConfig, prepare
-from algorithms.runlog import RunLog, read_metrics
-from algorithms.tasks import Example
-from algorithms.turns import Turns
+from algorithms.records import checkpoints
+from algorithms import gkd, grpo, sft
+from algorithms.records.checkpoints import complete_checkpoints, find_resume, save_checkpoint
+from algorithms.data.prompts import PromptStream
+from algorithms.gkd import GKDConfig
+from algorithms.sft import SFTConfig
+from algorithms.config.schema import prepare
+from algorithms.records.runlog import RunLog
+from algorithms.records.trackers import read_metrics
+from algorithms.data.tasks import Example
+from algorithms.runtime.steps import Steps
+from algorithms.config.schema import LoopConfig
 from orchestration.config import ConfigError
 from tests.driver_helpers import TINY, TINY_GKD, prepared
 
@@ -86,13 +91,13 @@ def test_prompt_stream_skipping_k_batches_continues_exactly():
 
 
 def test_rewind_drops_the_lines_written_after_the_checkpoint(tmp_path):
-    log = RunLog(tmp_path, 4, stream=open("/dev/null", "w"))
+    log = RunLog(tmp_path, 4, LoopConfig(), stream=open("/dev/null", "w"))
     for step in range(4):
         with log.phase("train", "train"):
             pass
         log.step(step, {"train/loss": float(step)})
     log.close()
-    log = RunLog(tmp_path, 4, stream=open("/dev/null", "w"))
+    log = RunLog(tmp_path, 4, LoopConfig(), stream=open("/dev/null", "w"))
     assert log.rewind(1)["train/loss"] == 1.0
     log.step(2, {"train/loss": 20.0})
     log.close()
@@ -109,7 +114,7 @@ class Interrupted(Exception):
 
 def interrupt_after(monkeypatch, step: int):
     """Make the run die right after step `step`'s record is written (past its checkpoint's step)."""
-    end_step = Turns.end_step
+    end_step = Steps.end_step
 
     def dying(self, s, metrics, state=None):
         record = end_step(self, s, metrics, state)
@@ -117,7 +122,7 @@ def interrupt_after(monkeypatch, step: int):
             raise Interrupted(f"killed after step {s}")
         return record
 
-    monkeypatch.setattr(Turns, "end_step", dying)
+    monkeypatch.setattr(Steps, "end_step", dying)
 
 
 def comparable(records: list[dict]) -> list[dict]:
@@ -133,11 +138,11 @@ def weights(checkpoint: str) -> dict:
 
 
 CASES = {
-    "sft": (sft, SFTRunConfig, ["+experiment=sft_quickstart", *TINY]),
-    "grpo": (grpo, grpo.GRPORunConfig, ["+experiment=grpo_quickstart", *TINY, "algorithm.num_generations=2",
+    "sft": (sft, SFTConfig, ["+experiment=sft_quickstart", *TINY]),
+    "grpo": (grpo, grpo.GRPOConfig, ["+experiment=grpo_quickstart", *TINY, "algorithm.num_generations=2",
                                         "algorithm.max_new_tokens=8", "algorithm.warmup_sft_steps=0",
                                         "algorithm.beta=0.04", "data.train_size=6"]),
-    "gkd": (gkd, GKDRunConfig, ["+experiment=gkd_quickstart", *TINY_GKD, "algorithm.lmbda=0.5",
+    "gkd": (gkd, GKDConfig, ["+experiment=gkd_quickstart", *TINY_GKD, "algorithm.lmbda=0.5",
                                 "placement.gkd_logits_topk=4"]),
 }
 
@@ -192,7 +197,7 @@ def test_an_interruption_between_the_checkpoint_and_its_line_loses_no_line(tmp_p
     _, typed, plan = prepared(schema, base)
     straight = read_metrics(Path(driver.run(typed, plan, tmp_path / "straight")["checkpoint"]).parent.parent
                             / "metrics.jsonl")
-    save = Turns.save
+    save = Steps.save
 
     def dying(self, step, state):
         path = save(self, step, state)
@@ -201,7 +206,7 @@ def test_an_interruption_between_the_checkpoint_and_its_line_loses_no_line(tmp_p
         return path
 
     with monkeypatch.context() as m:
-        m.setattr(Turns, "save", dying)
+        m.setattr(Steps, "save", dying)
         with pytest.raises(Interrupted):
             driver.run(typed, plan, tmp_path / "resumed")
     assert [r["step"] for r in read_metrics(tmp_path / "resumed" / "metrics.jsonl")] == [0, 1]
@@ -222,7 +227,7 @@ def test_distill_resumes_its_sampling_and_then_the_sft_phase(tmp_path, monkeypat
     def config(**run):
         cfg = tiny_config({"device_groups": DEVICE_GROUPS}, sft_steps=2)
         cfg["run"].update(steps=4, **run)
-        typed, plan = prepare({**cfg, "backend": {"workers": "local"}}, distill.DistillRunConfig)
+        typed, plan = prepare({**cfg, "backend": {"workers": "local"}}, distill.DistillConfig)
         distill.validate(typed, plan)
         return typed, plan
 
@@ -295,7 +300,7 @@ def test_a_colocated_grpo_run_resumes_on_separate_devices(ray_cluster, tmp_path,
     base = [*overrides, "run.steps=5", "run.save_every=2", "run.eval_every=0", "algorithm.beta=0.0"]
     separate = ["placement.colocate_groups=null", "placement.offload_model=false",
                 "placement.offload_optimizer=false", "placement.sleep_level=0"]
-    want, got, straight, resumed = stop_and_resume(grpo, grpo.GRPORunConfig, base, separate, tmp_path, monkeypatch)
+    want, got, straight, resumed = stop_and_resume(grpo, grpo.GRPOConfig, base, separate, tmp_path, monkeypatch)
     assert comparable(got) == comparable(want)
     a, b = weights(straight["checkpoint"]), weights(resumed["checkpoint"])
     assert all(torch.equal(a[k], b[k]) for k in a)

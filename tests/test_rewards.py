@@ -3,7 +3,7 @@ dotted path, tiny scalar-head models (pairwise ORM training, per-step PRM scores
 roles on the local backend and on Ray with identical results."""
 import pytest
 
-from algorithms.tasks import arithmetic_examples
+from algorithms.data.tasks import arithmetic_examples
 from orchestration.local import LocalWorkerGroup
 from orchestration.planner import make_plan
 from roles.orm import ORM

@@ -6,7 +6,7 @@ import dataclasses
 import pytest
 import torch
 
-from algorithms.tasks import arithmetic_examples
+from algorithms.data.tasks import arithmetic_examples
 from orchestration.local import LocalWorkerGroup
 from orchestration.planner import make_plan
 from roles.batch import SamplingParams, batch_from_completions

@@ -3,9 +3,10 @@ eval, checkpoint cadence). Its real run on Ray is in tests/test_deepspeed_engine
 import pytest
 
 from algorithms import sft
-from algorithms.config import SFTRunConfig, as_dict
-from algorithms.data import load_task
-from algorithms.runlog import read_metrics
+from algorithms.sft import SFTConfig
+from algorithms.config.schema import as_dict
+from algorithms.data.loading import load_task
+from algorithms.records.trackers import read_metrics
 from roles.models import load_tokenizer
 from tests.driver_helpers import TINY, FakeGroup, FakeRollout, FakeTrainer, MarkedLog, by_step, prepared
 
@@ -15,7 +16,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one intra-op thr
 def test_sft_call_order(tmp_path):
     """A train_step per step; the evaluator gets the trainer's weights (version == step) before
     every eval; checkpoints every save_every steps and at the end."""
-    _, typed, plan = prepared(SFTRunConfig, ["+experiment=sft_quickstart", *TINY, "placement.train.gpus=2",
+    _, typed, plan = prepared(SFTConfig, ["+experiment=sft_quickstart", *TINY, "placement.train.gpus=2",
                                              "run.steps=4", "run.eval_every=2", "run.save_every=3"])
     calls = []
     trainer = FakeGroup("train", [FakeTrainer() for _ in range(2)], calls)
@@ -42,7 +43,7 @@ def test_sft_call_order(tmp_path):
 
 def test_sft_last_checkpoint_is_written_once(tmp_path):
     """save_every dividing run.steps with save_final: the last step is saved once, not twice."""
-    _, typed, plan = prepared(SFTRunConfig, ["+experiment=sft_quickstart", *TINY, "run.steps=4",
+    _, typed, plan = prepared(SFTConfig, ["+experiment=sft_quickstart", *TINY, "run.steps=4",
                                              "run.eval_every=0", "run.save_every=2"])
     calls = []
     trainer = FakeGroup("train", [FakeTrainer()], calls)

@@ -9,6 +9,7 @@ import torch
 
 from roles.batch import SamplingParams
 from roles.engines import torch_decode
+from roles.engines.decoding import filter_logits
 from roles.engines.torch_generate import generate_batch
 from roles.models import build_model
 from roles.rollout import Rollout
@@ -98,8 +99,6 @@ def test_batched_sampler_draws_from_the_filtered_distribution():
 
 
 def torch_decode_filter(logits, top_k, top_p):
-    from roles.engines.torch_generate import filter_logits
-
     return filter_logits(logits[None], top_k, top_p)[0]
 
 

@@ -12,12 +12,13 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
-from algorithms import swift_args, swift_values
-from algorithms.config import GKDRunConfig, RunConfig, fit_epochs, prepare
-from algorithms.grpo import GRPORunConfig
-from algorithms.run import config_of, driver_of, write_example
-from algorithms.runlog import read_metrics
-from algorithms.swift_args import NO_EFFECT, REFUSED, known_keys, output_run_dir, translate
+from algorithms.config import swift_keys as swift_args, swift_values
+from algorithms.gkd import GKDConfig
+from algorithms.config.schema import DriverConfig, fit_epochs, prepare
+from algorithms.grpo import GRPOConfig
+from algorithms.cli import config_of, driver_of, write_example
+from algorithms.records.trackers import read_metrics
+from algorithms.config.swift_keys import NO_EFFECT, REFUSED, known_keys, output_run_dir, translate
 from orchestration.config import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -31,14 +32,14 @@ def example(tmp_path_factory):
     return write_example(str(tmp_path_factory.mktemp("example")))
 
 
-def defaults(schema=GRPORunConfig):
+def defaults(schema=GRPOConfig):
     return OmegaConf.structured(schema)
 
 
 def test_the_gkd_example_maps_every_key(example, monkeypatch):
     monkeypatch.chdir(example)
     file = yaml.safe_load((example / "gkd_colocated_teacher.yaml").read_text())
-    placement, out, no_effect = translate(file, "gkd", defaults(GKDRunConfig))
+    placement, out, no_effect = translate(file, "gkd", defaults(GKDConfig))
     assert placement["colocate_groups"] == [["train", "rollout"]] and placement["teacher_model"] == "./teacher"
     assert placement["train"] == {"gpus": 1} and placement["rollout"] == {"gpus": 1, "vllm_tensor_parallel_size": 1}
     assert out["trainer.lr"] == 1e-4 and out["trainer.min_lr"] == 1e-5 and out["trainer.warmup_ratio"] == 0.0
@@ -60,7 +61,7 @@ def test_each_example_prepares_and_validates_before_anything_starts(example, mon
 
     monkeypatch.chdir(example)
     module = importlib.import_module(f"algorithms.{driver}")
-    schema = GKDRunConfig if driver == "gkd" else GRPORunConfig
+    schema = GKDConfig if driver == "gkd" else GRPOConfig
     assert driver_of(f"{yaml_file}.yaml") == driver
     typed, plan = prepare({"config_file": f"{yaml_file}.yaml"}, schema, cli=[])
     module.validate(typed, plan)
@@ -144,13 +145,13 @@ def test_one_value_per_setting_across_role_sections():
     file = {"rollout": {"gpus": 1, "vllm_max_model_len": 512}, "teacher": {"gpus": 1, "vllm_max_model_len": 1024}}
     with pytest.raises(ConfigError, match="teacher.vllm_max_model_len=1024: rollout.vllm_max_model_len already "
                                           "set vllm.max_model_len=512"):
-        translate(file, "gkd", defaults(GKDRunConfig))
+        translate(file, "gkd", defaults(GKDConfig))
 
 
 def test_train_iters_wins_over_epochs_and_epochs_set_steps_from_the_rows():
     _, out, _ = translate({"num_train_epochs": 1, "train_iters": 5}, "sft", defaults())
     assert out == {"run.steps": 5}
-    run = OmegaConf.to_object(OmegaConf.merge(defaults(RunConfig), {"run": {"epochs": 2.0, "prompts_per_step": 16},
+    run = OmegaConf.to_object(OmegaConf.merge(defaults(DriverConfig), {"run": {"epochs": 2.0, "prompts_per_step": 16},
                                                                       "trainer": {"warmup_ratio": 0.1}}))
     run = fit_epochs(run, 100)
     assert run.run.steps == 13 and run.trainer.total_steps == 13 and run.trainer.warmup_steps == 1  # ceil(200/16)
@@ -178,7 +179,7 @@ def test_output_dir_becomes_the_run_directory(tmp_path):
 # ----------------------------------------------------------------------------- before anything starts
 
 def rayroles(*args, cwd, timeout=600):
-    return subprocess.run([sys.executable, "-m", "algorithms.run", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "algorithms.cli", *args], capture_output=True, text=True,
                           cwd=cwd, env={**ENV, "PYTHONPATH": str(ROOT)}, timeout=timeout)
 
 
@@ -206,7 +207,7 @@ def test_a_bad_file_is_refused_by_the_checks_before_start(example, monkeypatch, 
 
     monkeypatch.chdir(example)
     with pytest.raises(ConfigError) as info:
-        gkd.validate(*prepare({"config_file": bad_file(example, change).name}, GKDRunConfig, cli=[]))
+        gkd.validate(*prepare({"config_file": bad_file(example, change).name}, GKDConfig, cli=[]))
     assert message in str(info.value) and "Fix:" in str(info.value)
 
 
@@ -227,7 +228,7 @@ def test_a_missing_tokenizer_is_named_before_start(example, tmp_path):
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (bare / name).unlink()
     with pytest.raises(ConfigError, match="holds no tokenizer files"):
-        from algorithms.validation import check_model
+        from algorithms.config.checks import check_model
 
         check_model("model.path", str(bare))
 
@@ -260,7 +261,7 @@ def test_the_other_example_yamls_run_unchanged_in_process(example, monkeypatch, 
     monkeypatch.chdir(example)
     driver = driver_of(f"{yaml_file}.yaml")
     module = importlib.import_module(f"algorithms.{driver}")
-    schema = GKDRunConfig if driver == "gkd" else GRPORunConfig
+    schema = GKDConfig if driver == "gkd" else GRPOConfig
     overrides = [f"config_file={yaml_file}.yaml", "run.steps=2", "backend.workers=local"]
     typed, plan = prepare(composed(schema, overrides), schema, cli=overrides)
     module.validate(typed, plan)
@@ -273,7 +274,7 @@ def test_the_other_example_yamls_run_unchanged_in_process(example, monkeypatch, 
 
 
 def test_a_system_prompt_goes_before_rows_without_one(tmp_path):
-    from algorithms.data import DataConfig, load_task
+    from algorithms.data.loading import DataConfig, load_task
 
     rows = [{"messages": [{"role": "user", "content": f"{i}+1?"}, {"role": "assistant", "content": f"{i + 1}"}]}
             for i in range(6)] + [{"messages": [{"role": "system", "content": "own"}, {"role": "user", "content": "q"},

@@ -4,8 +4,8 @@ import re
 
 import pytest
 
-from algorithms.tasks import ArithmeticConfig, Example, arithmetic_examples, gsm_examples, split_solution
-from algorithms.user_data import load_user_data
+from algorithms.data.tasks import ArithmeticConfig, Example, arithmetic_examples, gsm_examples, split_solution
+from algorithms.data.user_data import load_user_data
 
 STEP = re.compile(r"^(-?\d+)([+\-*])(\d+)=(-?\d+)$")
 APPLY = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}

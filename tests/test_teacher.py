@@ -3,7 +3,7 @@ transformers forward; offload/onload."""
 import pytest
 import torch
 
-from algorithms.tasks import arithmetic_examples
+from algorithms.data.tasks import arithmetic_examples
 from orchestration.local import LocalWorkerGroup
 from orchestration.planner import make_plan
 from roles.batch import Batch, pad_sequences

@@ -9,9 +9,13 @@ from pathlib import Path
 import pytest
 
 from algorithms import gkd, sft
-from algorithms.config import GKDRunConfig, LoopConfig, SFTRunConfig
-from algorithms.runlog import RunLog, read_metrics
-from algorithms.trackers import check_loggers, numeric
+from algorithms.gkd import GKDConfig
+from algorithms.config.schema import LoopConfig
+from algorithms.sft import SFTConfig
+from algorithms.records.runlog import RunLog
+from algorithms.records.trackers import read_metrics
+from algorithms.config.checks import check_loggers
+from algorithms.records.trackers import numeric
 from orchestration.config import ConfigError
 from tests.driver_helpers import TINY, TINY_GKD, prepared
 
@@ -27,8 +31,8 @@ def scalars(folder: Path) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
 
 
-def with_run(**run) -> SFTRunConfig:
-    return SFTRunConfig(run=LoopConfig(**run))
+def with_run(**run) -> SFTConfig:
+    return SFTConfig(run=LoopConfig(**run))
 
 
 def series_of(records: list[dict]) -> dict[str, list[tuple[int, float]]]:
@@ -46,7 +50,7 @@ def test_tiny_sft_run_writes_tensorboard_an_offline_wandb_run_and_mlflow(tmp_pat
     records; the MLflow run has the run's name, flattened config and tags."""
     monkeypatch.delenv("WANDB_MODE", raising=False)  # the tracker sets offline itself
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    cfg, typed, plan = prepared(SFTRunConfig, ["+experiment=sft_quickstart", *TINY, "backend=local",
+    cfg, typed, plan = prepared(SFTConfig, ["+experiment=sft_quickstart", *TINY, "backend=local",
                                                "run.loggers=[jsonl,tensorboard,wandb,mlflow]", "run.name=tiny-sft",
                                                "run.tags=[tiny,ci]", "run.save_final=false"])
     sft.validate(typed, plan)
@@ -89,7 +93,7 @@ def test_tiny_sft_run_writes_tensorboard_an_offline_wandb_run_and_mlflow(tmp_pat
 def test_a_teacher_warm_up_inside_a_gkd_run_feeds_the_runs_trackers(tmp_path):
     """GKD's teacher SFT, a phase of the run: a TensorBoard run of its own named
     <run name>/teacher_warmup in its folder, with metrics.jsonl's numbers."""
-    _, typed, _ = prepared(GKDRunConfig, ["+experiment=gkd_quickstart", *TINY_GKD, "backend=local",
+    _, typed, _ = prepared(GKDConfig, ["+experiment=gkd_quickstart", *TINY_GKD, "backend=local",
                                           f"teacher.cache_dir={tmp_path / 'teachers'}", "run.name=tiny-gkd",
                                           "run.loggers=[jsonl,tensorboard]"])
     gkd.warm_teacher(typed, tmp_path / "run")
@@ -105,11 +109,11 @@ def test_a_teacher_warm_up_inside_a_gkd_run_feeds_the_runs_trackers(tmp_path):
 
 def test_resumed_run_replaces_the_later_steps_in_tensorboard(tmp_path):
     cfg = with_run(loggers=["jsonl", "tensorboard"], name="r")
-    log = RunLog(tmp_path, 4, stream=io.StringIO(), cfg=cfg)
+    log = RunLog(tmp_path, 4, cfg.run, stream=io.StringIO(), resolved_config=cfg)
     for step in range(4):
         log.step(step, {"train/loss": float(step), "checkpoint": "/x"})
     log.close()
-    log = RunLog(tmp_path, 4, stream=io.StringIO(), cfg=cfg)
+    log = RunLog(tmp_path, 4, cfg.run, stream=io.StringIO(), resolved_config=cfg)
     assert log.rewind(1)["train/loss"] == 1.0
     log.step(2, {"train/loss": 20.0})
     log.close()
@@ -125,7 +129,7 @@ def test_resumed_run_replaces_the_later_steps_in_tensorboard(tmp_path):
 ])
 def test_bad_logger_lists_are_refused_in_one_line(tmp_path, loggers, says):
     with pytest.raises(ConfigError) as refused:
-        RunLog(tmp_path, 2, stream=io.StringIO(), cfg=with_run(loggers=loggers))
+        check_loggers(with_run(loggers=loggers).run.loggers)
     assert str(refused.value).startswith(says) and "\n" not in str(refused.value)
     assert not (tmp_path / "metrics.jsonl").exists()  # refused before anything is written
 
@@ -140,11 +144,11 @@ def test_a_tracker_without_its_package_names_the_key_and_the_package(monkeypatch
         check_loggers(["jsonl", "wandb"])
 
 
-def test_unknown_logger_in_a_driver_run_is_refused(tmp_path):
-    _, typed, plan = prepared(SFTRunConfig, ["+experiment=sft_quickstart", *TINY, "backend=local",
+def test_unknown_logger_in_a_driver_run_is_refused_before_it_starts(tmp_path):
+    _, typed, plan = prepared(SFTConfig, ["+experiment=sft_quickstart", *TINY, "backend=local",
                                              "run.loggers=[jsonl,comet]"])
     with pytest.raises(ConfigError, match="run.loggers.*comet"):
-        sft.run(typed, plan, tmp_path / "run")
+        sft.validate(typed, plan)
 
 
 class Terminal(io.StringIO):
@@ -153,7 +157,7 @@ class Terminal(io.StringIO):
 
 
 def progress(out_dir: Path, stream, steps: int, log_every: int) -> str:
-    log = RunLog(out_dir, steps, stream=stream, cfg=with_run(log_every=log_every))
+    log = RunLog(out_dir, steps, with_run(log_every=log_every).run, stream=stream, resolved_config=with_run(log_every=log_every))
     for step in range(steps + 1):
         log.step(step, {"train/loss": 1.0 / (step + 1), "train/tokens": 7})
     log.close()
@@ -174,12 +178,12 @@ def test_on_a_terminal_a_bar_with_the_lines_above_it(tmp_path):
 
 
 def test_a_resumed_run_prints_its_first_step(tmp_path):
-    log = RunLog(tmp_path, 30, stream=io.StringIO(), cfg=with_run(log_every=10))
+    log = RunLog(tmp_path, 30, with_run(log_every=10).run, stream=io.StringIO(), resolved_config=with_run(log_every=10))
     for step in range(4):
         log.step(step, {"train/loss": 1.0})
     log.close()
     stream = io.StringIO()
-    log = RunLog(tmp_path, 30, stream=stream, cfg=with_run(log_every=10))
+    log = RunLog(tmp_path, 30, with_run(log_every=10).run, stream=stream, resolved_config=with_run(log_every=10))
     log.rewind(2)
     for step in range(3, 12):
         log.step(step, {"train/loss": 1.0})

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from algorithms.tasks import arithmetic_examples
+from algorithms.data.tasks import arithmetic_examples
 from orchestration.local import LocalWorkerGroup
 from orchestration.planner import make_plan
 from roles.batch import Batch, pad_sequences
@@ -368,7 +368,7 @@ def test_trainer_under_local_worker_group_equals_direct(batch):
 
 
 def empty_slice_kwargs(micro_batch: int) -> dict:
-    from algorithms.losses import make_loss
+    from algorithms.objectives.losses import make_loss
 
     return {"model": MODEL, "loss_fn": make_loss("sft"),  # a loss that reports metrics (nll)
             "config": dict(lr=1e-3, device="cpu", dtype="float32", warmup_steps=0, total_steps=10,

@@ -160,8 +160,8 @@ def test_a_weight_sync_rides_on_the_trainers_offload_and_the_rollouts_next_call(
     one_call) make it 1 and 1: onload, train step, send and offload in the trainer's call; receive,
     wake-up, generate and sleep in the rollout's. Either way the rollout generates with the new
     weights, and the sync's figures come with the rollout's turn."""
-    from algorithms.grpo import GRPORunConfig
-    from algorithms.turns import Turns
+    from algorithms.grpo import GRPOConfig
+    from algorithms.runtime.steps import Steps
     from orchestration.config import WeightSyncConfig
     from orchestration.placement import create_placement
     from orchestration.worker_group import WorkerGroup
@@ -170,15 +170,16 @@ def test_a_weight_sync_rides_on_the_trainers_offload_and_the_rollouts_next_call(
 
     Trainer = type("Trainer", (Net, WeightSender), {})
     Rollout = type("Rollout", (Net, WeightReceiver), {})
-    _, typed, plan = prepared(GRPORunConfig, TINY + ["placement=colocate"])
+    _, typed, plan = prepared(GRPOConfig, TINY + ["placement=colocate"])
     places = make_plan({"device_groups": {"nproc_per_node": 1, "t": {"device": "CPU", "ranks": 2, "workers": ["orm"]},
                                           "r": {"device": "CPU", "ranks": 1, "workers": ["prm"]}}})
     placement = create_placement(places, timeout_s=30)
     try:
         trainer = WorkerGroup(Trainer, places["orm"], init_args=(0,), placement=placement)
         rollout = WorkerGroup(Rollout, places["prm"], init_args=(1,), placement=placement)
-        with Turns(plan, {"train": trainer, "rollout": rollout}, typed.run, WeightSyncConfig(path="shm"),
-                   MarkedLog(tmp_path, 3, []), []) as turns:
+        with Steps(plan, {"train": trainer, "rollout": rollout}, typed.run, WeightSyncConfig(path="shm"),
+                   MarkedLog(tmp_path, 3, []), []) as steps:
+            turns = steps.turns
             def train(step, metrics):
                 if one_call:
                     with turns.train_turn(step, None, 0, metrics, one_call=True):
@@ -186,8 +187,8 @@ def test_a_weight_sync_rides_on_the_trainers_offload_and_the_rollouts_next_call(
                 else:
                     with turns.turn("train"):
                         trainer.call("train_step")
-                        assert turns.sync(step, None, 0) == {}  # the figures come with the receive
-                turns._settle()
+                        assert turns.weights.sync(step, None, 0) == {}  # the figures come with the receive
+                turns.settle()
 
             generated, calls = [], []
             for step in (1, 2, 3):
@@ -226,14 +227,14 @@ def test_a_one_call_turn_is_one_round_trip_with_its_onload_and_offload(ray_clust
     """Turns.call (and turn(one_call=True)) of a colocated role send one remote call per rank:
     onload, the method, offload, in that order on the rank, with the moved bytes logged; a turn
     of several calls sends its offload as a call of its own."""
-    from algorithms.gkd import GKDRunConfig
-    from algorithms.turns import Turns
+    from algorithms.gkd import GKDConfig
+    from algorithms.runtime.steps import Steps
     from orchestration.config import WeightSyncConfig
     from orchestration.placement import create_placement
     from orchestration.worker_group import WorkerGroup
     from tests.driver_helpers import TINY_GKD, MarkedLog, prepared
 
-    _, typed, plan = prepared(GKDRunConfig, TINY_GKD + ["placement.offload_teacher_model=true",
+    _, typed, plan = prepared(GKDConfig, TINY_GKD + ["placement.offload_teacher_model=true",
                                                        "placement.offload_model=true"])
     assert plan["teacher"].offload_model and plan["train"].offload_model
     places = make_plan({"device_groups": {"nproc_per_node": 1, "t": {"device": "CPU", "ranks": 1, "workers": ["orm"]},
@@ -243,8 +244,8 @@ def test_a_one_call_turn_is_one_round_trip_with_its_onload_and_offload(ray_clust
         teacher = WorkerGroup(Tally, places["orm"], placement=placement)
         trainer = WorkerGroup(Tally, places["prm"], placement=placement)
         log = MarkedLog(tmp_path, 3, [])
-        turns = Turns(plan, {"train": trainer, "teacher": teacher}, typed.run, WeightSyncConfig(), log, [])
-        turns._settle()  # the teacher's first offload, sent as the run starts
+        turns = Steps(plan, {"train": trainer, "teacher": teacher}, typed.run, WeightSyncConfig(), log, []).turns
+        turns.settle()  # the teacher's first offload, sent as the run starts
         before = CALLS.remote
         assert turns.call("teacher", "work", [1, 2], phase="teacher") == [2]
         assert CALLS.remote - before == 1
@@ -255,7 +256,7 @@ def test_a_one_call_turn_is_one_round_trip_with_its_onload_and_offload(ray_clust
             trainer.call("work", [1])
             trainer.call("work", [2])
         assert CALLS.remote - before == 5
-        turns._settle()
+        turns.settle()
         assert teacher.call("history") == [["offload", "onload", "work", "offload"]]
         assert trainer.call("history") == [["onload", "work", "offload", "onload", "work", "work", "offload"]]
         sums = log._sums
@@ -266,3 +267,30 @@ def test_a_one_call_turn_is_one_round_trip_with_its_onload_and_offload(ray_clust
         teacher.shutdown(), trainer.shutdown()
     finally:
         placement.remove()
+
+
+@pytest.mark.parametrize("calls", [2, 3])
+def test_a_turn_promised_one_call_that_makes_more_is_refused(tmp_path, calls):
+    """turn(one_call=True) puts the role's offload after its first call; a second call would run
+    offloaded, so the promise is checked: more calls raise, naming the role; one call, or a turn
+    without the promise, goes through."""
+    from algorithms.gkd import GKDConfig
+    from algorithms.runtime.steps import Steps
+    from orchestration.config import WeightSyncConfig
+    from tests.driver_helpers import TINY_GKD, MarkedLog, prepared
+
+    _, typed, plan = prepared(GKDConfig, TINY_GKD + ["placement.offload_model=true"])
+    places = make_plan({"train": {"gpus": 1}})
+    trainer = LocalWorkerGroup(Tally, places["train"])
+    turns = Steps(plan, {"train": trainer}, typed.run, WeightSyncConfig(), MarkedLog(tmp_path, 3, []), []).turns
+    with pytest.raises(RuntimeError, match="the train turn was promised one call .* made %d" % calls):
+        with turns.turn("train", one_call=True):
+            for i in range(calls):
+                trainer.call("work", [i])
+    with turns.turn("train", one_call=True):
+        trainer.call("work", [1])
+    with turns.turn("train"):
+        trainer.call("work", [1])
+        trainer.call("work", [2])
+    turns.settle()
+    assert trainer.call("history")[0][-7:] == ["onload", "work", "offload", "onload", "work", "work", "offload"]

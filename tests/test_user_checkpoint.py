@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from algorithms import common
-from algorithms.tasks import ArithmeticConfig, arithmetic_examples
+from algorithms.data.tasks import ArithmeticConfig, arithmetic_examples
+from algorithms.data.prompts import batch_of, encode_examples
 from orchestration.local import LocalWorkerGroup
 from orchestration.planner import make_plan
 from roles.batch import SamplingParams
@@ -36,7 +36,7 @@ def user_ckpt(tmp_path_factory):
 def test_every_role_loads_and_runs_a_user_checkpoint(user_ckpt):
     tok = build_char_tokenizer()
     examples = arithmetic_examples(4, seed=0, config=ArithmeticConfig(2, 2, 1, 1, "+"))
-    batch = common.batch_of(tok, common.encode_examples(tok, examples, False))
+    batch = batch_of(tok, encode_examples(tok, examples, False))
     greedy = SamplingParams(temperature=0.0, max_new_tokens=8)
 
     trainer = Trainer(user_ckpt, {"device": "cpu", "lr": 1e-3, "schedule": "constant"})
@@ -89,7 +89,7 @@ def test_trainer_checkpoint_loads_with_plain_transformers(kind, tmp_path):
 
     built = build_tokenizer(kind)
     examples = arithmetic_examples(2, seed=0, config=ArithmeticConfig(2, 2, 1, 1, "+"))
-    batch = common.batch_of(built, common.encode_examples(built, examples, False))
+    batch = batch_of(built, encode_examples(built, examples, False))
     trainer = Trainer({"name": "tiny", "tokenizer": kind, **TINY}, {"device": "cpu", "lr": 1e-3})
     trainer.train_step(batch)
     first = trainer.save(tmp_path / "step_1")

@@ -11,9 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 from datasets import Dataset, DatasetDict
 
-from algorithms import common
-from algorithms.data import DataConfig, RowLimits, check_data_files, load_task
-from algorithms.user_data import SKIP_REASONS, load_user_data
+from algorithms.data.loading import DataConfig, RowLimits, check_data_files, load_task
+from algorithms.data.user_data import SKIP_REASONS, load_user_data
+from algorithms.data.prompts import chat_prompt
 from orchestration.config import ConfigError
 from roles.models import load_tokenizer
 
@@ -194,7 +194,7 @@ def test_prompt_only_rows_are_skipped_only_where_replies_are_trained_on(tmp_path
     assert [e.prompt for e in train] == ["0+1", "1+1", "2+1", "3+1", "0*2?", "1*2?", "10+1"]
     assert [e.answer for e in train if not e.solution] == ["0", "2"] and stats["data/skipped_rows"] == 0
     # What the rollout generates from: the question, and no reference answer leaked into it.
-    rendered = common.chat_prompt(tokenizer, train[5])
+    rendered = chat_prompt(tokenizer, train[5])
     assert "1*2?" in rendered and not rendered.rstrip().endswith("2")
     train, held, stats = load_task(data, sft)
     assert [e.prompt for e in held] == ["11+1", "2*2?"]
@@ -373,14 +373,14 @@ def test_settings_checked_before_reading(tmp_path, fields, key):
 
 def test_the_keys_compose_from_the_command_line(tmp_path, capsys):
     """The new data. keys as a user types them, through the typed config and the run's limits."""
-    from algorithms.config import SFTRunConfig
-    from algorithms.data import row_limits
+    from algorithms.sft import SFTConfig
+    from algorithms.data.loading import row_limits
     from tests.driver_helpers import TINY, prepared
 
     rows = [{"question": f"{i}+1", "answer_text": f"#### {i + 1}"} for i in range(12)]
     rows += [{"question": "5*5", "ref": "25"}]  # prompt-only: not for SFT
     path = write_jsonl(tmp_path / "mine.jsonl", rows)
-    _, typed, _ = prepared(SFTRunConfig, ["+experiment=sft_quickstart", *TINY, "data.task=files",
+    _, typed, _ = prepared(SFTConfig, ["+experiment=sft_quickstart", *TINY, "data.task=files",
                                           f"data.paths=[{path}]", f"data.cache_dir={tmp_path / 'cache'}",
                                           "+data.columns={question:query,answer_text:response,ref:solution}",
                                           "data.val_split=0.25", "data.max_rows=13"])

@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from algorithms.tasks import arithmetic_examples  # noqa: E402
+from algorithms.data.tasks import arithmetic_examples
 from orchestration.planner import make_plan  # noqa: E402
 from roles.batch import Batch, SamplingParams, pad_sequences  # noqa: E402
 from roles.rollout import Rollout  # noqa: E402

@@ -160,8 +160,8 @@ def test_teacher_top_k_on_the_gpu_matches_the_fp32_teacher(rollout, trainer):
 def _driver_run(driver, run_config, overrides, tmp_path):
     from hydra import compose, initialize_config_module
 
-    from algorithms.config import prepare
-    from algorithms.runlog import read_metrics
+    from algorithms.config.schema import prepare
+    from algorithms.records.trackers import read_metrics
     from orchestration.config import register_schema
 
     register_schema(run_config)
@@ -188,7 +188,7 @@ def test_grpo_driver_with_a_vllm_rollout_colocated_on_one_gpu(tmp_path):
     works, weights by CUDA IPC into the sleeping engine."""
     from algorithms import grpo
 
-    records = _driver_run(grpo, grpo.GRPORunConfig, [
+    records = _driver_run(grpo, grpo.GRPOConfig, [
         "+experiment=grpo_quickstart", "backend.rollout=vllm", "placement.sleep_level=2",
         "run.prompts_per_step=4", "algorithm.num_generations=4", "algorithm.warmup_sft_steps=0", *SMALL_ENGINE],
         tmp_path)
@@ -202,7 +202,7 @@ def test_gkd_driver_with_vllm_rollout_and_teacher_on_one_gpu(tmp_path):
     every step on-policy."""
     from algorithms import gkd
 
-    records = _driver_run(gkd, gkd.GKDRunConfig, [
+    records = _driver_run(gkd, gkd.GKDConfig, [
         "+experiment=gkd_quickstart", "backend.rollout=vllm", "backend.teacher=vllm", "placement.sleep_level=2",
         "placement.gkd_logits_topk=8", "teacher.warmup_steps=0", "teacher.engine.dtype=bfloat16", "algorithm.lmbda=1.0", "run.prompts_per_step=8",
         *SMALL_ENGINE], tmp_path)

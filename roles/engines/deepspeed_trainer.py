@@ -40,9 +40,10 @@ from typing import Any, Iterator, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from roles.engines.collectives import DIST_TIMEOUT, DataParallelCollectives, init_data_parallel, size_buckets
 from roles.engines.host_copies import to_device, to_host
 from roles.engines.options import DeepSpeedOptions
-from roles.engines.torch_trainer import DIST_TIMEOUT, DataParallelCollectives, adamw, init_data_parallel, lr_schedule
+from roles.engines.torch_trainer import adamw, lr_schedule
 
 # Parameters are gathered (ZeRO-3) in groups of about this size.
 GATHER_BUCKET_BYTES = 64 * 2**20
@@ -67,6 +68,7 @@ def import_deepspeed(device: torch.device):
     """deepspeed, with its accelerator matching `device` (its own pick follows CUDA availability)."""
     if device.type == "cpu" and "deepspeed" not in sys.modules:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    # deepspeed is optional, and its accelerator is picked at its first import: imported here
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
@@ -224,6 +226,7 @@ class DeepSpeedTrainEngine(DataParallelCollectives):
         to host memory with DeepSpeed's offload_states. ZeRO-3's refuses optimizer state that
         is not FusedAdam's, so there the masters and moments move like the torch engine's.
         What ZeRO-Offload already keeps on the host stays there."""
+        # deepspeed is optional (backend.train=deepspeed): imported on use
         from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum as S
 
         start, moved, include = time.perf_counter(), {"model_bytes": 0, "optimizer_bytes": 0}, set()
@@ -284,18 +287,15 @@ class DeepSpeedTrainEngine(DataParallelCollectives):
         """ZeRO-3: gather the full parameters (collective) and keep a host copy on rank 0."""
         if self.stage != 3:
             return
+        # deepspeed is optional (backend.train=deepspeed): imported on use
         from deepspeed.runtime.zero import GatheredParameters
 
-        full, bucket, size = {}, [], 0
-        params = list(self.model.parameters())
-        for i, p in enumerate(params):
-            bucket.append(p)
-            size += p.ds_numel * p.element_size()
-            if size >= GATHER_BUCKET_BYTES or i == len(params) - 1:
-                with GatheredParameters(bucket, modifier_rank=None):
-                    if self.rank == 0:
-                        full.update({id(q): q.data.detach().to("cpu", copy=True) for q in bucket})
-                bucket, size = [], 0
+        full = {}
+        for bucket in size_buckets(self.model.parameters(), GATHER_BUCKET_BYTES,
+                                   lambda p: p.ds_numel * p.element_size()):
+            with GatheredParameters(bucket, modifier_rank=None):
+                if self.rank == 0:
+                    full.update({id(q): q.data.detach().to("cpu", copy=True) for q in bucket})
         self._full = full if self.rank == 0 else None
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -343,6 +343,7 @@ class DeepSpeedTrainEngine(DataParallelCollectives):
     # ------------------------------------------------------------------ optimizer state
     def _get_full(self, p: torch.nn.Parameter, key: Optional[str]) -> torch.Tensor:
         """The full fp32 master (key None) or AdamW moment of `p` (collective)."""
+        # deepspeed is optional (backend.train=deepspeed): imported on use
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
         out = safe_get_full_fp32_param(p) if key is None else safe_get_full_optimizer_state(p, key)
@@ -354,9 +355,11 @@ class DeepSpeedTrainEngine(DataParallelCollectives):
             part, _ = self.zero._get_fp32_opt_state_partition(p, release_swap_buffers=False, optim_state_key=key)
             _copy_shard(part, value, self.rank)
         elif key is None:
+            # deepspeed is optional (backend.train=deepspeed): imported on use
             from deepspeed.utils import safe_set_full_fp32_param
             safe_set_full_fp32_param(p, value)
         else:
+            # deepspeed is optional (backend.train=deepspeed): imported on use
             from deepspeed.utils import safe_set_full_optimizer_state
             safe_set_full_optimizer_state(p, value, key)
 

@@ -64,6 +64,7 @@ def padded_vocab(vocab_size: int, tp: int) -> int:
 
 def transformer_config(c: Any, tp: int, cpu: bool, params_dtype: torch.dtype = torch.float32):
     """Megatron TransformerConfig equal to HF config `c`; fusions that need CUDA kernels off."""
+    # megatron-core is optional (the megatron engines): imported on use
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     check_hf_config(c, tp)
@@ -82,6 +83,7 @@ def transformer_config(c: Any, tp: int, cpu: bool, params_dtype: torch.dtype = t
 
 def build_gpt_model(c: Any, tp: int, cpu: bool):
     """An uninitialised-weights GPTModel shaped like HF config `c` (parallel state must exist)."""
+    # megatron-core is optional (the megatron engines): imported on use
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 

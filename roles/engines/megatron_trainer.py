@@ -16,7 +16,9 @@ TP group thus forms one data-parallel rank whose share is its members' slices to
 Full HF weights of a TP>1 model live on its TP ranks in pieces; a weight sync asks rank 0
 alone (execute='first'), so each TP group's first rank keeps a host copy of all its TP
 shards, refreshed after every update (one gather per step; it costs one fp32 model of
-host memory). On CPU, Megatron's CUDA-only pieces are swapped for host ones (DESIGN §8).
+host memory). On CPU, Megatron's CUDA-only pieces are swapped for host ones: its attention
+scratch buffer (`_ScratchBuffer`), the rotary table (`_host_rope_emb`) and the RNG tracker
+(an inference tracker instead of the CUDA one).
 """
 from __future__ import annotations
 
@@ -28,13 +30,10 @@ from typing import Any, Iterator, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from roles.engines.collectives import DIST_TIMEOUT, all_reduce_gradients, init_data_parallel
 from roles.engines.megatron_convert import build_gpt_model, hf_to_megatron, megatron_to_hf
 from roles.engines.options import MegatronOptions
-from roles.engines.torch_trainer import (AUTOCAST_DTYPES, DIST_TIMEOUT, TorchTrainEngine, adamw, init_data_parallel,
-                                         lr_schedule)
-
-# Gradients are all-reduced in flat buckets of about this size.
-GRAD_BUCKET_BYTES = 32 * 2**20
+from roles.engines.torch_trainer import AUTOCAST_DTYPES, TorchTrainEngine, adamw, lr_schedule
 
 
 # ---------------------------------------------------------------------- process groups
@@ -42,6 +41,7 @@ def setup_parallel(tp: int, device: torch.device, seed: int) -> tuple[int, int]:
     """Join the process group (a 1-rank one without a worker group) and Megatron's TP/DP
     groups, with RNG and scratch memory for `device`; returns (rank, world size). Roles in
     one process share the groups, so they need one TP size."""
+    # megatron-core is optional (the megatron engines): imported on use
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import random as mrandom
 
@@ -87,6 +87,7 @@ def _host_rope_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
 
 def tp_info() -> tuple[int, int, Any]:
     """(TP rank, TP size, TP group) of this process."""
+    # megatron-core is optional (the megatron engines): imported on use
     from megatron.core import parallel_state as ps
 
     return (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size(),
@@ -219,6 +220,7 @@ class MegatronTrainEngine(TorchTrainEngine):
     def __init__(self, hf_model: torch.nn.Module, *, options: Mapping[str, Any], device: torch.device, dtype: str,
                  lr: float, weight_decay: float, betas: tuple[float, float], eps: float, optimizer: str,
                  warmup_steps: int, total_steps: int, schedule: str, min_lr: float, seed: int):
+        # megatron-core is optional (the megatron engines): imported on use
         from megatron.core import parallel_state as ps
 
         self.tp = int(options.get("tensor_parallel_size", MegatronOptions.tensor_parallel_size))
@@ -252,33 +254,13 @@ class MegatronTrainEngine(TorchTrainEngine):
 
     def reduce_gradients(self) -> None:
         """Sum gradients over the data-parallel group (TP peers hold different shards)."""
-        if self.dp_size == 1:
-            return
-        for p in self.params:  # a parameter unused on one rank must still join the collective
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        bucket, size = [], 0
-        for p in self.params:
-            nbytes = p.grad.numel() * p.grad.element_size()
-            if bucket and (size + nbytes > GRAD_BUCKET_BYTES or p.grad.dtype != bucket[0].dtype):
-                self._all_reduce_flat(bucket)
-                bucket, size = [], 0
-            bucket.append(p.grad)
-            size += nbytes
-        if bucket:
-            self._all_reduce_flat(bucket)
-
-    def _all_reduce_flat(self, grads: list[torch.Tensor]) -> None:
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=self.dp_group)
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        if self.dp_size > 1:
+            all_reduce_gradients(self.params, self.dp_group)
 
     def grad_norm(self) -> float:
         """Global L2 norm: TP-sharded parameters count on every rank, replicated ones
         (norm weights) on TP rank 0 only, so nothing is counted twice."""
+        # megatron-core is optional (the megatron engines): imported on use
         from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
         grads = [p.grad for p in self.params if p.grad is not None and param_is_not_tensor_parallel_duplicate(p)]

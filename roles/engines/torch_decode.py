@@ -15,8 +15,8 @@ same; without one (or after `release()`) they live for one call.
 Sampling is batched and seeded per row without a generator per row: a row's uniform at a
 step is a hash of (row seed, step), and the token is where it falls in the cumulative
 distribution of the filtered probabilities (inverse-CDF sampling). A sample depends on its
-row's seed only, not on its batch mates. Greedy decoding and reported logprobs are those
-of `torch_generate` (the temperature-scaled distribution before top-k/top-p).
+row's seed only, not on its batch mates. Greedy decoding, filtering and reported logprobs are
+the sampling head's in `decoding`, as in `torch_generate`.
 
 Prefill runs the model's own attention kernel over the prompt ([rows, P] keys); decode
 attends with one scaled-dot-product call per layer in which the query heads of a key/value
@@ -33,6 +33,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from roles.engines.decoding import Generated, collect, left_pad, sample
 
 log = logging.getLogger(__name__)
 
@@ -85,19 +87,14 @@ def row_uniforms(seeds: torch.Tensor, step: torch.Tensor) -> torch.Tensor:
 def sample_rows(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, seeds: torch.Tensor,
                 step: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(token [B], logprob [B]) from float32 logits [B, V]; row i draws with uniform
-    row_uniforms(seeds, step)[i]. Filtering as `torch_generate.filter_logits`."""
-    from roles.engines.torch_generate import filter_logits
+    row_uniforms(seeds, step)[i]."""
+    def draw(probs: torch.Tensor) -> torch.Tensor:
+        cdf = probs.cumsum(-1)
+        # First index whose cumulative mass exceeds u (a token of zero mass is never picked).
+        u = (row_uniforms(seeds, step) * cdf[:, -1].double()).to(cdf.dtype)
+        return (cdf <= u[:, None]).sum(-1).clamp_(max=logits.shape[-1] - 1)
 
-    if temperature == 0:
-        token = logits.argmax(-1)
-        return token, torch.log_softmax(logits, -1).gather(-1, token[:, None]).squeeze(-1)
-    scaled = logits / temperature
-    logp = torch.log_softmax(scaled, -1)
-    cdf = filter_logits(scaled, top_k, top_p).softmax(-1).cumsum(-1)
-    # First index whose cumulative mass exceeds u (a token of zero mass is never picked).
-    u = (row_uniforms(seeds, step) * cdf[:, -1].double()).to(cdf.dtype)
-    token = (cdf <= u[:, None]).sum(-1).clamp_(max=logits.shape[-1] - 1)
-    return token, logp.gather(-1, token[:, None]).squeeze(-1)
+    return sample(logits, temperature, top_k, top_p, draw)
 
 
 class SlotCache(Cache):
@@ -296,8 +293,6 @@ def generate_static(model, prompts: Sequence[Sequence[int]], *, temperature: flo
     """`torch_generate.generate_batch`'s contract; `seeds`: one per row (sampling), None draws
     them from torch's global generator. `graphs` None: CUDA_GRAPHS on CUDA. `decoder` keeps the
     buffers and graph for later calls; None: both live for this call only."""
-    from roles.engines.torch_generate import Generated, collect, left_pad
-
     device = next(model.parameters()).device
     count = len(prompts)
     if max_new_tokens <= 0 or not count:

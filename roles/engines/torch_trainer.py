@@ -1,9 +1,9 @@
 """Torch training engine behind the Trainer role: one process per data-parallel rank.
 
-The engine owns the model, AdamW, the learning-rate schedule, the process group and
-the host copies of offloaded tensors; the role above it owns micro-batching, the loss
-and the checkpoint layout. A DeepSpeed or Megatron engine replaces this class behind
-the same methods.
+The engine owns the model, AdamW, the learning-rate schedule, the process group (joined
+and used through `collectives`) and the host copies of offloaded tensors; the role above
+it owns micro-batching, the loss and the checkpoint layout. A DeepSpeed or Megatron
+engine replaces this class behind the same methods.
 
 Data parallel is plain torch.distributed (gloo on CPU, NCCL on CUDA) without DDP hooks:
 the loss of each micro-batch is already normalised by the step's global token count, so
@@ -18,22 +18,18 @@ import math
 import os
 import random
 import time
-from datetime import timedelta
 from typing import Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
 from roles.batch import tensor_to
+from roles.engines.collectives import DataParallelCollectives, all_reduce_gradients, init_data_parallel
 from roles.engines.host_copies import host_bytes, module_tensors, optimizer_tensors, to_device, to_host
 from roles.engines.torch_engine import pick_device
 from roles.engines.train_kernels import (TrainKernelOptions, check_plain_head, chunked_token_logprobs,
                                         fused_token_logprobs, next_token_logprobs, packed_forward, use_packing)
 
-# Gradients are all-reduced in flat buckets of about this size.
-GRAD_BUCKET_BYTES = 32 * 2**20
-# How long ranks wait for each other in a collective before the step fails.
-DIST_TIMEOUT = timedelta(minutes=30)
 AUTOCAST_DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # Re-recordings of a CUDA graph (cuda_graphs) torch allows before it drops the graph: one per onload.
 RERECORD_LIMIT = 2**31 - 1
@@ -95,34 +91,6 @@ def set_rng_state(state: dict) -> None:
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
-
-
-class DataParallelCollectives:
-    """Metric sums, object gathers and barriers over the default process group, for engines
-    whose ranks all hold the same model (plain data parallel, ZeRO); needs `world_size` and
-    `device`."""
-
-    world_size: int
-    device: torch.device
-
-    def all_reduce_sum(self, values: list[float]) -> list[float]:
-        if self.world_size == 1:
-            return list(values)
-        t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        dist.all_reduce(t)
-        return t.tolist()
-
-    def all_gather_object(self, obj: object) -> list:
-        """`obj` of every rank (a picklable value), in rank order."""
-        if self.world_size == 1:
-            return [obj]
-        out: list = [None] * self.world_size
-        dist.all_gather_object(out, obj)
-        return out
-
-    def barrier(self) -> None:
-        if self.world_size > 1:
-            dist.barrier()
 
 
 class TorchTrainEngine(DataParallelCollectives):
@@ -252,21 +220,8 @@ class TorchTrainEngine(DataParallelCollectives):
 
     def reduce_gradients(self) -> None:
         """Sum gradients over the data-parallel ranks (in flat buckets)."""
-        if self.world_size == 1:
-            return
-        for p in self.params:  # a parameter unused on one rank must still join the collective
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        bucket, size = [], 0
-        for p in self.params:
-            if bucket and (size + p.grad.numel() * p.grad.element_size() > GRAD_BUCKET_BYTES
-                           or p.grad.dtype != bucket[0].dtype):
-                _all_reduce_flat(bucket)
-                bucket, size = [], 0
-            bucket.append(p.grad)
-            size += p.grad.numel() * p.grad.element_size()
-        if bucket:
-            _all_reduce_flat(bucket)
+        if self.world_size > 1:
+            all_reduce_gradients(self.params)
 
     def optimizer_step(self, grad_clip: float) -> tuple[float, bool]:
         """Clip, step AdamW and the schedule, clear gradients. Returns (grad norm before
@@ -356,34 +311,3 @@ class TorchTrainEngine(DataParallelCollectives):
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
 
-
-def _all_reduce_flat(grads: list[torch.Tensor]) -> None:
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
-
-
-def init_data_parallel(device: torch.device) -> tuple[int, int]:
-    """(rank, world size) from RANK/WORLD_SIZE; joins the process group when WORLD_SIZE > 1."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    if world <= 1:
-        return 0, 1
-    if not os.environ.get("MASTER_ADDR") or not os.environ.get("MASTER_PORT"):
-        raise RuntimeError(f"WORLD_SIZE={world} but MASTER_ADDR/MASTER_PORT are not set: data parallel needs "
-                           "one process per rank (a Ray worker group); the local backend runs ranks in one "
-                           "process, so give the trainer one rank there")
-    if dist.is_initialized():
-        if dist.get_world_size() != world or dist.get_rank() != rank:
-            raise RuntimeError(f"a process group of world size {dist.get_world_size()} (rank {dist.get_rank()}) "
-                               f"is already running, but this rank is {rank} of {world}")
-        return rank, world
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
-                            rank=rank, world_size=world, timeout=DIST_TIMEOUT)
-    return rank, world

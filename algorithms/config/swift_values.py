@@ -1,5 +1,5 @@
 """How the value of each ms-swift key becomes this project's: the converters that
-algorithms/swift_args.py's key tables name (paths with ms-swift's '#N' row counts, dataset
+algorithms/config/swift_keys.py's key tables name (paths with ms-swift's '#N' row counts, dataset
 columns, dtypes, the DeepSpeed preset, vLLM arguments, batch sizes, ...). Each takes the
 key's value, the whole file and the composed config, and returns {our dotted key: value}, or
 raises `Unsupported` with why and what to use."""
@@ -82,7 +82,7 @@ def rlhf_type(driver: str) -> Mapper:
         if value != driver:
             where = f"python -m algorithms.{value}" if value in DRIVERS else "no driver here"
             raise Unsupported(f"is {value!r} but this is the {driver} driver ({where} runs it), and "
-                              f"`python -m algorithms.run config_file=...` picks the driver from rlhf_type")
+                              f"`python -m algorithms.cli config_file=...` picks the driver from rlhf_type")
         return {}
     return check
 

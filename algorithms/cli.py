@@ -2,7 +2,7 @@
 
     rayroles grpo|gkd|sft|distill [overrides]      same as python -m algorithms.<driver> [overrides]
     rayroles run --config X.yaml [overrides]       the driver an ms-swift file is written for
-    python -m algorithms.run config_file=X.yaml    the same
+    python -m algorithms.cli config_file=X.yaml    the same
     rayroles plan [overrides]                      python -m orchestration.plan
     rayroles example DIR                           a local student and teacher folder, a dataset
                                                    and ms-swift YAMLs that use them, in DIR
@@ -20,8 +20,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Optional
 
-from algorithms.swift_args import output_run_dir
+from algorithms.data.tasks import arithmetic_examples
 from orchestration.config import ConfigError, read_config_file
+from roles.models import build_model, load_tokenizer, save_checkpoint
 
 DRIVERS = {"grpo": "algorithms.grpo", "gkd": "algorithms.gkd", "sft": "algorithms.sft",
            "distill": "algorithms.distill", "plan": "orchestration.plan"}
@@ -45,7 +46,7 @@ def driver_of(path: str) -> str:
 
 def forward(module: str, args: list[str]) -> None:
     """Run a driver's (or the planner's) Hydra main with `args` as its command line."""
-    sys.argv = output_run_dir([module, *args])
+    sys.argv = [module, *args]
     importlib.import_module(module).main()
 
 
@@ -69,9 +70,6 @@ def config_of(args: list[str]) -> tuple[Optional[str], list[str]]:
 def write_example(folder: str) -> Path:
     """A local student (tiny_qwen2) and teacher (small_qwen2) model folder, an arithmetic
     dataset (data/train.jsonl, chat rows) and the ms-swift example YAMLs that use them."""
-    from algorithms.tasks import arithmetic_examples
-    from roles.models import build_model, load_tokenizer, save_checkpoint
-
     out = Path(folder)
     (out / "data").mkdir(parents=True, exist_ok=True)
     for name, preset in (("student", "tiny_qwen2"), ("teacher", "small_qwen2")):
@@ -79,7 +77,7 @@ def write_example(folder: str) -> Path:
     with open(out / "data" / "train.jsonl", "w") as f:
         for ex in arithmetic_examples(400, seed=0, split="train"):
             f.write(json.dumps({"messages": ex.messages()}) + "\n")
-    for yaml_file in resources.files("algorithms").joinpath("ms_swift_examples").iterdir():
+    for yaml_file in resources.files("algorithms.config").joinpath("ms_swift_examples").iterdir():
         if yaml_file.name.endswith(".yaml"):
             shutil.copyfile(str(yaml_file), out / yaml_file.name)
     return out

@@ -1,12 +1,12 @@
 """Task selection for the drivers: `data:` config -> training and held-out examples.
 
 A generated task (arithmetic, gsm) draws data.train_size training and data.eval_size held-out
-examples. A user's data (task=files, read by algorithms/user_data.py) is used whole unless
+examples. A user's data (task=files, read by algorithms/data/user_data.py) is used whole unless
 data.max_rows caps it; its held-out rows are data.val_paths' rows, a seeded data.val_split
 share of its rows, or else its last data.eval_size rows; never a training row. data.eval_size
 caps the held-out prompts evaluated. `check_data_files` checks the paths before anything starts.
 
-Bad rows never stop a run. Rows a user file cannot give (algorithms/user_data.py SKIP_REASONS) are
+Bad rows never stop a run. Rows a user file cannot give (algorithms/data/user_data.py SKIP_REASONS) are
 skipped, and, given the run's `RowLimits`, so are rows longer than the run's models take:
 
 * a prompt generated from (training prompts of GRPO, GKD and distill, every held-out prompt)
@@ -29,10 +29,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from algorithms.common import chat_prompt, chat_texts
-from algorithms.tasks import ArithmeticConfig, Example, arithmetic_examples, gsm_examples
-from algorithms.user_data import KNOWN_COLUMNS, SKIP_REASONS, UnreadableData, file_format, load_user_data
+from algorithms.data.prompts import chat_prompt, chat_texts
+from algorithms.data.tasks import ArithmeticConfig, Example, arithmetic_examples, gsm_examples
+from algorithms.data.user_data import KNOWN_COLUMNS, SKIP_REASONS, UnreadableData, file_format, load_user_data
 from orchestration.config import ConfigError
+from roles.models import load_tokenizer, resolve_config
 
 
 @dataclass
@@ -113,8 +114,6 @@ class RowLimits:
 def model_context(spec: Any) -> Optional[int]:
     """Longest sequence of a model spec (preset, ModelConfig, mapping or checkpoint directory):
     its max_position_embeddings (config.json for a checkpoint); None when config.json has none."""
-    from roles.models import resolve_config
-
     cfg = resolve_config(spec)
     if cfg.path is None:
         return cfg.max_position_embeddings
@@ -135,8 +134,6 @@ def row_limits(cfg: Any, new_tokens: Optional[int] = None, replies: bool = False
     training prompts are generated from with `new_tokens` (None: they are not, as in SFT);
     `replies`: the run trains on the dataset's replies; `teacher`: a teacher model that reads
     the same sequences (its context counts too)."""
-    from roles.models import load_tokenizer
-
     contexts = [model_context(cfg.model)] + ([model_context(teacher)] if teacher is not None else [])
     if new_tokens is not None and cfg.backend.rollout == "vllm":
         contexts.append(cfg.vllm.max_model_len)  # the vLLM rollout's own limit, when lower

@@ -8,11 +8,13 @@ or none, with `eps` added to the std.
 """
 from __future__ import annotations
 
+import typing
 from typing import Literal
 
 import torch
 
 ScaleRewards = Literal["group", "batch", "none"]
+SCALE_REWARDS = typing.get_args(ScaleRewards)
 
 
 def _grouped(rewards: torch.Tensor, num_generations: int) -> torch.Tensor:

@@ -20,7 +20,7 @@ from typing import Any, Mapping
 
 import yaml
 
-from algorithms import swift_values as conv
+from algorithms.config import swift_values as conv
 from orchestration.config import PLACEMENT_KEYS, ConfigError, split_config_file
 
 # Keys every driver reads (the ms-swift name, and its Megatron or Hugging Face alias).

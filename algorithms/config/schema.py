@@ -1,27 +1,30 @@
-"""Typed run configs of the drivers. Defaults live here once; conf/ YAML chooses values.
+"""The typed config every driver shares. Defaults live here once; conf/ YAML chooses values.
 
-Each driver's schema is `RunConfig` plus its `algorithm` section; `prepare` types the
-composed config (unknown keys, types), applies a config_file and plans the placement; the
-driver's `validate` (algorithms/validation.py) then checks the values, before anything starts.
+Each driver's schema is `DriverConfig` plus its `algorithm` section, defined at the top of
+the driver's own file; `prepare` types the composed config (unknown keys, types), applies a
+config_file (ms-swift keys: algorithms/config/swift_keys.py) and plans the placement; the
+driver's `validate` (shared checks: algorithms/config/checks.py) then checks the values,
+before anything starts.
 """
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields, replace
-from typing import Any, ClassVar, Optional
+from pathlib import Path
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional
 
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from algorithms.data import DataConfig
-from algorithms.swift_args import epochs_to_steps, translate
+from algorithms.config.swift_keys import epochs_to_steps, translate
+from algorithms.data.loading import DataConfig
 from orchestration.config import (BackendConfig, ClusterConfig, ConfigError, PlacementConfig, WeightSyncConfig,
                                   apply_placement, placement_dict, read_config_file, validate)
 from orchestration.planner import Plan, make_plan
 from roles.engines.options import DeepSpeedOptions, MegatronOptions, VLLMOptions
 from roles.models import ModelConfig, hub_cache_dir
 from roles.rollout import RolloutConfig
-from roles.teacher import TeacherConfig
 from roles.trainer import TrainerConfig
 
 
@@ -70,7 +73,7 @@ class LoopConfig:
 
 
 @dataclass
-class RunConfig:
+class DriverConfig:
     """What every driver reads."""
     # Placement in either ms-swift form.
     placement: PlacementConfig = field(default_factory=PlacementConfig)
@@ -99,90 +102,16 @@ class RunConfig:
     # vLLM rollout/teacher options (backend.rollout=vllm, backend.teacher=vllm).
     vllm: VLLMOptions = field(default_factory=VLLMOptions)
 
-
-@dataclass
-class SFTAlgorithm:
-    # Sequences per step are run.prompts_per_step; the loss counts response tokens only
-    # (prompt tokens are context), or every token with pretrain=true.
-    pretrain: bool = False
-
-
-@dataclass
-class SFTRunConfig(RunConfig):
-    DRIVER: ClassVar[str] = "sft"
-    # SFT / pretraining options.
-    algorithm: SFTAlgorithm = field(default_factory=SFTAlgorithm)
-
-
-def sft_phase(cfg: RunConfig, **changes: Any) -> SFTRunConfig:
-    """The config of an SFT phase inside another run (GRPO's warm start, distill's SFT): every
-    section of `cfg` (placement, engines and their options, weight sync, ...) with `changes`."""
-    return SFTRunConfig(**{**{f.name: getattr(cfg, f.name) for f in fields(RunConfig)}, **changes})
-
-
-@dataclass
-class GKDAlgorithm:
-    # Fraction of steps trained on the student's own generations (on-policy); the rest
-    # use the dataset's responses.
-    lmbda: float = 0.5
-    # Generalized JSD interpolation: 0 forward KL(teacher||student), 1 reverse KL.
-    beta: float = 0.5
-    # Softmax temperature on both sides of the divergence, and for student generation.
-    temperature: float = 0.9
-    # Weight of an added NLL term on the batch's responses.
-    sft_alpha: float = 0.0
-    # Off-policy steps use teacher generations instead of dataset responses.
-    seq_kd: bool = False
-    # Top-k teacher logits mode: "renorm" (both sides restricted to the k tokens) or "tail"
-    # (k tokens plus one bucket for the remaining mass). Top-k itself is
-    # placement.gkd_logits_topk (null: full vocabulary).
-    topk_mode: str = "renorm"
-    # Longest student generation in tokens.
-    max_new_tokens: int = 48
-    # Steps an on-policy generation may run ahead of training (separate placement only): with N
-    # the rollout generates for steps k+1..k+N while the teacher and trainer work on step k, so
-    # the student's samples are up to N weight versions old. 0: strictly on-policy.
-    max_staleness: int = 0
-    # A teacher on devices of its own (placement.teacher, sharing none with trainer or rollout;
-    # on Ray) scores an off-policy step's batch during the previous step's train call when
-    # nothing else comes between the two (no eval, save or generation): teacher and student
-    # then work at once. Not with seq_kd or max_staleness > 0. Holds the next batch's teacher
-    # logprobs beside the current ones (with full-vocabulary logits, a second batch x length x
-    # vocabulary array in the object store). false: they take turns.
-    score_ahead: bool = True
-
-
-@dataclass
-class TeacherModelConfig:
-    # Teacher model: a preset name (conf/model/) or a local HF directory;
-    # placement.teacher_model / placement.teacher.model override it when set.
-    model: str = "small_qwen2"
-    # Teacher engine settings.
-    engine: TeacherConfig = field(default_factory=TeacherConfig)
-    # Train the teacher by SFT first (cached by its config): steps; 0 uses it as given.
-    warmup_steps: int = 0
-    # Learning rate of that teacher SFT.
-    warmup_lr: float = 3e-3
-    # Sequences per teacher SFT step.
-    warmup_batch: int = 64
-    # Folder where warmed-up teachers are cached.
-    cache_dir: str = "~/.cache/rayroles/teachers"
-
-
-@dataclass
-class GKDRunConfig(RunConfig):
-    DRIVER: ClassVar[str] = "gkd"
-    # GKD options.
-    algorithm: GKDAlgorithm = field(default_factory=GKDAlgorithm)
-    # The teacher.
-    teacher: TeacherModelConfig = field(default_factory=TeacherModelConfig)
+    def updates(self, steps: int) -> int:
+        """Optimizer updates of a run of `steps` steps (one a step unless a driver says more)."""
+        return steps
 
 
 def prepare(cfg: DictConfig | dict, schema: type, cli: Optional[list[str]] = None) -> tuple[Any, Plan]:
     """A composed config as a typed `schema` object with config_file applied, and its plan.
 
     The config_file's training keys are translated for the schema's driver (`schema.DRIVER`,
-    algorithms/swift_args.py); `cli`: the command line's overrides (default: Hydra's, when a
+    algorithms/config/swift_keys.py); `cli`: the command line's overrides (default: Hydra's, when a
     Hydra app runs), which win over the file's values. Raises ConfigError/PlanError naming the
     key. The driver's `validate(cfg, plan)` checks the values next, before anything starts.
     """
@@ -210,11 +139,12 @@ def prepare(cfg: DictConfig | dict, schema: type, cli: Optional[list[str]] = Non
 
 
 def with_steps(run: Any, steps: int) -> Any:
-    """`run` with `steps` optimizer steps and what follows from them (derived only here): the
-    learning-rate schedule spans the run, warmup_ratio sets the warmup steps."""
-    trainer = replace(run.trainer, total_steps=steps)
+    """`run` with `steps` steps and what follows from them (derived only here): the learning-rate
+    schedule spans the run's optimizer updates, warmup_ratio sets the warmup steps."""
+    updates = run.updates(steps)
+    trainer = replace(run.trainer, total_steps=updates)
     if trainer.warmup_ratio is not None:
-        trainer.warmup_steps = round(trainer.warmup_ratio * steps)
+        trainer.warmup_steps = round(trainer.warmup_ratio * updates)
     return replace(run, run=replace(run.run, steps=steps), trainer=trainer)
 
 
@@ -239,8 +169,6 @@ def local_model_path(path: Optional[str]) -> Optional[str]:
 
 def cli_overrides() -> list[str]:
     """The running Hydra app's command-line overrides; [] outside one (tests, compose())."""
-    from hydra.core.hydra_config import HydraConfig
-
     try:
         return list(HydraConfig.get().overrides.task)
     except ValueError:
@@ -261,7 +189,7 @@ def keep_command_line(typed: DictConfig, composed: DictConfig, cli: list[str], f
     return kept
 
 
-def engine_args(cfg: RunConfig, role: str) -> dict:
+def engine_args(cfg: DriverConfig, role: str) -> dict:
     """Constructor arguments choosing a role's engine: {"engine": name, "engine_options": {...}}
     for role "train", "rollout" or "teacher" (the sampler uses the rollout's)."""
     engine = getattr(cfg.backend, role)
@@ -272,3 +200,26 @@ def engine_args(cfg: RunConfig, role: str) -> dict:
 def as_dict(section: Any) -> dict:
     """A config section as a plain dict (what crosses to a role's constructor)."""
     return OmegaConf.to_container(OmegaConf.structured(section), resolve=True)
+
+
+def rollout_section(cfg: DriverConfig) -> dict:
+    """A driver's rollout section with data.chat, so that every rollout and sampler of the run
+    renders prompts as training does (checks.check_chat refuses a rollout.chat that differs)."""
+    return {**as_dict(cfg.rollout), "chat": cfg.data.chat}
+
+
+def phase_run(run: Any, out_dir: str | os.PathLike, phase: str, **loop: Any) -> Any:
+    """The run section of a phase inside a run (GRPO's SFT warm start, GKD's teacher warm-up,
+    distill's SFT runs) writing to <out_dir>/<phase>: its loop settings `loop`, the run's
+    trackers, cadence, log level and tags (plus the phase's name), under the tracker name
+    <run name>/<phase>, a run of its own beside the main one (in TensorBoard: <run
+    dir>/<phase>/tensorboard/<run name>/<phase>)."""
+    name = run.name or Path(out_dir).resolve().name
+    return LoopConfig(loggers=list(run.loggers), log_every=run.log_every, log_level=run.log_level,
+                      tags=[*run.tags, phase], name=f"{name}/{phase}", **loop)
+
+
+def warmup_steps(steps: int) -> int:
+    """Learning-rate warm-up of an SFT phase inside another run (GRPO's warm start, GKD's
+    teacher, distill's SFT): a tenth of its steps, at most 20."""
+    return min(20, steps // 10)

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from algorithms.common import check_orm_config
+from algorithms.data.answers import check_orm_config
 from orchestration.launch import driver_group
 from orchestration.planner import Plan
 from roles.orm import ANSWER_KINDS, ORM

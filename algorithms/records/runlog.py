@@ -1,5 +1,5 @@
 """Run outputs shared by the drivers: metrics.jsonl and the trackers of run.loggers
-(algorithms/trackers.py), the resolved config, a progress bar with ETA, one timer per phase,
+(algorithms/records/trackers.py), the resolved config, a progress bar with ETA, one timer per phase,
 and timeline.jsonl (when each role was busy).
 
     log = RunLog(out_dir, total_steps=cfg.run.steps, cfg=cfg)
@@ -16,7 +16,7 @@ Python logging (a Hydra app's <run dir>/<job name>.log), as INFO records of algo
 Times in timeline.jsonl are seconds since the RunLog was created (this process's monotonic
 clock; a resumed run continues after the intervals it kept), one line per busy interval:
 {"step", "role", "phase", "start", "end"}. `close()` draws curves.png, timeline.png and
-trace.json (algorithms/plots.py).
+trace.json (algorithms/records/plots.py).
 """
 from __future__ import annotations
 
@@ -29,7 +29,11 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from algorithms.trackers import JsonlFile, check_loggers, open_trackers
+from omegaconf import OmegaConf
+
+from algorithms.records.checkpoints import find_resume
+from algorithms.records.plots import write_run_pictures
+from algorithms.records.trackers import JsonlFile, open_trackers
 
 logger = logging.getLogger(__name__)
 
@@ -53,18 +57,14 @@ HIDDEN_PREFIXES = ("time/", "mem/", "move/")
 
 
 class RunLog:
-    """`cfg`: the run's typed config; its run section chooses the trackers (run.loggers), the
-    full-line cadence (run.log_every), the run's name and tags. Without it: metrics.jsonl only,
-    LoopConfig's defaults otherwise. `resolved_config`: the config the run uses (the drivers pass
-    their typed one, config_file values and derived steps included), saved as
-    resolved_config.yaml and handed to the trackers (else `cfg` is)."""
+    """`run`: the run's `run:` section (algorithms/config/schema.py LoopConfig); it chooses the
+    trackers (run.loggers), the full-line cadence (run.log_every), the run's name and tags.
+    `resolved_config`: the config the run uses (the drivers pass their typed one, config_file
+    values and derived steps included), saved as resolved_config.yaml and handed to the
+    trackers."""
 
-    def __init__(self, out_dir: str | os.PathLike, total_steps: int, stream=None, resolved_config: Any = None,
-                 cfg: Any = None):
-        from algorithms.config import LoopConfig, as_dict
-
-        run = cfg.run if cfg is not None else LoopConfig()
-        check_loggers(run.loggers)
+    def __init__(self, out_dir: str | os.PathLike, total_steps: int, run: Any, stream=None,
+                 resolved_config: Any = None):
         self.loggers, self.log_every, self.tags = list(run.loggers), run.log_every, list(run.tags)
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -87,13 +87,9 @@ class RunLog:
         self._lines_shown = 0
         self._config: dict = {}
         if resolved_config is not None:
-            from omegaconf import OmegaConf
-
             resolved_config = OmegaConf.create(resolved_config)
             OmegaConf.save(resolved_config, self.dir / "resolved_config.yaml", resolve=True)
             self._config = OmegaConf.to_container(resolved_config, resolve=True)
-        elif cfg is not None:
-            self._config = as_dict(cfg)
 
     @contextmanager
     def phase(self, name: str, *roles: str):
@@ -218,7 +214,7 @@ class RunLog:
 
     def close(self) -> None:
         """Close the bar, the trackers and the files, and draw the run's pictures
-        (algorithms/plots.py: curves.png, timeline.png, trace.json); a picture that fails is
+        (algorithms/records/plots.py: curves.png, timeline.png, trace.json); a picture that fails is
         reported, never fatal."""
         if self._bar is not None:
             self._bar.close()
@@ -228,8 +224,6 @@ class RunLog:
         self._metrics.close()
         self._timeline.close()
         try:
-            from algorithms.plots import write_run_pictures
-
             write_run_pictures(self.dir)
         except Exception as e:  # a run's results matter more than its pictures
             logger.warning("runlog: no pictures for %s (%s: %s)", self.dir, type(e).__name__, e)
@@ -247,19 +241,6 @@ def _to_log_files(line: str) -> None:
             if isinstance(handler, logging.FileHandler) and record.levelno >= handler.level:
                 handler.handle(record)
         current = current.parent if current.propagate else None
-
-
-def phase_run(run: Any, out_dir: str | os.PathLike, phase: str, **loop: Any) -> Any:
-    """The run section of a phase inside a run (GRPO's SFT warm start, GKD's teacher warm-up,
-    distill's SFT runs) writing to <out_dir>/<phase>: its loop settings `loop`, the run's
-    trackers, cadence, log level and tags (plus the phase's name), under the tracker name
-    <run name>/<phase>, a run of its own beside the main one (in TensorBoard: <run
-    dir>/<phase>/tensorboard/<run name>/<phase>)."""
-    from algorithms.config import LoopConfig
-
-    name = run.name or Path(out_dir).resolve().name
-    return LoopConfig(loggers=list(run.loggers), log_every=run.log_every, log_level=run.log_level,
-                      tags=[*run.tags, phase], name=f"{name}/{phase}", **loop)
 
 
 def _shown_keys(record: dict) -> list[str]:
@@ -295,12 +276,6 @@ def _fmt(seconds: float) -> str:
     return f"{m}m{s:02d}s" if m else f"{s}s"
 
 
-def read_metrics(path: str | os.PathLike) -> list[dict]:
-    """The lines of a metrics.jsonl or timeline.jsonl file."""
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
 def timed_call(log: RunLog, role: str, group: Any, method: str, *args: Any) -> Any:
     """A colocated role's turn-taking call (offload, onload, sleep, wake_up): timed as phase
     `method`, the role busy meanwhile, its bytes and seconds logged as move/<role>_<method>_*."""
@@ -308,3 +283,18 @@ def timed_call(log: RunLog, role: str, group: Any, method: str, *args: Any) -> A
         results = group.call(method, *args)
     log.moved(role, method, results)
     return results
+
+
+def record_event(out_dir: Any, event: dict) -> None:
+    """One line of <run dir>/events.jsonl (restarts: what was lost, where, when)."""
+    line = {"time": time.strftime("%Y-%m-%dT%H:%M:%S"), **event}
+    with open(Path(out_dir) / "events.jsonl", "a") as f:
+        f.write(json.dumps(line) + "\n")
+
+
+def record_data_stats(log: RunLog, stats: dict, resume: Any) -> None:
+    """load_task's counts into the run's step-0 record (RunLog sums added values into the next
+    record it writes). A run resuming from a checkpoint has its step-0 record already."""
+    if find_resume(log.dir, resume, report=lambda _: None) is None:
+        for key, value in stats.items():
+            log.add(key, value)

@@ -1,4 +1,4 @@
-"""Verifiable tasks, as lists of `Example` (pure Python, no Ray); a user's files: algorithms/user_data.py.
+"""Verifiable tasks, as lists of `Example` (pure Python, no Ray); a user's files: algorithms/data/user_data.py.
 
 * `arithmetic_examples`: multi-step arithmetic with one written step per line
   ("12+7=19\\n19*3=57\\n#### 57") at configurable difficulty, so a rule-based PRM can

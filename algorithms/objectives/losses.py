@@ -328,7 +328,7 @@ class GRPOLoss:
 
     def __call__(self, logprobs: torch.Tensor, batch: Batch, extras: Optional[dict] = None):
         if batch.advantages is None:
-            raise ValueError("GRPO loss needs batch.advantages (see algorithms.advantages.group_advantages)")
+            raise ValueError("GRPO loss needs batch.advantages (see algorithms.objectives.advantages.group_advantages)")
         device = logprobs.device
         old = None if batch.old_logprobs is None else batch.old_logprobs.to(device)
         ref = None if batch.ref_logprobs is None else batch.ref_logprobs.to(device)

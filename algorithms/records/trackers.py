@@ -1,6 +1,6 @@
 """Metric trackers chosen by run.loggers, several at once. Each gets the run's name, its
 resolved config and tags when it opens, then one metrics dict per step, and is closed at the
-end (torchtune's metric loggers); RunLog (algorithms/runlog.py) opens and feeds them.
+end (torchtune's metric loggers); RunLog (algorithms/records/runlog.py) opens and feeds them.
 
     jsonl        metrics.jsonl in the run directory (always listed: resume reads it back)
     tensorboard  event files in <run dir>/tensorboard/<name> (tensorboard --logdir <run dir>)
@@ -11,7 +11,6 @@ Only numbers go to TensorBoard, W&B and MLflow (a checkpoint path stays in metri
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import math
@@ -28,26 +27,6 @@ LOGGERS = {"jsonl": (), "tensorboard": ("tensorboard",), "wandb": ("wandb",),
            "mlflow": ("mlflow-skinny", "sqlalchemy", "alembic")}
 # Pip packages whose module has another name.
 MODULES = {"mlflow-skinny": "mlflow"}
-
-
-def check_loggers(loggers: Any, key: str = "run.loggers") -> None:
-    """Refuse unknown or repeated logger names, a list without jsonl, and a tracker whose
-    package is not installed, as one ConfigError naming `key`."""
-    from algorithms.validation import require
-
-    names = list(loggers)
-    for name in names:
-        require(name in LOGGERS, key, names, f"names an unknown logger {name!r}",
-                f"list some of {list(LOGGERS)}, e.g. {key}=[jsonl,tensorboard]")
-    require(len(set(names)) == len(names), key, names, "names a logger twice", "list each logger once")
-    require("jsonl" in names, key, names, "leaves out jsonl (metrics.jsonl, which resume reads back)",
-            f"keep it in the list, e.g. {key}=[jsonl,{','.join(n for n in names if n != 'jsonl') or 'tensorboard'}]")
-    for name in names:
-        for package in LOGGERS[name]:
-            require(importlib.util.find_spec(MODULES.get(package, package)) is not None, key, names,
-                    f"needs the Python package '{package}', which is not installed",
-                    f"pip install -c constraints.txt {' '.join(LOGGERS[name])} (or the '.[trackers]' extra), "
-                    f"or drop {name} from {key}")
 
 
 def numeric(record: dict) -> dict[str, float]:
@@ -141,7 +120,7 @@ class WandbTracker:
 
 class MlflowTracker:
     """An MLflow run in experiment "rayroles": the run's name, its flattened config as params,
-    run.tags as tags, numeric metrics per step. The store is MLFLOW_TRACKING_URI if set, else the
+    run.tags, numeric metrics per step. The store is MLFLOW_TRACKING_URI if set, else the
     SQLite file mlflow.db of the run directory (MLflow 3 refuses its ./mlruns file store); a phase
     inside a Hydra run (<run dir>/sft_warmup) shares its run's file. A resumed run continues the
     MLflow run (id in <its dir>/mlflow_run_id); steps logged after the checkpoint keep their first
@@ -213,3 +192,9 @@ def open_trackers(loggers: list[str], run_dir: Path, name: str, config: dict, ta
     """The trackers of `loggers` besides jsonl (RunLog writes metrics.jsonl itself), opened
     for a run whose first recorded step is `first_step`."""
     return [TRACKERS[n](run_dir, name, config, list(tags), first_step) for n in loggers if n in TRACKERS]
+
+
+def read_metrics(path: str | os.PathLike) -> list[dict]:
+    """The lines of a metrics.jsonl or timeline.jsonl file."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]

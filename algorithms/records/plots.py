@@ -6,7 +6,7 @@
     trace.json        the same intervals as Chrome trace events (open in ui.perfetto.dev or
                       chrome://tracing): one track per role, one slice per phase
 
-    python -m algorithms.plots outputs/2026-12-04/10-00-00     # draw them for a finished run
+    python -m algorithms.records.plots outputs/2026-12-04/10-00-00     # draw them for a finished run
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Optional
 
-from algorithms.runlog import read_metrics
+from algorithms.records.trackers import read_metrics
 
 # Panels of curves.png, in order: (title, metric keys drawn in it). A panel is drawn when the
 # run logged at least one of its keys.

@@ -20,23 +20,7 @@ from dataclasses import replace
 from typing import Any, Callable, Optional
 
 from orchestration.base_group import CALLS
-from orchestration.config import ConfigError
-from orchestration.planner import Plan
 from roles.batch import Completions
-
-
-def check_staleness(max_staleness: int, plan: Plan, key: str = "algorithm.max_staleness") -> None:
-    """Refuse a negative bound, and overlap where the rollout shares its devices with a role
-    that runs meanwhile (they take turns there, so nothing could overlap)."""
-    if max_staleness < 0:
-        raise ConfigError(f"config key '{key}'={max_staleness} must be >= 0. Fix: set it to 0 (strictly "
-                          "on-policy) or to the weight versions a sample may lag")
-    shared = sorted(set(plan["rollout"].colocated_with) & {"train", "teacher"}) if "rollout" in plan.roles else []
-    if max_staleness > 0 and shared:
-        raise ConfigError(
-            f"config key '{key}'={max_staleness} overlaps generation with training, but the placement "
-            f"colocates rollout with {shared} (placement.colocate_groups / device_groups): they share a device "
-            f"and take turns. Fix: set {key}=0, or give the rollout its own devices (separate placement)")
 
 
 class Pending:
