@@ -322,7 +322,7 @@ def validate(cfg: DistillConfig, plan: Plan) -> None:
                   "placement.device_groups with workers [sampler] and [prm, orm]")
     require(cfg.run.resume in (None, "", "auto"), "run.resume", cfg.run.resume, "names a checkpoint, but distill "
             "resumes by phase from its run directory", "use run.resume=auto with the old run's directory")
-    check_run(cfg, plan)
+    check_run(cfg, plan, classes={"sampler": Sampler, "prm": PRM, "orm": ORM})
     check_scorer(cfg.prm, "prm", PRM_KINDS)
     check_scorer(cfg.orm, "orm", ORM_KINDS)
     require(cfg.prm.aggregate in AGGREGATES, "prm.aggregate", cfg.prm.aggregate, "is not an aggregate",

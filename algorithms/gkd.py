@@ -1,13 +1,13 @@
 """GKD: on-policy distillation of a student from a teacher's token distributions.
 
     python -m algorithms.gkd +experiment=gkd_quickstart
-    python -m algorithms.gkd +experiment=gkd_quickstart placement.gkd_logits_topk=8 algorithm.beta=0
+    python -m algorithms.gkd +experiment=gkd_quickstart algorithm.logits_topk=8 algorithm.beta=0
     python -m algorithms.gkd --multirun +experiment=gkd_quickstart algorithm.beta=0,0.5,1
 
 Each step draws prompts; with probability `lmbda` the student (rollout) generates the
 completions, else the dataset's responses are used (with `seq_kd`, the teacher's own
 sampled completions, written by a teacher-weight rollout in the driver process). The teacher scores every position
-(top-k logprobs when `placement.gkd_logits_topk` is set, else the full vocabulary), the
+(top-k logprobs when `algorithm.logits_topk` is set, else the full vocabulary), the
 trainer minimises the generalized JSD (`beta`, `temperature`, `sft_alpha`), and the new
 weights go to the rollout. The teacher is colocated with the trainer (placement
 `teacher_model`) or in its own group (`placement.teacher`). With separate placement and
@@ -74,9 +74,11 @@ class GKDAlgorithm:
     sft_alpha: float = 0.0
     # Off-policy steps use teacher generations instead of dataset responses.
     seq_kd: bool = False
+    # Teacher logprobs kept per position: its k most likely tokens (ms-swift's gkd_logits_topk;
+    # also accepted as placement.gkd_logits_topk); null: the full vocabulary.
+    logits_topk: Optional[int] = None
     # Top-k teacher logits mode: "renorm" (both sides restricted to the k tokens) or "tail"
-    # (k tokens plus one bucket for the remaining mass). Top-k itself is
-    # placement.gkd_logits_topk (null: full vocabulary).
+    # (k tokens plus one bucket for the remaining mass).
     topk_mode: str = "renorm"
     # Longest student generation in tokens.
     max_new_tokens: int = 48
@@ -124,7 +126,7 @@ def train(cfg: GKDConfig, plan: Plan, trainer: Any, rollout: Any, teacher: Any, 
     """The GKD loop; roles are worker groups (or fakes in tests). Returns the last record.
     `step0` holds extra metrics for the step-0 record (the teacher's accuracy);
     `teacher_writer` (a rollout with the teacher's weights) writes off-policy completions when seq_kd."""
-    algo, topk = cfg.algorithm, plan.gkd_logits_topk
+    algo, topk = cfg.algorithm, cfg.algorithm.logits_topk
     sampling = SamplingParams(temperature=algo.temperature, max_new_tokens=algo.max_new_tokens)
     writer = teacher_writer if algo.seq_kd else None
     # The coin of every step, drawn up front: generations may start max_staleness steps early.
@@ -312,7 +314,7 @@ def run(cfg: GKDConfig, plan: Plan, out_dir: Path) -> dict:
         "teacher": (Teacher, {"model": teacher_model, "config": as_dict(cfg.teacher.engine),
                               **engine_args(cfg, "teacher")})}, restarts=cfg.run.max_restarts)
     log = RunLog(out_dir, cfg.run.steps, cfg.run, resolved_config=cfg)
-    topk = plan.gkd_logits_topk
+    topk = cfg.algorithm.logits_topk
     logger.info(f"gkd: {len(train_set)} train / {len(eval_set)} held-out examples; {cfg.run.steps} steps x "
                 f"{cfg.run.prompts_per_step} prompts; teacher {teacher_model} (accuracy {teacher_accuracy:.3f}, "
                 f"{'top-%d %s' % (topk, cfg.algorithm.topk_mode) if topk else 'full vocabulary'}); output {log.dir}")
@@ -333,7 +335,7 @@ def validate(cfg: GKDConfig, plan: Plan) -> None:
     """Every check of a GKD run, before anything starts (shared checks: algorithms/config/checks.py)."""
     require_roles(plan, ("train", "rollout", "teacher"), "GKD", "add them (a colocated teacher: "
                   "placement.teacher_model=NAME; a teacher group: placement.teacher.gpus=N)")
-    check_run(cfg, plan)
+    check_run(cfg, plan, classes={"train": Trainer, "rollout": Rollout, "teacher": Teacher})
     a, t = cfg.algorithm, cfg.teacher
     require_all(a, "algorithm", {"lmbda": FRACTION, "beta": FRACTION, "temperature": POSITIVE,
                                  "sft_alpha": NON_NEGATIVE, "max_new_tokens": AT_LEAST_1})
@@ -350,20 +352,20 @@ def validate(cfg: GKDConfig, plan: Plan) -> None:
     check_model(teacher_key, teacher_model)
     if t.warmup_steps:
         check_trainer(teacher_trainer(t), "teacher", t.warmup_steps, "teacher.warmup_steps")
-    topk = plan.gkd_logits_topk
+    topk = cfg.algorithm.logits_topk
     if topk is not None:
-        require(topk >= 1, "placement.gkd_logits_topk", topk, "must be >= 1", "set it >= 1, or null for the full "
+        require(topk >= 1, "algorithm.logits_topk", topk, "must be >= 1", "set it >= 1, or null for the full "
                 "vocabulary")
         vocab = min(vocab_size(cfg.model), vocab_size(teacher_model))
-        require(topk <= vocab, "placement.gkd_logits_topk", topk, f"exceeds the {vocab}-token vocabulary",
+        require(topk <= vocab, "algorithm.logits_topk", topk, f"exceeds the {vocab}-token vocabulary",
                 f"set it to at most {vocab}, or null for the full vocabulary")
     if cfg.backend.teacher == "vllm":
         require(topk is not None, "backend.teacher", "vllm", "serves top-k logprobs only, but "
-                "placement.gkd_logits_topk is unset (full vocabulary)",
-                "set placement.gkd_logits_topk (e.g. 64), or use backend.teacher=torch")
-        require(topk <= cfg.vllm.max_logprobs, "placement.gkd_logits_topk", topk,
+                "algorithm.logits_topk is unset (full vocabulary)",
+                "set algorithm.logits_topk (e.g. 64), or use backend.teacher=torch")
+        require(topk <= cfg.vllm.max_logprobs, "algorithm.logits_topk", topk,
                 f"exceeds vllm.max_logprobs={cfg.vllm.max_logprobs}",
-                f"raise vllm.max_logprobs to at least {topk} or lower gkd_logits_topk")
+                f"raise vllm.max_logprobs to at least {topk} or lower algorithm.logits_topk")
         sleeps = plan["rollout"].sleep_level or plan["teacher"].offload_model
         require(not (cfg.backend.workers == "local" and cfg.backend.rollout == "vllm" and sleeps
                      and torch.cuda.is_available()), "backend.rollout", "vllm",
@@ -379,14 +381,14 @@ def student_topk(cfg: GKDConfig, plan: Plan) -> bool:
     """Whether the student's loss reads its log-softmax at the teacher's top-k tokens instead of
     its full logits: a top-k teacher, the torch trainer with fused_logprobs (which then never
     makes the [B, T, V] logits), and no SFT term (it needs the whole distribution)."""
-    return (plan.gkd_logits_topk is not None and cfg.trainer.fused_logprobs and cfg.backend.train == "torch"
+    return (cfg.algorithm.logits_topk is not None and cfg.trainer.fused_logprobs and cfg.backend.train == "torch"
             and cfg.algorithm.sft_alpha == 0)
 
 
 def gkd_loss(cfg: GKDConfig, plan: Plan):
     a = cfg.algorithm
     return make_loss("gkd", beta=a.beta, temperature=a.temperature, sft_alpha=a.sft_alpha, topk_mode=a.topk_mode,
-                     teacher_temperature_applied=plan.gkd_logits_topk is not None,
+                     teacher_temperature_applied=cfg.algorithm.logits_topk is not None,
                      student_topk=student_topk(cfg, plan))
 
 

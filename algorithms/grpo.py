@@ -335,7 +335,7 @@ def validate(cfg: GRPOConfig, plan: Plan) -> None:
     a = cfg.algorithm
     require_roles(plan, ("train", "rollout"), "GRPO", "add them, e.g. placement.train.gpus=1 placement.rollout.gpus=1, "
                   "or placement=colocate")
-    check_run(cfg, plan, updates=cfg.updates(cfg.run.steps))
+    check_run(cfg, plan, updates=cfg.updates(cfg.run.steps), classes={"train": Trainer, "rollout": Rollout})
     require_all(a, "algorithm", {"epsilon": POSITIVE, "beta": NON_NEGATIVE, "temperature": POSITIVE,
                                  "max_new_tokens": AT_LEAST_1, "warmup_sft_steps": NON_NEGATIVE,
                                  "warmup_sft_lr": POSITIVE, "warmup_sft_batch": AT_LEAST_1,

@@ -101,7 +101,7 @@ def run(cfg: SFTConfig, plan: Any, out_dir: Path) -> dict:
 def validate(cfg: SFTConfig, plan: Any) -> None:
     """Every check of an SFT run, before anything starts (algorithms/config/checks.py)."""
     require_roles(plan, (("train", "default"),), "SFT", "placement.train.gpus=1 (or device_groups workers [default])")
-    check_run(cfg, plan)
+    check_run(cfg, plan, classes={"train": Trainer, "default": Trainer})
 
 
 def main() -> None:

@@ -63,8 +63,6 @@ class PlacementConfig:
     # instead of two): its logits stay on the ranks for the trainer's next call instead of
     # travelling through the driver. Torch teacher engine only (another gets its own processes).
     teacher_in_trainer_process: bool = False
-    # Teacher logits kept per position for GKD; None: full vocabulary.
-    gkd_logits_topk: Optional[int] = None
     # Number of nodes the layout spans; None: 1 (Megatron form) or derived from ranks.
     nnodes: Optional[int] = None
     # Devices per node (Megatron form); None: total devices / nnodes.

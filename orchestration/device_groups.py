@@ -163,5 +163,4 @@ def plan_device_groups(cfg: dict, common: dict[str, Any], any_role_names: bool =
                 offload_optimizer=bool(mates) and role in ("train", "default") and common["offload_optimizer"],
                 sleep_level=common["sleep_level"] if (mates and role in ("rollout", "sampler")) else 0,
                 tensor_parallel_size=tp if role in VLLM_ROLES else 1, num_cpus=cpus[name])
-    return Plan(roles=roles, nnodes=nnodes, devices_per_node=per_node, form="device_groups",
-                gkd_logits_topk=common["gkd_logits_topk"])
+    return Plan(roles=roles, nnodes=nnodes, devices_per_node=per_node, form="device_groups")

@@ -39,8 +39,6 @@ def format_table(plan: Plan) -> str:
     widths = [max(len(c), *(len(row[i]) for row in rows)) for i, c in enumerate(COLUMNS)]
     line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()
     head = f"plan ({plan.form} form): {plan.nnodes} node(s) x {plan.devices_per_node} device(s)"
-    if plan.gkd_logits_topk:
-        head += f", teacher top-k {plan.gkd_logits_topk}"
     return "\n".join([head, line(COLUMNS), line(["-" * w for w in widths]), *map(line, rows)])
 
 

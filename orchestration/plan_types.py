@@ -20,7 +20,7 @@ MEGATRON_ROLES = ("train", "rollout", "teacher")
 # Roles that can run a vLLM engine, so may set vllm_tensor_parallel_size.
 VLLM_ROLES = ("rollout", "sampler", "teacher")
 # Keys shared by both forms, then the keys of each form.
-COMMON_KEYS = {"offload_model", "offload_optimizer", "sleep_level", "nnodes", "gkd_logits_topk"}
+COMMON_KEYS = {"offload_model", "offload_optimizer", "sleep_level", "nnodes"}
 MEGATRON_KEYS = COMMON_KEYS | {"colocate_groups", "teacher_model", "offload_teacher_model",
                                "teacher_in_trainer_process", "nproc_per_node", *MEGATRON_ROLES}
 SWIFT_KEYS = COMMON_KEYS | {"device_groups"}
@@ -94,7 +94,6 @@ class Plan:
     nnodes: int
     devices_per_node: int
     form: str  # "megatron" or "device_groups"
-    gkd_logits_topk: int | None = None
     notes: tuple[str, ...] = field(default=())
 
     def __getitem__(self, role: str) -> RolePlan:

@@ -84,18 +84,15 @@ def as_started(plan: Plan, engines: Mapping[str, str]) -> tuple[Plan, list[str]]
 
 
 def common_settings(cfg: Mapping) -> dict[str, Any]:
-    """The keys both forms share (offload_*, sleep_level, gkd_logits_topk), checked, with
+    """The keys both forms share (offload_*, sleep_level), checked, with
     PlacementConfig's defaults where `cfg` leaves them out."""
     sleep = cfg.get("sleep_level", PlacementConfig.sleep_level)
     if isinstance(sleep, bool) or sleep not in (0, 1, 2):
         raise PlanError("sleep_level", "must be 0, 1 or 2",
                         "use 1 (weights to host memory) or 2 (weights discarded), 0 to never sleep", sleep)
-    topk = cfg.get("gkd_logits_topk")
-    if topk is not None:
-        positive_int(topk, "gkd_logits_topk")
     return {"offload_model": bool(cfg.get("offload_model", PlacementConfig.offload_model)),
             "offload_optimizer": bool(cfg.get("offload_optimizer", PlacementConfig.offload_optimizer)),
-            "sleep_level": sleep, "gkd_logits_topk": topk}
+            "sleep_level": sleep}
 
 
 # ------------------------------------------------------------------ Megatron-Ray form
@@ -232,5 +229,4 @@ def _plan_megatron(cfg: dict) -> Plan:
             tensor_parallel_size=entries[role].get("vllm_tensor_parallel_size", default_tp),
             model=entries[role].get("model"), num_cpus=num_cpus(entries[role], role),
             host="train" if is_teacher and cfg.get("teacher_in_trainer_process") else None)
-    return Plan(roles=roles, nnodes=nnodes, devices_per_node=per_node, form="megatron",
-                gkd_logits_topk=common["gkd_logits_topk"])
+    return Plan(roles=roles, nnodes=nnodes, devices_per_node=per_node, form="megatron")

@@ -50,7 +50,7 @@ def eval_steps(steps, every):
 # ----------------------------------------------------------------------------- call order: GKD
 
 GKD_COLOCATED = ["+experiment=gkd_quickstart", *TINY_GKD, "placement.train.gpus=2", "placement.rollout.gpus=2",
-                 "placement.gkd_logits_topk=4", "run.steps=5", "run.eval_every=2", "run.save_final=false",
+                 "algorithm.logits_topk=4", "run.steps=5", "run.eval_every=2", "run.save_final=false",
                  "algorithm.lmbda=0.5"]
 
 
@@ -98,7 +98,7 @@ def test_gkd_colocated_call_order(tmp_path):
 def test_gkd_lmbda_extremes(tmp_path, lmbda):
     """lmbda=0 trains on dataset responses only (generate is for eval); lmbda=1 always generates."""
     _, typed, plan = prepared(GKDConfig, GKD_COLOCATED + [f"algorithm.lmbda={lmbda}",
-                                                             "placement.gkd_logits_topk=null"])
+                                                             "algorithm.logits_topk=null"])
     calls, records, _ = run_gkd_fakes(typed, plan, tmp_path)
     n, n_eval = typed.run.prompts_per_step, typed.data.eval_size
     evals = len(eval_steps(typed.run.steps, typed.run.eval_every))
@@ -125,8 +125,8 @@ def test_gkd_separate_plan_never_offloads_or_sleeps(tmp_path):
     """Roles on their own devices never take turns, whatever the offload/sleep flags say; the
     teacher scores an off-policy step's batch during the previous step's train call when nothing
     else comes between the two."""
-    _, typed, _ = prepared(GKDConfig, GKD_COLOCATED)
-    plan = make_plan({"offload_model": True, "offload_optimizer": True, "sleep_level": 1, "gkd_logits_topk": 4,
+    _, typed, _ = prepared(GKDConfig, GKD_COLOCATED + ["algorithm.logits_topk=4"])
+    plan = make_plan({"offload_model": True, "offload_optimizer": True, "sleep_level": 1,
                       "train": {"gpus": 1}, "rollout": {"gpus": 2}, "teacher": {"gpus": 1, "model": "tiny_llama"}})
     calls, records, _ = run_gkd_fakes(typed, plan, tmp_path)
     assert not [c for c in calls if c[1] in ("offload", "onload", "sleep", "wake_up")]
@@ -170,7 +170,7 @@ def test_gkd_end_to_end_local_full_vocab_then_topk_from_cached_teacher(tmp_path,
     cfg, typed, plan = prepared(GKDConfig, base + ["placement.offload_model=false",
                                                       "placement.offload_optimizer=false"])
     gkd.validate(typed, plan)
-    assert plan.gkd_logits_topk is None and plan["teacher"].offload_model and plan["rollout"].sleep_level == 1
+    assert typed.algorithm.logits_topk is None and plan["teacher"].offload_model and plan["rollout"].sleep_level == 1
     record = gkd.run(typed, plan, tmp_path / "full")
     records = check_outputs(tmp_path / "full", 3, {"generate", "teacher", "train", "sync_weights"})
     assert 0.0 <= records[0]["teacher/eval_accuracy"] <= 1.0
@@ -182,8 +182,8 @@ def test_gkd_end_to_end_local_full_vocab_then_topk_from_cached_teacher(tmp_path,
     assert len(list(cache.iterdir())) == 1
     assert "training the teacher" in capsys.readouterr().out
 
-    _, typed, plan = prepared(GKDConfig, base + ["placement.gkd_logits_topk=4"])
-    assert plan.gkd_logits_topk == 4 and plan["train"].offload_model
+    _, typed, plan = prepared(GKDConfig, base + ["algorithm.logits_topk=4"])
+    assert typed.algorithm.logits_topk == 4 and plan["train"].offload_model
     record = gkd.run(typed, plan, tmp_path / "topk")
     records = check_outputs(tmp_path / "topk", 3, {"generate", "teacher", "train", "sync_weights"})
     assert all(0.0 < r["train/teacher_topk_mass"] <= 1.0 + 1e-6 for r in records[1:])
@@ -285,7 +285,7 @@ def test_gkd_topk_tail_mode_runs(tmp_path):
     """The tail bucket needs the teacher's top-k at the loss temperature (0.9 here)."""
     _, typed, plan = prepared(GKDConfig, ["+experiment=gkd_quickstart", *TINY_GKD, "backend=local",
                                              "teacher.warmup_steps=0", "run.steps=1", "trainer.warmup_steps=0",
-                                             "run.save_final=false", "placement.gkd_logits_topk=4",
+                                             "run.save_final=false", "algorithm.logits_topk=4",
                                              "algorithm.topk_mode=tail"])
     gkd.validate(typed, plan)
     gkd.run(typed, plan, tmp_path)
@@ -301,7 +301,7 @@ def test_gkd_student_topk_with_fused_logprobs_follows_the_full_logits_run(tmp_pa
 
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
     base = ["+experiment=gkd_quickstart", *TINY_GKD, "backend=local", "teacher.warmup_steps=0", "run.steps=2",
-            "trainer.warmup_steps=0", "run.save_final=false", "placement.gkd_logits_topk=4", "algorithm.lmbda=0",
+            "trainer.warmup_steps=0", "run.save_final=false", "algorithm.logits_topk=4", "algorithm.lmbda=0",
             "trainer.compile=true"]
     records: list = []
     step = RunLog.step
@@ -332,7 +332,7 @@ def test_two_sleeping_vllm_engines_in_one_gpu_process_are_refused_before_start(m
     from orchestration.config import ConfigError
 
     base = ["+experiment=gkd_quickstart", *TINY_GKD, "backend=local", "backend.rollout=vllm",
-            "backend.teacher=vllm", "placement.gkd_logits_topk=8"]
+            "backend.teacher=vllm", "algorithm.logits_topk=8"]
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     _, typed, plan = prepared(GKDConfig, base)
     with pytest.raises(ConfigError, match="two GPU vLLM engines in one process.*backend.workers=ray"):

@@ -49,7 +49,7 @@ def test_a_teacher_call_made_ahead_that_failed_is_raised_naming_the_teacher_when
 def teacher_group(tmp_path, ray_cluster) -> list[str]:
     """The quickstart with a tiny top-k teacher in a group of its own, on the test cluster."""
     return ["+experiment=gkd_quickstart", *TINY_GKD, f"teacher.cache_dir={tmp_path / 'teachers'}",
-            "placement.gkd_logits_topk=4", "placement.teacher_model=null", "placement.offload_teacher_model=false",
+            "algorithm.logits_topk=4", "placement.teacher_model=null", "placement.offload_teacher_model=false",
             "placement.teacher.gpus=1", "placement.teacher.model=tiny_llama",
             "placement.teacher_in_trainer_process=false", f"cluster.address={ray_cluster.address}"]
 

@@ -101,7 +101,7 @@ def test_a_teacher_engine_other_than_torchs_gets_processes_of_its_own(caplog):
     _, typed, plan = prepared(GKDConfig, ["+experiment=gkd_quickstart", *TINY_GKD])
     assert plan["teacher"].host == "train" and gkd.hosting(typed, plan) is plan  # the quickstart's torch teacher
     _, typed, plan = prepared(GKDConfig, ["+experiment=gkd_quickstart", *TINY_GKD, "backend.teacher=vllm",
-                                             "placement.gkd_logits_topk=8"])
+                                             "algorithm.logits_topk=8"])
     gkd.validate(typed, plan)
     started = gkd.hosting(typed, plan)
     assert started["teacher"].host is None and plan["teacher"].host == "train"
@@ -258,7 +258,7 @@ def test_gkd_with_the_teacher_in_the_trainers_processes_computes_the_in_process_
     from tests.driver_helpers import TINY_GKD, prepared
 
     base = ["+experiment=gkd_quickstart", *TINY_GKD, f"teacher.cache_dir={tmp_path / 'teachers'}",
-            f"placement.gkd_logits_topk={'null' if topk is None else topk}", "run.steps=3", "run.save_final=false"]
+            f"algorithm.logits_topk={'null' if topk is None else topk}", "run.steps=3", "run.save_final=false"]
     records = {}
     for backend in ("local", "ray"):
         _, typed, plan = prepared(GKDConfig, base + [f"backend.workers={backend}",

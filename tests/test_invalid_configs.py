@@ -135,16 +135,16 @@ CASES = [
     ("gkd", "algorithm.temperature=0", "algorithm.temperature"),
     ("gkd", "algorithm.sft_alpha=-1", "algorithm.sft_alpha"),
     ("gkd", "algorithm.max_new_tokens=0", "algorithm.max_new_tokens"),
-    ("gkd", "placement.gkd_logits_topk=100000", "placement.gkd_logits_topk"),
-    ("gkd", "placement.gkd_logits_topk=0", "placement.gkd_logits_topk"),
+    ("gkd", "algorithm.logits_topk=100000", "algorithm.logits_topk"),
+    ("gkd", "algorithm.logits_topk=0", "algorithm.logits_topk"),
     ("gkd", "backend.teacher=vllm", "backend.teacher"),  # full vocabulary: vLLM serves top-k only
-    ("gkd", "backend.teacher=vllm placement.gkd_logits_topk=100", "placement.gkd_logits_topk"),
+    ("gkd", "backend.teacher=vllm algorithm.logits_topk=100", "algorithm.logits_topk"),
     ("gkd", "teacher.warmup_lr=0", "teacher.warmup_lr"),
     ("gkd", "teacher.warmup_batch=0", "teacher.warmup_batch"),
     ("gkd", "teacher.warmup_steps=-1", "teacher.warmup_steps"),
     ("gkd", "teacher.engine.micro_batch_per_device=-1", "teacher.engine.micro_batch_per_device"),
     ("gkd", "teacher.engine.micro_batch_memory_mb=0", "teacher.engine.micro_batch_memory_mb"),
-    ("gkd", "backend.teacher=vllm placement.gkd_logits_topk=8 teacher.engine.chunked_logprobs=true",
+    ("gkd", "backend.teacher=vllm algorithm.logits_topk=8 teacher.engine.chunked_logprobs=true",
      "teacher.engine.chunked_logprobs"),
     # A teacher in the trainer's processes: only a colocated teacher.
     ("gkd", "placement.teacher_model=null placement.offload_teacher_model=false placement.teacher.gpus=1 "

@@ -10,8 +10,8 @@ SWIFT_COLOCATE_GRPO = {"colocate_groups": [["train", "rollout"]], "offload_model
                        "train": {"gpus": 4}, "rollout": {"gpus": 4}}
 SWIFT_SEPARATE_GRPO = {"train": {"gpus": 4}, "rollout": {"gpus": 4}}
 SWIFT_GKD_COLOCATED_TEACHER = {**SWIFT_COLOCATE_GRPO, "teacher_model": "Qwen/Qwen3-8B",
-                               "offload_teacher_model": True, "gkd_logits_topk": 64}
-SWIFT_GKD_TEACHER_GROUP = {**SWIFT_COLOCATE_GRPO, "gkd_logits_topk": 64,
+                               "offload_teacher_model": True}
+SWIFT_GKD_TEACHER_GROUP = {**SWIFT_COLOCATE_GRPO,
                            "teacher": {"gpus": 2, "model": "Qwen/Qwen3-8B", "vllm_tensor_parallel_size": 2}}
 SWIFT_SAMPLING = {"device_groups": {
     "nproc_per_node": 4,
@@ -106,7 +106,7 @@ def test_colocate_flags_go_to_the_right_roles():
     assert (plan["train"].offload_model, plan["train"].offload_optimizer, plan["train"].sleep_level) == (True, True, 0)
     assert (plan["rollout"].offload_model, plan["rollout"].sleep_level) == (False, 1)
     assert plan["teacher"].offload_model and plan["teacher"].model == "Qwen/Qwen3-8B"
-    assert plan.gkd_logits_topk == 64 and plan.nnodes == 1 and plan.devices_per_node == 4
+    assert plan.nnodes == 1 and plan.devices_per_node == 4
     # Separate roles never offload or sleep: nothing shares their devices.
     sep = make_plan({**SWIFT_SEPARATE_GRPO, "offload_model": True, "sleep_level": 1})
     assert not sep["train"].offload_model and sep["rollout"].sleep_level == 0

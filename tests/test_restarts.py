@@ -102,7 +102,7 @@ def kill_after(monkeypatch, *kills: tuple[int, str]):
         for step, role in kills:
             if s == step and (step, role) not in done:
                 done.append((step, role))
-                pid = self.roles[role].infos[0]["pid"]
+                pid = self.turns.roles[role].infos[0]["pid"]
                 os.kill(pid, signal.SIGKILL)
                 wait_dead(pid)
         return record

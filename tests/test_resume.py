@@ -143,7 +143,7 @@ CASES = {
                                         "algorithm.max_new_tokens=8", "algorithm.warmup_sft_steps=0",
                                         "algorithm.beta=0.04", "data.train_size=6"]),
     "gkd": (gkd, GKDConfig, ["+experiment=gkd_quickstart", *TINY_GKD, "algorithm.lmbda=0.5",
-                                "placement.gkd_logits_topk=4"]),
+                                "algorithm.logits_topk=4"]),
 }
 
 

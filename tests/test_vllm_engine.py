@@ -172,7 +172,7 @@ def test_teacher_top_k_matches_the_torch_teacher(teachers, temperature):
 def test_teacher_refuses_full_vocab_and_follows_weight_updates(teachers):
     slow, fast = teachers
     batch = teacher_batch()
-    with pytest.raises(ValueError, match="gkd_logits_topk"):
+    with pytest.raises(ValueError, match="algorithm.logits_topk"):
         fast.logits(batch, topk=None)
     with pytest.raises(ValueError, match="vllm.max_logprobs"):
         fast.logits(batch, topk=65)

@@ -204,7 +204,7 @@ def test_gkd_driver_with_vllm_rollout_and_teacher_on_one_gpu(tmp_path):
 
     records = _driver_run(gkd, gkd.GKDConfig, [
         "+experiment=gkd_quickstart", "backend.rollout=vllm", "backend.teacher=vllm", "placement.sleep_level=2",
-        "placement.gkd_logits_topk=8", "teacher.warmup_steps=0", "teacher.engine.dtype=bfloat16", "algorithm.lmbda=1.0", "run.prompts_per_step=8",
+        "algorithm.logits_topk=8", "teacher.warmup_steps=0", "teacher.engine.dtype=bfloat16", "algorithm.lmbda=1.0", "run.prompts_per_step=8",
         *SMALL_ENGINE], tmp_path)
     assert [r["step"] for r in records][-3:] == [0, 1, 2]
     assert all(r["time/teacher"] > 0 and r["time/generate"] > 0 for r in records[-2:])

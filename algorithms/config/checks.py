@@ -21,7 +21,8 @@ from algorithms.data.prompts import template_on
 from algorithms.records.checkpoints import find_resume
 from algorithms.records.trackers import LOGGERS, MODULES
 from orchestration.cluster import check_log_level
-from orchestration.config import ConfigError
+from orchestration.config import ConfigError, check_cluster
+from orchestration.launch import check_local_backend
 from orchestration.planner import Plan
 from orchestration.weight_sync import check_settings as check_weight_sync
 from roles.engines.options import ROLLOUT_ENGINES, TEACHER_ENGINES, TRAIN_ENGINES
@@ -62,9 +63,11 @@ AT_LEAST_1 = (lambda v: v >= 1, ">= 1")
 FRACTION = (lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
 
 
-def check_run(cfg: Any, plan: Plan, updates: Optional[int] = None) -> None:
+def check_run(cfg: Any, plan: Plan, updates: Optional[int] = None, classes: Optional[dict] = None) -> None:
     """The sections every driver shares: run loop, trainer, model(s), data, engines, weight
-    sync, rollout, cluster. `updates`: optimizer updates of the run (default run.steps)."""
+    sync, rollout, cluster. `updates`: optimizer updates of the run (default run.steps);
+    `classes`: {role: role class} the driver starts (backend.workers=local builds them all in
+    this process, which ranks that meet in collectives cannot share)."""
     require_all(cfg.run, "run", {"steps": AT_LEAST_1, "prompts_per_step": AT_LEAST_1, "eval_every": NON_NEGATIVE,
                                  "save_every": NON_NEGATIVE, "eval_max_new_tokens": AT_LEAST_1,
                                  "keep_last": NON_NEGATIVE, "max_restarts": NON_NEGATIVE,
@@ -102,12 +105,9 @@ def check_run(cfg: Any, plan: Plan, updates: Optional[int] = None) -> None:
             "set rollout.compile_decode=false (vLLM: vllm.enforce_eager=false compiles with CUDA graphs)")
     require(cfg.rollout.dtype in MODEL_DTYPES, "rollout.dtype", cfg.rollout.dtype, "is not a weight dtype",
             f"use one of {list(MODEL_DTYPES)}")
-    require_all(cfg.cluster, "cluster", {"placement_timeout_s": POSITIVE, "call_timeout_s": NON_NEGATIVE,
-                                             "inline_object_mb": NON_NEGATIVE})
-    for key in ("simulate_gpus", "num_cpus", "object_store_mb"):
-        value = getattr(cfg.cluster, key)
-        require(value is None or value >= 1, f"cluster.{key}", value, "must be >= 1 (or null)",
-                f"set cluster.{key} to a positive count, or null for the default")
+    check_cluster(cfg.cluster)
+    if cfg.backend.workers == "local" and classes:
+        check_local_backend(plan, {role: cls for role, cls in classes.items() if role in plan.roles})
 
 
 def check_trainer(t: Any, prefix: str, updates: int, updates_key: str) -> None:

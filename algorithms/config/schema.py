@@ -107,6 +107,23 @@ class DriverConfig:
         return steps
 
 
+# Keys that moved, old spelling -> new: the command line may still give the old one.
+RENAMED = {"placement.gkd_logits_topk": "algorithm.logits_topk"}
+
+
+def renamed(argv: list[str]) -> list[str]:
+    """The command line with each old key of RENAMED written as its new key (a note says so)."""
+    out = []
+    for arg in argv:
+        key, eq, value = arg.partition("=")
+        new = RENAMED.get(key.lstrip("+"))
+        if eq and new:
+            print(f"{key.lstrip('+')} is now {new}: read as {new}={value}")
+            arg = f"{new}={value}"
+        out.append(arg)
+    return out
+
+
 def prepare(cfg: DictConfig | dict, schema: type, cli: Optional[list[str]] = None) -> tuple[Any, Plan]:
     """A composed config as a typed `schema` object with config_file applied, and its plan.
 

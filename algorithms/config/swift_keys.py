@@ -127,6 +127,7 @@ DRIVER_KEYS: dict[str, dict[str, conv.Mapper]] = {
         "beta": conv.to("algorithm.beta", convert=float),
         "seq_kd": conv.to("algorithm.seq_kd", convert=bool),
         "sft_alpha": conv.to("algorithm.sft_alpha", convert=float),
+        "gkd_logits_topk": conv.to("algorithm.logits_topk", convert=lambda k: None if k is None else int(k)),
     },
     "sft": {
         "global_batch_size": conv.global_batch("sft"),
@@ -259,6 +260,8 @@ def output_run_dir(argv: list[str]) -> list[str]:
             data = yaml.safe_load(f) or {}
     except (OSError, yaml.YAMLError):
         return argv  # the driver reports the file with its path
+    if not isinstance(data, Mapping):
+        return argv  # the driver reports it (read_config_file: a mapping of keys)
     train = data.get("train") if isinstance(data.get("train"), Mapping) else {}
     folder = data.get("output_dir") or data.get("save") or train.get("output_dir") or train.get("save")
     if not folder:

@@ -23,7 +23,7 @@ from typing import Any, Callable
 import hydra
 from omegaconf import DictConfig
 
-from algorithms.config.schema import prepare
+from algorithms.config.schema import prepare, renamed
 from algorithms.config.swift_keys import output_run_dir
 from algorithms.records.runlog import record_event, run_dir
 from orchestration.base_group import WorkerError
@@ -38,7 +38,7 @@ def driver_main(schema: type, validate: Callable, run: Callable, shown: tuple = 
     """Run the driver whose config class is `schema` (its DRIVER names the module) with this
     process's command line; prints the last record's metrics that start with `shown`."""
     register_schema(schema)
-    sys.argv = output_run_dir(sys.argv)
+    sys.argv = output_run_dir(renamed(sys.argv))
     hydra_main = hydra.main(config_path="pkg://conf", config_name="config", version_base=None)
     checked_command_line(schema)(hydra_main(command(schema, validate, run, shown)))()
 
@@ -46,7 +46,6 @@ def driver_main(schema: type, validate: Callable, run: Callable, shown: tuple = 
 def command(schema: type, validate: Callable, run: Callable, shown: tuple = ("eval/",)) -> Callable:
     """The body of a driver's command on a composed config: prepare -> validate -> run (with
     restarts) in the run directory, then the record's `shown` metrics as one JSON line."""
-    @friendly_errors
     def main(cfg: DictConfig) -> None:
         typed, plan = prepare(cfg, schema)
         validate(typed, plan)
@@ -55,7 +54,7 @@ def command(schema: type, validate: Callable, run: Callable, shown: tuple = ("ev
 
     # Hydra names the job (and <run dir>/<job>.log) after the task function's module.
     main.__module__ = f"algorithms.{schema.DRIVER}"
-    return main
+    return friendly_errors(main)
 
 
 def run_with_restarts(run: Callable, cfg: Any, plan: Any, out_dir: Path) -> dict:

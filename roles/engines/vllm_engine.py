@@ -18,7 +18,7 @@ model side: a `vllm.LLM` in the role's own process and the conversions around it
   scale gives a teacher's prompt logprobs at its temperature. Each request gets its own
   seed, so a sample depends only on its seed.
 * Teacher top-k comes from `prompt_logprobs=k` (one forward per row, `max_tokens=1`);
-  full-vocabulary logits are refused (config key gkd_logits_topk).
+  full-vocabulary logits are refused (config key algorithm.logits_topk; ms-swift: gkd_logits_topk).
 * Weights, loaded in place (the engine's CUDA graphs keep pointing at them): on GPU the
   (name, tensor) pairs go straight into the model's `load_weights` (tensors on the
   trainer's device, CUDA IPC views included, are copied device to device; nothing is
@@ -314,11 +314,11 @@ class VLLMEngine:
         self.check_ready()
         if topk is None:
             raise ValueError("backend.teacher=vllm serves top-k logprobs only (vLLM returns at most "
-                             "max_logprobs per position); set gkd_logits_topk (e.g. 64), or use "
+                             "max_logprobs per position); set algorithm.logits_topk (e.g. 64), or use "
                              "backend.teacher=torch for full-vocabulary logits")
         if topk > self.max_logprobs:
             raise ValueError(f"topk={topk} exceeds vllm.max_logprobs={self.max_logprobs}; raise vllm.max_logprobs "
-                             f"to at least {topk} or lower gkd_logits_topk")
+                             f"to at least {topk} or lower algorithm.logits_topk")
         B, T = input_ids.shape
         lengths = attention_mask.sum(1).tolist()
         if any(not bool(attention_mask[b, :n].all()) for b, n in enumerate(lengths)):
