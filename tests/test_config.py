@@ -283,3 +283,25 @@ def test_command_line_wins_over_the_config_file(tmp_path, capsys):
     assert typed.trainer.lr == 1e-3 and typed.algorithm.beta == 0.25 and typed.algorithm.lmbda == 0.5  # the file's
     assert typed.trainer.weight_decay == 0.1 and plan["teacher"].model == "tiny_llama"
     assert "run.steps" in capsys.readouterr().out
+
+
+def test_an_old_key_on_the_command_line_is_read_as_its_new_key(capsys):
+    from algorithms.config.schema import renamed
+
+    assert renamed(["x", "+placement.gkd_logits_topk=8", "run.steps=1", "placement.gkd_logits_topk=null"]) == [
+        "x", "algorithm.logits_topk=8", "run.steps=1", "algorithm.logits_topk=null"]
+    assert "placement.gkd_logits_topk is now algorithm.logits_topk" in capsys.readouterr().out
+
+
+def test_the_schedule_spans_every_optimizer_update_of_the_run():
+    """prepare derives trainer.total_steps (and warmup_ratio's steps) from the run's optimizer
+    updates: one a step, GRPO's steps_per_generation a step."""
+    from algorithms.grpo import GRPOConfig
+    from algorithms.sft import SFTConfig
+    from tests.driver_helpers import prepared
+
+    _, sft_cfg, _ = prepared(SFTConfig, ["+experiment=sft_quickstart", "run.steps=10", "trainer.warmup_ratio=0.1"])
+    assert (sft_cfg.trainer.total_steps, sft_cfg.trainer.warmup_steps) == (10, 1)
+    _, grpo_cfg, _ = prepared(GRPOConfig, ["+experiment=grpo_quickstart", "run.steps=10",
+                                           "algorithm.steps_per_generation=3", "trainer.warmup_ratio=0.1"])
+    assert (grpo_cfg.trainer.total_steps, grpo_cfg.trainer.warmup_steps) == (30, 3)
