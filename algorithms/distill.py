@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any, ClassVar, Optional
 
 from algorithms import sft
-from algorithms.config.checks import (AT_LEAST_1, NON_NEGATIVE, POSITIVE, check_run, check_scorer, require,
+from algorithms.config.checks import (ANY_NUMBER, AT_LEAST_1, NON_NEGATIVE, POSITIVE, check_run, check_scorer, require,
                                       require_all, require_roles)
 from algorithms.config.schema import DriverConfig, as_dict, engine_args, phase_run, rollout_section, warmup_steps
 from algorithms.data.answers import checker, correct, reference
@@ -331,7 +331,8 @@ def validate(cfg: DistillConfig, plan: Plan) -> None:
     require_all(algo, "algorithm", {"temperature": NON_NEGATIVE, "max_new_tokens": AT_LEAST_1,
                                     "top_p": (lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
                                     "warmup_sft_steps": NON_NEGATIVE, "warmup_lr": POSITIVE,
-                                    "sft_steps": NON_NEGATIVE, "sft_batch": AT_LEAST_1})
+                                    "sft_steps": NON_NEGATIVE, "sft_batch": AT_LEAST_1,
+                                    "prm_threshold": ANY_NUMBER, "orm_weight": ANY_NUMBER})
     require(algo.easy_query_threshold is None or 0.0 <= algo.easy_query_threshold <= 1.0,
             "algorithm.easy_query_threshold", algo.easy_query_threshold, "must be in [0, 1] or null",
             "set a fraction of right candidates, or null to keep every prompt")

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -353,6 +354,8 @@ def validate(cfg: GRPOConfig, plan: Plan) -> None:
             f"use one of {list(AGGREGATES)}")
     require(bool(a.reward_funcs), "algorithm.reward_funcs", list(a.reward_funcs), "is empty",
             "e.g. algorithm.reward_funcs=[accuracy]")
+    require(all(math.isfinite(w) for w in a.reward_weights), "algorithm.reward_weights", list(a.reward_weights),
+            "holds a weight that is not a finite number", "give finite weights, or [] for 1.0 each")
     require(not a.reward_weights or len(a.reward_weights) == len(a.reward_funcs), "algorithm.reward_weights",
             list(a.reward_weights), f"has {len(a.reward_weights)} weights for {len(a.reward_funcs)} reward_funcs",
             "give one weight per function, or [] for 1.0 each")

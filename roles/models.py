@@ -15,6 +15,7 @@ models through this module.
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from importlib import resources
@@ -39,6 +40,11 @@ ARCHS = {"qwen2": Qwen2Config, "llama": LlamaConfig}
 # Files of which a saved tokenizer has at least one.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# Attention kernels transformers takes by name (model.attn_implementation).
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flex_attention")
+# Sizes of a preset that must be positive.
+PRESET_SIZES = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "max_position_embeddings")
 
 
 @dataclass
@@ -82,6 +88,15 @@ class ModelConfig:
 
 
 ModelSpec = Union[str, os.PathLike, ModelConfig, Mapping[str, Any]]
+
+
+class ModelFieldError(ValueError):
+    """A model field that cannot build: its ModelConfig `field`, `value`, what is wrong with it
+    (`problem`) and what to set instead (`fix`); the drivers' checks name it as a config key."""
+
+    def __init__(self, field: str, value: Any, problem: str, fix: str):
+        super().__init__(f"model.{field}={value!r} {problem}; {fix}")
+        self.field, self.value, self.problem, self.fix = field, value, problem, fix
 
 
 def preset_dir() -> Path:
@@ -147,19 +162,39 @@ def has_tokenizer_files(directory: str) -> bool:
 def check_config(cfg: ModelConfig) -> None:
     """Reject preset shapes that cannot build or that vLLM's CPU kernels refuse."""
     if cfg.arch not in ARCHS:
-        raise ValueError(f"model.arch='{cfg.arch}' is not supported; choose one of {sorted(ARCHS)}")
+        raise ModelFieldError("arch", cfg.arch, "is not supported", f"choose one of {sorted(ARCHS)}")
+    for name in PRESET_SIZES:
+        if getattr(cfg, name) < 1:
+            raise ModelFieldError(name, getattr(cfg, name), "must be >= 1", f"set model.{name} to a positive size")
+    for name in ("rope_theta", "rms_norm_eps"):
+        value = getattr(cfg, name)
+        if not (math.isfinite(value) and value > 0):
+            raise ModelFieldError(name, value, "must be a finite number > 0", f"set model.{name} as the preset had it")
+    if cfg.vocab_size is not None and cfg.vocab_size < 0:
+        raise ModelFieldError("vocab_size", cfg.vocab_size, "is negative", "set it to the tokenizer's size or more, "
+                              "or null for the tokenizer's size")
     if cfg.hidden_size % cfg.num_attention_heads:
-        raise ValueError(f"model.hidden_size={cfg.hidden_size} is not divisible by "
-                         f"model.num_attention_heads={cfg.num_attention_heads}")
+        raise ModelFieldError("hidden_size", cfg.hidden_size, "is not divisible by "
+                              f"model.num_attention_heads={cfg.num_attention_heads}",
+                              "use a multiple of the head count")
     head_dim = cfg.hidden_size // cfg.num_attention_heads
     if head_dim < MIN_HEAD_DIM:
-        raise ValueError(f"head size {head_dim} (model.hidden_size / model.num_attention_heads) is "
-                         f"below {MIN_HEAD_DIM}; use fewer heads or a wider model")
+        raise ModelFieldError("num_attention_heads", cfg.num_attention_heads, f"gives a head size {head_dim} "
+                              f"(model.hidden_size / model.num_attention_heads), below {MIN_HEAD_DIM}",
+                              "use fewer heads or a wider model")
     if cfg.num_attention_heads % cfg.num_key_value_heads:
-        raise ValueError(f"model.num_key_value_heads={cfg.num_key_value_heads} must divide "
-                         f"model.num_attention_heads={cfg.num_attention_heads}")
+        raise ModelFieldError("num_key_value_heads", cfg.num_key_value_heads, "must divide "
+                              f"model.num_attention_heads={cfg.num_attention_heads}", "use a divisor of it")
+    check_load_options(cfg)
+
+
+def check_load_options(cfg: ModelConfig) -> None:
+    """The fields every model (preset or checkpoint) is built with: weight dtype, attention kernel."""
     if cfg.dtype != "auto" and cfg.dtype not in DTYPES:
-        raise ValueError(f"model.dtype='{cfg.dtype}'; choose one of {sorted(DTYPES)} or 'auto'")
+        raise ModelFieldError("dtype", cfg.dtype, "is not a weight dtype", f"choose one of {sorted(DTYPES)} or 'auto'")
+    if cfg.attn_implementation not in ATTN_IMPLEMENTATIONS:
+        raise ModelFieldError("attn_implementation", cfg.attn_implementation, "is not an attention kernel of "
+                              "transformers", f"choose one of {list(ATTN_IMPLEMENTATIONS)}")
 
 
 def _plain_fast_tokenizer(directory: str) -> bool:
@@ -176,30 +211,33 @@ def load_tokenizer(spec: ModelSpec):
     """The tokenizer of a model spec: a checkpoint's own (it matches the embeddings, so it
     wins even over a preset's `tokenizer` field), else `ModelConfig.tokenizer`."""
     cfg = resolve_config(spec)
+    builders = f"one of {sorted(BUILDERS)} or a directory saved with save_pretrained"
     if cfg.path is not None and has_tokenizer_files(cfg.path):
-        kind = cfg.path
+        kind, field = cfg.path, "path"
     elif cfg.path is not None and cfg.tokenizer is None:
-        raise ValueError(f"no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {cfg.path}; save "
-                         f"one there or set model.tokenizer to one of {sorted(BUILDERS)} or a directory")
+        raise ModelFieldError("path", cfg.path, f"holds no tokenizer files ({', '.join(TOKENIZER_FILES)})",
+                              f"save one there, or set model.tokenizer to {builders}")
     else:
-        kind = cfg.tokenizer or "char"
+        kind, field = cfg.tokenizer or "char", "tokenizer"
     if kind in BUILDERS:
         return build_tokenizer(kind)
     if not os.path.isdir(kind):
-        raise ValueError(f"model.tokenizer='{kind}' is neither {sorted(BUILDERS)} nor a directory")
+        raise ModelFieldError(field, kind, f"is neither {sorted(BUILDERS)} nor a directory", f"set it to {builders}")
     # Without tokenizer files transformers builds an empty tokenizer instead of failing.
     if not has_tokenizer_files(kind):
-        raise ValueError(f"no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {kind}; save one "
-                         f"there or set model.tokenizer to one of {sorted(BUILDERS)}")
+        raise ModelFieldError(field, kind, f"holds no tokenizer files ({', '.join(TOKENIZER_FILES)})",
+                              f"save one there, or set model.tokenizer to {builders}")
     try:
         if _plain_fast_tokenizer(kind):
             # tokenizer.json as written: AutoTokenizer rebuilds Qwen2Tokenizer's pipeline
             # next to a qwen2 config.json, right for this project's tokenizers only.
             return PreTrainedTokenizerFast.from_pretrained(kind, local_files_only=True)
         return AutoTokenizer.from_pretrained(kind, local_files_only=True)
-    except (OSError, ValueError) as err:
-        raise ValueError(f"no tokenizer could be loaded from {kind} ({err}); save one there "
-                         f"or set model.tokenizer to one of {sorted(BUILDERS)}") from err
+    except Exception as err:  # damaged files: transformers and tokenizers raise assorted types
+        raise ModelFieldError(field, kind, f"holds a tokenizer that cannot be loaded ({type(err).__name__}: "
+                              f"{str(err).splitlines()[0] if str(err) else ''})",
+                              f"save it again (tokenizer.save_pretrained), or set model.tokenizer to {builders}") \
+            from err
 
 
 def build_model(spec: ModelSpec) -> PreTrainedModel:
@@ -209,6 +247,7 @@ def build_model(spec: ModelSpec) -> PreTrainedModel:
         if not os.path.isfile(os.path.join(cfg.path, "config.json")):
             raise ValueError(f"model.path={cfg.path} has no config.json; expected a directory "
                              "written by save_pretrained")
+        check_load_options(cfg)
         dtype = "auto" if cfg.dtype == "auto" else DTYPES[cfg.dtype]
         model = AutoModelForCausalLM.from_pretrained(
             cfg.path, local_files_only=True, dtype=dtype, attn_implementation=cfg.attn_implementation)

@@ -172,6 +172,39 @@ CASES = [
     ("distill", "orm.kind=custom orm.reward_fn=nosuchpkg.rewards.fn", "orm.reward_fn"),
     ("distill", "orm.kind=model", "orm.model"),
     ("distill", "orm.kind=model orm.model=/nonexistent/rm", "orm.model"),
+    # values no comparison holds for (nan, inf), run length, seeds
+    ("sft", "trainer.grad_clip=inf", "trainer.grad_clip"),
+    ("sft", "trainer.adam_eps=inf", "trainer.adam_eps"),
+    ("grpo", "algorithm.temperature=inf", "algorithm.temperature"),
+    ("gkd", "algorithm.sft_alpha=inf", "algorithm.sft_alpha"),
+    ("distill", "prm.lr=inf", "prm.lr"),
+    ("sft", "run.epochs=-1", "run.epochs"),
+    ("gkd", "run.epochs=nan", "run.epochs"),
+    ("sft", "trainer.seed=99999999999999999999", "trainer.seed"),
+    ("grpo", "data.seed=-1", "data.seed"),
+    # a model's tokenizer, shape and load options
+    ("sft", "model.tokenizer=/nonexistent/tokenizer", "model.tokenizer"),
+    ("grpo", "model.tokenizer=bogus", "model.tokenizer"),
+    ("sft", "model.dtype=float8", "model.dtype"),
+    ("gkd", "model.attn_implementation=flash", "model.attn_implementation"),
+    ("sft", "model.num_attention_heads=0", "model.num_attention_heads"),
+    ("grpo", "model.num_key_value_heads=0", "model.num_key_value_heads"),
+    ("sft", "model.intermediate_size=-1", "model.intermediate_size"),
+    ("distill", "model.vocab_size=5", "model.vocab_size"),
+    ("sft", "model.rms_norm_eps=-1", "model.rms_norm_eps"),
+    # data
+    ("grpo", "data.max_length=-5", "data.max_length"),
+    ("sft", "data.train_size=100000", "data.train_size"),
+    ("distill", "data.eval_size=100000", "data.eval_size"),
+    ("grpo", "data.task=files data.paths=[/]", "data.paths"),
+    # engine sections
+    ("sft", "backend.train=deepspeed deepspeed.zero_stage=1", "deepspeed.zero_stage"),
+    ("sft", "backend.train=deepspeed deepspeed.offload_param=true", "deepspeed.offload_param"),
+    ("sft", "backend.train=megatron megatron.tensor_parallel_size=0", "megatron.tensor_parallel_size"),
+    ("gkd", "backend.train=megatron megatron.tensor_parallel_size=2", "megatron.tensor_parallel_size"),
+    ("grpo", "backend.rollout=vllm vllm.gpu_memory_utilization=2", "vllm.gpu_memory_utilization"),
+    ("grpo", "backend.rollout=vllm vllm.max_model_len=0", "vllm.max_model_len"),
+    ("gkd", "vllm.max_num_seqs=0", "vllm.max_num_seqs"),
 ]
 
 

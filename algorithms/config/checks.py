@@ -16,8 +16,14 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
+import transformers
+from safetensors import safe_open
+from transformers import AutoConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
 from algorithms.data.loading import check_data_files, system_text
 from algorithms.data.prompts import template_on
+from algorithms.data.tasks import arithmetic_space
 from algorithms.records.checkpoints import find_resume
 from algorithms.records.trackers import LOGGERS, MODULES
 from orchestration.cluster import check_log_level
@@ -27,8 +33,8 @@ from orchestration.planner import Plan
 from orchestration.weight_sync import check_settings as check_weight_sync
 from roles.engines.options import ROLLOUT_ENGINES, TEACHER_ENGINES, TRAIN_ENGINES
 from roles.orm import ANSWER_KINDS, compile_pattern
-from roles.models import (TOKENIZER_FILES, check_config, has_tokenizer_files, hub_cache_root, load_tokenizer,
-                          resolve_config)
+from roles.models import (TOKENIZER_FILES, ModelFieldError, check_config, check_load_options, has_tokenizer_files,
+                          hub_cache_root, load_tokenizer, resolve_config)
 from roles.engines.torch_trainer import OPTIMIZERS
 from roles.trainer_config import COMPUTE_DTYPES, KERNEL_OPTIONS, SCHEDULES
 
@@ -43,10 +49,14 @@ def require(ok: bool, key: str, value: Any, problem: str, fix: str) -> None:
 
 
 def require_all(section: Any, prefix: str, rules: dict[str, tuple]) -> None:
-    """`rules`: {field: (predicate, what the value must be)}, checked on `section`'s fields."""
+    """`rules`: {field: (predicate, what the value must be)}, checked on `section`'s fields; a
+    float must also be finite (nan and inf pass no comparison a run can rely on)."""
     for name, (ok, want) in rules.items():
         value = getattr(section, name)
-        require(ok(value), f"{prefix}.{name}", value, f"must be {want}", f"set {prefix}.{name} to {want}")
+        finite = not isinstance(value, float) or math.isfinite(value)
+        must = " ".join(w for w in ("a finite number" if not finite or not want else "", want) if w)
+        require(finite and ok(value), f"{prefix}.{name}", value, f"must be {must}",
+                f"set {prefix}.{name} to {'a value ' + want if want else 'a finite number'}")
 
 
 def require_roles(plan: Plan, needed: tuple, driver: str, fix: str) -> None:
@@ -61,6 +71,10 @@ def require_roles(plan: Plan, needed: tuple, driver: str, fix: str) -> None:
 POSITIVE, NON_NEGATIVE = (lambda v: v > 0, "> 0"), (lambda v: v >= 0, ">= 0")
 AT_LEAST_1 = (lambda v: v >= 1, ">= 1")
 FRACTION = (lambda v: 0.0 <= v <= 1.0, "in [0, 1]")
+ANY_NUMBER = (lambda v: True, "")  # any finite number
+UNSET_OR_AT_LEAST_1 = (lambda v: v is None or v >= 1, ">= 1 (or null)")
+# Seeds reach torch.manual_seed and vLLM, which take unsigned 64-bit values.
+SEED = (lambda v: 0 <= v < 2**63, "in [0, 2**63)")
 
 
 def check_run(cfg: Any, plan: Plan, updates: Optional[int] = None, classes: Optional[dict] = None) -> None:
@@ -72,6 +86,11 @@ def check_run(cfg: Any, plan: Plan, updates: Optional[int] = None, classes: Opti
                                  "save_every": NON_NEGATIVE, "eval_max_new_tokens": AT_LEAST_1,
                                  "keep_last": NON_NEGATIVE, "max_restarts": NON_NEGATIVE,
                                  "log_every": NON_NEGATIVE})
+    require(cfg.run.epochs is None or (math.isfinite(cfg.run.epochs) and cfg.run.epochs > 0), "run.epochs",
+            cfg.run.epochs, "must be a finite number > 0 (or null)",
+            "set the passes over the training rows, e.g. run.epochs=1, or null to run run.steps steps")
+    for key, section in (("run", cfg.run), ("trainer", cfg.trainer), ("rollout", cfg.rollout), ("data", cfg.data)):
+        require_all(section, key, {"seed": SEED})
     check_loggers(cfg.run.loggers)
     check_log_level(cfg.run.log_level)
     if cfg.run.resume not in (None, "", "auto"):
@@ -97,6 +116,7 @@ def check_run(cfg: Any, plan: Plan, updates: Optional[int] = None, classes: Opti
     for role, choices in (("train", TRAIN_ENGINES), ("rollout", ROLLOUT_ENGINES), ("teacher", TEACHER_ENGINES)):
         value = getattr(cfg.backend, role)
         require(value in choices, f"backend.{role}", value, "is not an engine", f"use one of {list(choices)}")
+    check_engine_options(cfg, plan)
     check_weight_sync(cfg.weight_sync)
     check_vllm_tensor_parallel(cfg, plan)
     require_all(cfg.rollout, "rollout", {"max_batch_size": AT_LEAST_1})
@@ -115,7 +135,6 @@ def check_trainer(t: Any, prefix: str, updates: int, updates_key: str) -> None:
     require_all(t, prefix, {"lr": POSITIVE, "weight_decay": NON_NEGATIVE, "warmup_steps": NON_NEGATIVE,
                             "grad_clip": NON_NEGATIVE, "micro_batch_per_device": NON_NEGATIVE,
                             "micro_batch_memory_mb": POSITIVE})
-    require(math.isfinite(t.lr), f"{prefix}.lr", t.lr, "must be finite", f"set {prefix}.lr to e.g. 1e-5")
     require(0.0 <= t.min_lr <= t.lr, f"{prefix}.min_lr", t.min_lr, f"must be in [0, {prefix}.lr={t.lr}]",
             f"set it below {prefix}.lr, or 0")
     require(t.warmup_ratio is None or 0.0 <= t.warmup_ratio < 1.0, f"{prefix}.warmup_ratio", t.warmup_ratio,
@@ -123,7 +142,8 @@ def check_trainer(t: Any, prefix: str, updates: int, updates_key: str) -> None:
     require(t.schedule in SCHEDULES, f"{prefix}.schedule", t.schedule, "is not a schedule", f"use one of {SCHEDULES}")
     require(t.optimizer in OPTIMIZERS, f"{prefix}.optimizer", t.optimizer, "is not an optimizer",
             f"use one of {list(OPTIMIZERS)}")
-    require(t.adam_eps > 0, f"{prefix}.adam_eps", t.adam_eps, "must be > 0", f"set {prefix}.adam_eps=1e-8")
+    require(math.isfinite(t.adam_eps) and t.adam_eps > 0, f"{prefix}.adam_eps", t.adam_eps,
+            "must be a finite number > 0", f"set {prefix}.adam_eps=1e-8")
     require(t.dtype in COMPUTE_DTYPES, f"{prefix}.dtype", t.dtype, "is not a compute dtype",
             f"use one of {COMPUTE_DTYPES}")
     require(t.compile or not t.cuda_graphs, f"{prefix}.cuda_graphs", True, "replays compiled graphs",
@@ -136,36 +156,86 @@ def check_trainer(t: Any, prefix: str, updates: int, updates_key: str) -> None:
 
 
 def check_model(key: str, spec: Any) -> None:
-    """A model spec (preset name, local HF directory, or a model section) that can build."""
+    """A model spec (preset name, local HF directory, or a model section) that can build: a
+    preset's shape, or a checkpoint folder transformers loads (config.json of a causal LM,
+    weights, tokenizer), and the tokenizer and options either is built with."""
     try:
         cfg = resolve_config(spec)
     except ValueError as e:
+        problem, _, fix = str(e).partition(". Fix: ")
         raise ConfigError(f"config key '{key}'={spec if isinstance(spec, str) else getattr(spec, 'name', spec)!r}: "
-                          f"{e}. Fix: name a preset or a local directory holding a saved model") from None
-    if cfg.path is not None:
-        shown = f"{key}.path" if not isinstance(spec, str) else key
-        require(os.path.isdir(cfg.path), shown, cfg.path,
-                f"is neither a local directory nor a model in the local Hugging Face cache ({hub_cache_root()})",
-                "give a local folder written by save_pretrained (config.json, weights, tokenizer), or put the hub "
-                f"model in that cache first (`huggingface-cli download {cfg.path}` where a network is)")
-        require(os.path.isfile(os.path.join(cfg.path, "config.json")), shown, cfg.path, "holds no config.json",
-                "give a folder written by save_pretrained")
-        require(cfg.tokenizer is not None or has_tokenizer_files(cfg.path), shown, cfg.path,
-                f"holds no tokenizer files ({', '.join(TOKENIZER_FILES)})",
-                "save the tokenizer there (tokenizer.save_pretrained), or set model.tokenizer to a folder holding one")
-        return
+                          f"{problem}. Fix: {fix or 'name a preset or a local directory holding a saved model'}") \
+            from None
     try:
+        if cfg.path is not None:
+            shown = f"{key}.path" if not isinstance(spec, str) else key
+            check_checkpoint(shown, cfg.path)
+            require(cfg.tokenizer is not None or has_tokenizer_files(cfg.path), shown, cfg.path,
+                    f"holds no tokenizer files ({', '.join(TOKENIZER_FILES)})", "save the tokenizer there "
+                    "(tokenizer.save_pretrained), or set model.tokenizer to a folder holding one")
+            check_load_options(cfg)
+            load_tokenizer(cfg)  # its own, or the one it borrows (model.tokenizer): files that load
+            return
         check_config(cfg)
-    except ValueError as e:
-        raise ConfigError(f"config key '{key}': {e}. Fix: change the named field of the model preset") from None
+        size = len(load_tokenizer(cfg))
+        if cfg.vocab_size and cfg.vocab_size < size:
+            raise ModelFieldError("vocab_size", cfg.vocab_size, f"is below the tokenizer's {size} tokens",
+                                  f"set it to {size} or more, or null for the tokenizer's size")
+    except ModelFieldError as e:
+        if isinstance(spec, str):  # a preset or folder by name: the field is in its file
+            raise ConfigError(f"config key '{key}'={spec!r}: its model.{e.field}={e.value!r} {e.problem}. "
+                              f"Fix: {e.fix}") from None
+        raise ConfigError(f"config key '{key}.{e.field}'={e.value!r} {e.problem}. Fix: {e.fix}") from None
+
+
+# A saved model's weights: one of these files (or shards named by the index files).
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+
+
+def check_checkpoint(key: str, path: str) -> None:
+    """A checkpoint folder `AutoModelForCausalLM.from_pretrained` loads (its weights unread):
+    config.json of a causal LM this transformers knows, and weight files."""
+    require(os.path.isdir(path), key, path,
+            f"is neither a local directory nor a model in the local Hugging Face cache ({hub_cache_root()})",
+            "give a local folder written by save_pretrained (config.json, weights, tokenizer), or put the hub "
+            f"model in that cache first (`huggingface-cli download {path}` where a network is)")
+    config = Path(path) / "config.json"
+    require(config.is_file(), key, path, "holds no config.json", "give a folder written by save_pretrained")
+    try:
+        fields = json.loads(config.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        fields = e
+    require(isinstance(fields, dict), key, path, f"holds a config.json that is not a JSON object "
+            f"({fields if isinstance(fields, Exception) else type(fields).__name__})",
+            "save the model again with save_pretrained")
+    try:
+        hf_config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as e:  # transformers' errors for an unknown model_type or a damaged config vary
+        require(False, key, path, f"holds a config.json transformers {transformers.__version__} cannot read "
+                f"(model_type {fields.get('model_type')!r}: {str(e).splitlines()[0] if str(e) else type(e).__name__})",
+                "give a model of a type this transformers knows, or install a transformers that knows it")
+    require(type(hf_config) in MODEL_FOR_CAUSAL_LM_MAPPING, key, path,
+            f"holds a {hf_config.model_type!r} model, which transformers has no causal-LM class for",
+            "give a causal language model (one AutoModelForCausalLM loads)")
+    shards = sorted(Path(path).glob("*.safetensors"))
+    require(any((Path(path) / name).is_file() for name in WEIGHT_FILES) or bool(shards),
+            key, path, f"holds no weights ({', '.join(WEIGHT_FILES)})", "give a folder written by save_pretrained")
+    for shard in shards:  # the header only: names, shapes and offsets of the tensors
+        try:
+            with safe_open(str(shard), framework="pt"):
+                pass
+        except Exception as e:  # SafetensorError, OSError: a truncated or foreign file
+            require(False, key, path, f"holds a weight file that cannot be read ({shard.name}: {e})",
+                    "save the model again with save_pretrained (or finish copying it)")
 
 
 def vocab_size(spec: Any) -> int:
     """Rows of a model's output layer: config.json's vocab_size for a saved model, else the
     preset's vocab_size or its tokenizer's length (what build_model uses)."""
     cfg = resolve_config(spec)
-    if cfg.path is not None:
-        return int(json.loads((Path(cfg.path) / "config.json").read_text())["vocab_size"])
+    if cfg.path is not None:  # check_checkpoint has read its config.json
+        return int(AutoConfig.from_pretrained(cfg.path, local_files_only=True).get_text_config().vocab_size)
     return cfg.vocab_size or len(load_tokenizer(cfg))
 
 
@@ -174,7 +244,8 @@ def check_data(d: Any) -> None:
     require_all(d, "data", {"eval_size": AT_LEAST_1})
     if d.task != "files":
         require_all(d, "data", {"train_size": AT_LEAST_1})
-    from algorithms.config.checks import validate_check
+    require(d.max_length is None or d.max_length >= 0, "data.max_length", d.max_length, "is negative",
+            "a token count, or 0 (or null) for the model's context")
     validate_check(d)
     check_data_files(d)
     system_text(d.system)  # a .txt file that cannot be read
@@ -188,6 +259,14 @@ def check_data(d: Any) -> None:
                 f"is below min_digits={a.min_digits}", "raise it")
         require(bool(a.ops) and set(a.ops) <= set("+-*"), "data.arithmetic.ops", a.ops,
                 "must be made of + - *", 'e.g. data.arithmetic.ops="+-"')
+        # Training and held-out problems are distinct draws of one finite space.
+        space = arithmetic_space(a, d.train_size + d.eval_size)
+        for key, n in (("eval_size", d.eval_size), ("train_size", d.train_size + d.eval_size)):
+            require(n <= space, f"data.{key}", getattr(d, key),
+                    f"asks for more problems than data.arithmetic makes: {space} distinct ones at most "
+                    f"({a.min_operands}-{a.max_operands} operands of {a.min_digits}-{a.max_digits} digits, ops "
+                    f"{a.ops!r}), shared by data.train_size={d.train_size} and data.eval_size={d.eval_size}",
+                    "lower data.train_size / data.eval_size, or raise data.arithmetic.max_digits or max_operands")
 
 
 def check_importable(key: str, path: str) -> None:
@@ -246,7 +325,39 @@ def check_chat(cfg: Any) -> None:
     chat, own = cfg.data.chat, cfg.rollout.chat
     require(own is None or own == chat, "rollout.chat", own, f"differs from data.chat={chat}; a run renders its "
             "prompts as data.chat says", f"set data.chat={str(own).lower()} and leave rollout.chat unset")
-    template_on(load_tokenizer(cfg.model), chat)
+    try:
+        tokenizer = load_tokenizer(cfg.model)
+    except ModelFieldError as e:
+        raise ConfigError(f"config key 'model.{e.field}'={e.value!r} {e.problem}. Fix: {e.fix}") from None
+    template_on(tokenizer, chat)
+
+
+def check_engine_options(cfg: Any, plan: Plan) -> None:
+    """The deepspeed, megatron and vllm sections: values their engines take, for the roles that
+    run them."""
+    ds = cfg.deepspeed
+    if cfg.backend.train == "deepspeed":
+        require(ds.zero_stage in (2, 3), "deepspeed.zero_stage", ds.zero_stage, "is not offered here (ZeRO-2 or "
+                "ZeRO-3)", "set deepspeed.zero_stage=2 (optimizer state and gradients sharded) or 3 (parameters too)")
+        require(not ds.offload_param or ds.zero_stage == 3, "deepspeed.offload_param", True, "needs "
+                f"deepspeed.zero_stage=3 (ZeRO-{ds.zero_stage} keeps full parameters on every rank)",
+                "set deepspeed.zero_stage=3, or deepspeed.offload_param=false")
+    tp = cfg.megatron.tensor_parallel_size
+    require(tp >= 1, "megatron.tensor_parallel_size", tp, "must be >= 1", "set it to 1 or a divisor of the role's "
+            "device count")
+    for role, backend in (("train", cfg.backend.train), ("teacher", cfg.backend.teacher)):
+        if backend == "megatron" and role in plan.roles:
+            world = plan[role].world_size
+            require(world % tp == 0, "megatron.tensor_parallel_size", tp, f"does not divide the {role}'s {world} "
+                    "ranks", f"use a divisor of {world}, or change placement.{role}.gpus")
+    v = cfg.vllm
+    require_all(v, "vllm", {"gpu_memory_utilization": (lambda x: 0.0 < x <= 1.0, "in (0, 1]"),
+                            "max_model_len": AT_LEAST_1, "max_num_seqs": UNSET_OR_AT_LEAST_1,
+                            "max_num_batched_tokens": UNSET_OR_AT_LEAST_1,
+                            "kv_cache_gib": (lambda x: x is None or x > 0, "> 0 (or null)")})
+    sizes = list(v.cudagraph_capture_sizes or [])
+    require(all(n >= 1 for n in sizes), "vllm.cudagraph_capture_sizes", sizes, "must be batch sizes >= 1",
+            "list positive sizes, or null for vLLM's ladder")
 
 
 def validate_check(data: Any, check: Optional[str] = None) -> None:

@@ -8,6 +8,7 @@ before anything starts.
 """
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from dataclasses import dataclass, field, replace
@@ -160,7 +161,7 @@ def with_steps(run: Any, steps: int) -> Any:
     schedule spans the run's optimizer updates, warmup_ratio sets the warmup steps."""
     updates = run.updates(steps)
     trainer = replace(run.trainer, total_steps=updates)
-    if trainer.warmup_ratio is not None:
+    if trainer.warmup_ratio is not None and math.isfinite(trainer.warmup_ratio):  # (else check_trainer refuses it)
         trainer.warmup_steps = round(trainer.warmup_ratio * updates)
     return replace(run, run=replace(run.run, steps=steps), trainer=trainer)
 

@@ -6,6 +6,7 @@ raises `Unsupported` with why and what to use."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any, Callable, Mapping, Optional
 
@@ -24,21 +25,98 @@ def to(*keys: str, convert: Callable[[Any], Any] = lambda v: v) -> Mapper:
     return lambda value, file, cfg: {k: convert(value) for k in keys}
 
 
+def integer(value: Any) -> int:
+    """A whole number: a YAML int, a float without fraction, or text of one ("1e3")."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    try:
+        number = float(value) if isinstance(value, (float, str)) else math.nan
+    except ValueError:
+        number = math.nan
+    if not (math.isfinite(number) and number.is_integer()):
+        raise Unsupported("must be a whole number")
+    return int(number)
+
+
+def number(value: Any) -> float:
+    """A finite number: a YAML int or float, or text of one (YAML 1.1 reads 5e-5 as text)."""
+    try:
+        out = float(value) if isinstance(value, (int, float, str)) and not isinstance(value, bool) else math.nan
+    except ValueError:
+        out = math.nan
+    if not math.isfinite(out):
+        raise Unsupported("must be a finite number")
+    return out
+
+
+def numbers(value: Any) -> list[float]:
+    """A list of finite numbers (one number: a list of one)."""
+    items = value if isinstance(value, list) else [value]
+    try:
+        return [number(v) for v in items]
+    except Unsupported:
+        raise Unsupported("must be a list of finite numbers") from None
+
+
+def flag(value: Any) -> bool:
+    """true or false (YAML booleans, or the words and 1/0 that ms-swift's command line takes)."""
+    if isinstance(value, bool):
+        return value
+    words = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+    if isinstance(value, (int, str)) and str(value).strip().lower() in words:
+        return words[str(value).strip().lower()]
+    raise Unsupported("must be true or false")
+
+
+def text(value: Any) -> str:
+    """One word or sentence: a YAML scalar, not a list or mapping."""
+    if value is None or isinstance(value, (list, dict, bool)):
+        raise Unsupported(f"must be text, not {'null' if value is None else type(value).__name__}")
+    return str(value)
+
+
+def optional(convert: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """`convert`, with null kept as null."""
+    return lambda value: None if value is None else convert(value)
+
+
+def scale(value: Any) -> str:
+    """GRPO's scale_rewards: ms-swift's true/false (group/none) or a scale's name."""
+    return {True: "group", False: "none"}[value] if isinstance(value, bool) else text(value)
+
+
+def texts(value: Any) -> list[str]:
+    """A list of texts (one text: a list of one)."""
+    items = value if isinstance(value, list) else [value]
+    try:
+        return [text(v) for v in items]
+    except Unsupported:
+        raise Unsupported("must be a name or a list of names") from None
+
+
 def path(value: Any) -> str:
-    text = os.path.expanduser(str(value))
-    return os.path.abspath(text) if os.path.exists(text) else text
+    text_ = os.path.expanduser(text(value))
+    return os.path.abspath(text_) if os.path.exists(text_) else text_
 
 
 def split_count(item: str) -> tuple[str, Optional[int]]:
-    """'path#N' -> (path, N): ms-swift's row count after a dataset path."""
+    """'path#N' -> (path, N): ms-swift's row count after a dataset path. A '#' suffix of an
+    existing path that is no count (#abc, #-3, #0) is refused."""
     head, sep, count = str(item).rpartition("#")
-    if sep and count.isdigit() and not os.path.exists(str(item)):
+    if not sep or os.path.exists(str(item)):
+        return str(item), None
+    if count.isdigit() and int(count) >= 1:
         return head, int(count)
+    if os.path.exists(os.path.expanduser(head)):
+        raise Unsupported(f"'#{count}' after {head!r} is no row count: write path#N with N a whole number >= 1 "
+                          "(the first N rows), or the path alone for every row")
     return str(item), None
 
 
 def paths(value: Any) -> list[str]:
     items = value if isinstance(value, list) else [value]
+    if not items or not all(isinstance(v, str) and v.strip() for v in items):
+        raise Unsupported("must be a file path or a list of file paths")
     if any(split_count(v)[1] is not None for v in items):
         raise Unsupported("a '#N' row count is read only on `dataset` here")
     return [path(v) for v in items]
@@ -46,6 +124,9 @@ def paths(value: Any) -> list[str]:
 
 def dataset(value: Any, file: Mapping, cfg: Any) -> dict:
     items = value if isinstance(value, list) else [value]
+    if not items or not all(isinstance(v, str) and v.strip() for v in items):
+        raise Unsupported("must be a file path or a list of file paths (local JSONL, JSON, CSV, Parquet files or "
+                          "save_to_disk folders)")
     split = [split_count(v) for v in items]
     counts = {n for _, n in split}
     out = {"data.task": "files", "data.paths": [path(p) for p, _ in split]}
@@ -58,7 +139,10 @@ def dataset(value: Any, file: Mapping, cfg: Any) -> dict:
 
 def split_ratio(value: Any, file: Mapping, cfg: Any) -> dict:
     # 0 (ms-swift's default: no split) keeps this project's default held-out rows.
-    return {"data.val_split": float(value)} if float(value) > 0 else {}
+    ratio = number(value)
+    if not 0.0 <= ratio < 1.0:
+        raise Unsupported("must be a fraction in [0, 1): the share of rows held out (0: the last data.eval_size rows)")
+    return {"data.val_split": ratio} if ratio > 0 else {}
 
 
 def columns(value: Any) -> dict:
@@ -74,11 +158,15 @@ def columns(value: Any) -> dict:
 
 def model(value: Any, file: Mapping, cfg: Any) -> dict:
     # The folder (or hub id in the local cache) itself; the drivers resolve and check it.
-    return {"model.path": path(value), "model.name": os.path.basename(os.path.normpath(str(value)))}
+    if not isinstance(value, str) or not value.strip():
+        raise Unsupported("must be the path of a local model folder (or a hub id in the local cache)")
+    return {"model.path": path(value), "model.name": os.path.basename(os.path.normpath(value))}
 
 
 def rlhf_type(driver: str) -> Mapper:
     def check(value: Any, file: Mapping, cfg: Any) -> dict:
+        if not isinstance(value, str):
+            raise Unsupported(f"must name the algorithm, {driver!r} for this driver")
         if value != driver:
             where = f"python -m algorithms.{value}" if value in DRIVERS else "no driver here"
             raise Unsupported(f"is {value!r} but this is the {driver} driver ({where} runs it), and "
@@ -97,40 +185,54 @@ def neutral(values: tuple, why: str) -> Mapper:
 
 
 def use_ray(value: Any, file: Mapping, cfg: Any) -> dict:
-    return {"backend.workers": "ray" if value in (True, "true", "1", 1) else "local"}
+    return {"backend.workers": "ray" if flag(value) else "local"}
 
 
 def advantage(value: Any, file: Mapping, cfg: Any) -> dict:
-    if value not in ("grpo", "rloo"):
+    if not isinstance(value, str) or value not in ("grpo", "rloo"):
         raise Unsupported(f"{value!r}: the estimators here are grpo and rloo (algorithm.leave_one_out)")
     return {"algorithm.leave_one_out": value == "rloo"}
 
 
 def vllm_engine_kwargs(value: Any, file: Mapping, cfg: Any) -> dict:
-    value = json.loads(value) if isinstance(value, str) else dict(value)
-    known = {"max_logprobs": "vllm.max_logprobs", "max_num_seqs": "vllm.max_num_seqs",
-             "max_num_batched_tokens": "vllm.max_num_batched_tokens", "enforce_eager": "vllm.enforce_eager"}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise Unsupported(f"is not a JSON object of vLLM arguments ({e.msg})") from None
+    if not isinstance(value, Mapping):
+        raise Unsupported("must map vLLM argument names to values, e.g. {max_num_seqs: 256}")
+    known = {"max_logprobs": ("vllm.max_logprobs", integer), "max_num_seqs": ("vllm.max_num_seqs", integer),
+             "max_num_batched_tokens": ("vllm.max_num_batched_tokens", integer),
+             "enforce_eager": ("vllm.enforce_eager", flag)}
     unknown = sorted(set(value) - set(known))
     if unknown:
         raise Unsupported(f"{unknown}: the vLLM arguments read here are {sorted(known)} (vllm.*)")
-    return {known[k]: v for k, v in value.items()}
+    out = {}
+    for name, v in value.items():
+        key, convert = known[name]
+        try:
+            out[key] = convert(v)
+        except Unsupported as e:
+            raise Unsupported(f"{name}={v!r} {e}") from None
+    return out
 
 
 def sampler_engine(value: Any, file: Mapping, cfg: Any) -> dict:
     engines = {"vllm": "vllm", "transformers": "torch", "pt": "torch"}
-    if value not in engines:
+    if not isinstance(value, str) or value not in engines:
         raise Unsupported(f"{value!r}: the sampler runs on a local engine here: vllm, or transformers (torch)")
     return {"backend.rollout": engines[value]}
 
 
 def train_type(value: Any, file: Mapping, cfg: Any) -> dict:
-    if value != "full":
+    if not isinstance(value, str) or value != "full":
         raise Unsupported(f"{value!r}: only full-parameter training is supported (train_type: full)")
     return {}
 
 
 def loggers(value: Any, file: Mapping, cfg: Any) -> dict:
-    names = value if isinstance(value, list) else [v.strip() for v in str(value).split(",")]
+    names = texts(value) if isinstance(value, list) else [v.strip() for v in text(value).split(",")]
     if names in (["none"], []):
         return {"run.loggers": ["jsonl"]}
     if names == ["all"]:
@@ -142,7 +244,7 @@ def loggers(value: Any, file: Mapping, cfg: Any) -> dict:
 
 
 def use_vllm(value: Any, file: Mapping, cfg: Any) -> dict:
-    return {"backend.rollout": "vllm" if value else "torch"}
+    return {"backend.rollout": "vllm" if flag(value) else "torch"}
 
 
 def vllm_mode(value: Any, file: Mapping, cfg: Any) -> dict:
@@ -154,43 +256,62 @@ def vllm_mode(value: Any, file: Mapping, cfg: Any) -> dict:
 
 
 def deepspeed(value: Any, file: Mapping, cfg: Any) -> dict:
-    text = str(value)
-    stages = {"zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3}
-    base = text.removesuffix("_offload")
+    name = text(value)
+    stages = {"zero2": 2, "zero3": 3}
+    base = name.removesuffix("_offload")
+    if base in ("zero0", "zero1"):
+        raise Unsupported(f"{name!r}: the DeepSpeed engine here runs ZeRO-2 or ZeRO-3 (zero2 shards the optimizer "
+                          "state as zero1 does, and the gradients too): use zero2, zero3, zero2_offload or "
+                          "zero3_offload")
     if base not in stages:
-        raise Unsupported(f"{text!r}: name a ZeRO preset (zero0..zero3, zero2_offload, zero3_offload), "
+        raise Unsupported(f"{name!r}: name a ZeRO preset (zero2, zero3, zero2_offload, zero3_offload), "
                           "a DeepSpeed JSON file is not read, set deepspeed.* keys instead")
     out = {"backend.train": "deepspeed", "deepspeed.zero_stage": stages[base]}
-    if text.endswith("_offload"):
+    if name.endswith("_offload"):
         out["deepspeed.offload_optimizer"] = True
         out["deepspeed.offload_param"] = base == "zero3"
     return out
 
 
 def dtype(value: Any) -> str:
-    names = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "auto": "auto"}
-    return names.get(str(value), str(value))
+    names = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "auto": "auto", "bfloat16": "bfloat16",
+             "float16": "float16", "float32": "float32"}
+    if not isinstance(value, str) or value not in names:
+        raise Unsupported(f"the weight dtypes here are {sorted(names)}")
+    return names[value]
 
 
 def flag_dtype(name: str) -> Mapper:
-    return lambda value, file, cfg: {"trainer.dtype": name} if value else {}
+    return lambda value, file, cfg: {"trainer.dtype": name} if flag(value) else {}
 
 
 def attn(value: Any) -> str:
-    return {"flash_attn": "flash_attention_2", "flash_attention_2": "flash_attention_2",
-            "sdpa": "sdpa", "eager": "eager"}.get(str(value), str(value))
+    names = {"flash_attn": "flash_attention_2", "flash_attention_2": "flash_attention_2",
+             "flash_attention_3": "flash_attention_3", "sdpa": "sdpa", "eager": "eager",
+             "flex_attention": "flex_attention"}
+    if not isinstance(value, str) or value not in names:
+        raise Unsupported(f"the attention kernels here are {sorted(names)}")
+    return names[value]
+
+
+def positive(value: Any) -> int:
+    """A whole number >= 1 (a count of ranks or devices)."""
+    out = integer(value)
+    if out < 1:
+        raise Unsupported("must be a whole number >= 1")
+    return out
 
 
 def tensor_parallel(value: Any, file: Mapping, cfg: Any) -> dict:
-    if int(value) == 1:
+    if positive(value) == 1:
         return {}
-    return {"backend.train": "megatron", "megatron.tensor_parallel_size": int(value)}
+    return {"backend.train": "megatron", "megatron.tensor_parallel_size": positive(value)}
 
 
 def vllm_tp(value: Any, file: Mapping, cfg: Any) -> dict:
     if "device_groups" in file:
         raise Unsupported("with device_groups, set vllm_tensor_parallel_size inside the rollout's device group")
-    return {"placement.rollout.vllm_tensor_parallel_size": int(value)}
+    return {"placement.rollout.vllm_tensor_parallel_size": positive(value)}
 
 
 def global_batch(driver: str) -> Mapper:
@@ -198,10 +319,9 @@ def global_batch(driver: str) -> Mapper:
     step = global_batch_size * steps_per_generation / num_generations."""
     def convert(value: Any, file: Mapping, cfg: Any) -> dict:
         if driver != "grpo":
-            return {"run.prompts_per_step": int(value)}
-        G = int(file.get("num_generations", cfg.algorithm.num_generations))
-        spg = int(file.get("steps_per_generation", cfg.algorithm.steps_per_generation))
-        completions = int(value) * spg
+            return {"run.prompts_per_step": positive(value)}
+        G, spg = group_size(file, cfg), per_generation(file, cfg)
+        completions = positive(value) * spg
         if completions % G:
             raise Unsupported(f"{value} * steps_per_generation {spg} = {completions} completions per generation "
                               f"is not a whole number of prompts of num_generations={G}, use a multiple of {G}")
@@ -209,11 +329,29 @@ def global_batch(driver: str) -> Mapper:
     return convert
 
 
+def group_size(file: Mapping, cfg: Any) -> int:
+    """GRPO's completions per prompt: the file's num_generations, else the composed config's."""
+    try:
+        return positive(file.get("num_generations", cfg.algorithm.num_generations))
+    except Unsupported:
+        raise Unsupported(f"needs num_generations >= 1 to count prompts (the file has "
+                          f"{file.get('num_generations')!r})") from None
+
+
+def per_generation(file: Mapping, cfg: Any) -> int:
+    """GRPO's optimizer updates per generation: the file's steps_per_generation, else the config's."""
+    try:
+        return positive(file.get("steps_per_generation", cfg.algorithm.steps_per_generation))
+    except Unsupported:
+        raise Unsupported(f"needs steps_per_generation >= 1 (the file has "
+                          f"{file.get('steps_per_generation')!r})") from None
+
+
 def generation_batch(value: Any, file: Mapping, cfg: Any) -> dict:
-    G = int(file.get("num_generations", cfg.algorithm.num_generations))
-    if int(value) % G:
+    G = group_size(file, cfg)
+    if positive(value) % G:
         raise Unsupported(f"{value} completions is not a whole number of prompts of num_generations={G}")
-    return {"run.prompts_per_step": int(value) // G}
+    return {"run.prompts_per_step": positive(value) // G}
 
 
 def no_key(value: Any, file: Mapping, cfg: Any) -> dict:
@@ -224,19 +362,28 @@ def no_key(value: Any, file: Mapping, cfg: Any) -> dict:
 def beta(index: int) -> Mapper:
     """adam_beta1 / adam_beta2: one of trainer.betas (the other from the file or the config)."""
     def convert(value: Any, file: Mapping, cfg: Any) -> dict:
-        betas = [float(file.get(f"adam_beta{i + 1}", cfg.trainer.betas[i])) for i in (0, 1)]
-        betas[index] = float(value)
+        betas = [float(cfg.trainer.betas[i]) for i in (0, 1)]
+        betas[index] = number(value)
+        other = f"adam_beta{2 - index}"
+        if other in file:  # the other key reports its own bad value
+            try:
+                betas[1 - index] = number(file[other])
+            except Unsupported:
+                pass
         return {"trainer.betas": betas}
     return convert
 
 
 def optim(value: Any, file: Mapping, cfg: Any) -> dict:
     kernels = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw_fused", "adamw": "adamw", "adam": "adamw"}
-    if value not in kernels:
+    if not isinstance(value, str) or value not in kernels:
         raise Unsupported(f"{value!r}: the optimizer here is AdamW (adamw_torch, adamw_torch_fused; "
                           "trainer.optimizer picks its kernel)")
     return {"trainer.optimizer": kernels[value]}
 
 
 def warmup_fraction(value: Any, file: Mapping, cfg: Any) -> dict:
-    return {"trainer.warmup_ratio": float(value)}
+    ratio = number(value)
+    if not 0.0 <= ratio < 1.0:
+        raise Unsupported("must be a fraction in [0, 1) of the run's updates")
+    return {"trainer.warmup_ratio": ratio}

@@ -272,8 +272,10 @@ def load_task(cfg: DataConfig, limits: Optional[RowLimits] = None) -> tuple[list
         train, held, tally, origin = _load_task(cfg, limits)
     except ConfigError:
         raise
-    except ValueError as e:
-        raise ConfigError(f"config key 'data.{cfg.task}': {e}. Fix: change the data. keys named") from None
+    except ValueError as e:  # a row the tokenizer or a chat template refuses: no traceback, the data named
+        where = f"data.paths'={list(cfg.paths)}" if cfg.task == "files" else f"data.task'={cfg.task!r}"
+        raise ConfigError(f"config key '{where} gives examples that cannot be prepared ({e}). Fix: change the "
+                          "data. keys named") from None
     stats = tally.stats()
     print(_report(origin, len(train), len(held), stats, tally.first, limits))
     return train, held, stats
@@ -298,12 +300,17 @@ def _report(origin: str, n_train: int, n_held: int, stats: dict, first: dict, li
 def _load_task(cfg: DataConfig, limits: Optional[RowLimits]) -> tuple[list[Example], list[Example], _Tally, str]:
     if cfg.task in ("arithmetic", "gsm"):
         check_data_files(cfg)
-        if cfg.task == "arithmetic":
-            train = arithmetic_examples(cfg.train_size, seed=cfg.seed, split="train", config=cfg.arithmetic)
-            held = arithmetic_examples(cfg.eval_size, seed=cfg.seed + 1, split="test", config=cfg.arithmetic)
-        else:
-            train = gsm_examples(cfg.train_size, seed=cfg.seed, split="train")
-            held = gsm_examples(cfg.eval_size, seed=cfg.seed + 1, split="test")
+        drawn = {}
+        for key, seed, split in (("train_size", cfg.seed, "train"), ("eval_size", cfg.seed + 1, "test")):
+            n = getattr(cfg, key)
+            try:
+                drawn[split] = (arithmetic_examples(n, seed, split, config=cfg.arithmetic) if cfg.task == "arithmetic"
+                                else gsm_examples(n, seed=seed, split=split))
+            except ValueError as e:
+                raise ConfigError(f"config key 'data.{key}'={n} cannot be drawn from data.task={cfg.task}: {e}. "
+                                  f"Fix: lower data.{key}" + (", or raise data.arithmetic.max_digits or max_operands"
+                                                              if cfg.task == "arithmetic" else "")) from None
+        train, held = drawn["train"], drawn["test"]
         tally = _Tally()
         train, held = with_system(train, cfg.system), with_system(held, cfg.system)
         train = [ex for _, ex in _fit(train, limits, False, tally)]
@@ -319,11 +326,22 @@ def _load_task(cfg: DataConfig, limits: Optional[RowLimits]) -> tuple[list[Examp
 
 def _read(cfg: DataConfig, key: str, tally: _Tally, max_rows: Optional[int] = None) -> list[Example]:
     """The examples of data.<key>'s paths, their bad rows counted into `tally`."""
+    paths = list(getattr(cfg, key))
     try:
-        data = load_user_data(list(getattr(cfg, key)), max_examples=max_rows, cache_dir=cfg.cache_dir,
-                              columns=dict(cfg.columns))
+        data = load_user_data(paths, max_examples=max_rows, cache_dir=cfg.cache_dir, columns=dict(cfg.columns))
     except UnreadableData as err:
         raise _unreadable(key, err) from None
+    except OSError as err:  # the loader's lock file (data.cache_dir), or a file the process may not read
+        where = str(err.filename or "")
+        if cfg.cache_dir and where.startswith(str(cfg.cache_dir)):
+            raise ConfigError(f"config key 'data.cache_dir'={cfg.cache_dir!r} cannot be used ({err.strerror}: "
+                              f"{where}). Fix: a folder this process may create and write, or null for the "
+                              "datasets default") from None
+        raise ConfigError(f"config key 'data.{key}'={paths} cannot be read ({err.strerror or err}: {where}). "
+                          "Fix: give files this process may read") from None
+    if not data.examples and not data.skipped:
+        raise ConfigError(f"config key 'data.{key}'={paths} holds no rows (an empty file, blank lines only, or a "
+                          "header only). Fix: give files with rows")
     for reason, n in data.skip_reasons.items():
         tally.reasons[reason] += n
         tally.first.setdefault(reason, data.first_bad[reason])
@@ -388,9 +406,13 @@ def _load_files(cfg: DataConfig, limits: Optional[RowLimits]) -> tuple[list[Exam
         train = [ex for ex in train if ex.solution]
     train = [ex for _, ex in _fit(train, limits, False, tally)]
     chosen = bool(cfg.val_paths) or cfg.val_split is not None
+    if cfg.val_paths and train and not held:
+        _refuse(tally, limits, f"config key 'data.val_paths'={list(cfg.val_paths)} gives no usable held-out row",
+                "add rows to data.val_paths, or drop it to hold out data.paths' last rows")
     if not train or not held or (not chosen and len(held) < cfg.eval_size):
-        _refuse(tally, limits, f"config key 'data.paths': only {len(train)} training and {len(held)} held-out rows "
-                f"usable ({tally.stats()['data/skipped_rows']} skipped); need at least one training row and "
+        _refuse(tally, limits, f"config key 'data.paths'={list(cfg.paths)} gives only {len(train)} training and "
+                f"{len(held)} held-out rows usable ({tally.stats()['data/skipped_rows']} skipped); need at least one "
+                "training row and "
                 + ("one held-out row" if chosen else f"data.eval_size={cfg.eval_size} held-out rows"),
                 "add rows" + ("" if chosen else " or lower data.eval_size"))
     return train, held, tally, origin
@@ -404,5 +426,6 @@ def _refuse(tally: _Tally, limits: Optional[RowLimits], what: str, fix: str) -> 
     if tally.reasons.get("no_reply"):
         fix += (", or give the rows a reply (a last assistant turn, response, output or completion): this run "
                 "trains on replies")
-    reasons = ", ".join(f"{r} {n}" for r, n in sorted(tally.reasons.items())) or "none"
-    raise ConfigError(f"{what}; skipped: {reasons} (first: {tally.first}). Fix: {fix}")
+    reasons = ", ".join(f"{r} {n}" for r, n in sorted(tally.reasons.items()))
+    skipped = f"; skipped: {reasons} (first: {tally.first})" if reasons else ""
+    raise ConfigError(f"{what}{skipped}. Fix: {fix}")

@@ -130,6 +130,18 @@ def _check_arithmetic(cfg: ArithmeticConfig) -> None:
         raise ValueError(f"heldout_fraction={cfg.heldout_fraction} must lie strictly between 0 and 1")
 
 
+def arithmetic_space(cfg: ArithmeticConfig, enough: int) -> int:
+    """How many distinct problems `cfg` can make, counted until `enough` (an upper bound: a
+    '-' that would go negative turns into '+')."""
+    numbers = sum(10 if d == 1 else 9 * 10 ** (d - 1) for d in range(cfg.min_digits, cfg.max_digits + 1))
+    total = 0
+    for n in range(cfg.min_operands, cfg.max_operands + 1):
+        total += numbers ** n * len(set(cfg.ops)) ** (n - 1)
+        if total > enough:
+            break
+    return total
+
+
 def arithmetic_examples(n: int, seed: int, split: str = "train",
                         config: Optional[ArithmeticConfig] = None) -> List[Example]:
     """`n` distinct arithmetic problems of `split`, deterministic from `seed` (data.seed).
@@ -144,14 +156,20 @@ def arithmetic_examples(n: int, seed: int, split: str = "train",
     want_heldout = split == "test"
     seen: set = set()
     out: List[Example] = []
-    # Generous budget: small problem spaces run out of new problems, large ones never do.
+    misses = 0
+    # Generous budget: small problem spaces run out of new problems, large ones never do. A long
+    # run of draws without a new problem means the space is used up: stop there, not at the budget.
     for _ in range(max(1000, 50 * n)):
-        if len(out) == n:
-            return out
+        if len(out) == n or misses > 1000 + 50 * len(seen):
+            break
         ex = _arithmetic_problem(cfg, rng)
-        if ex.prompt in seen or in_heldout(ex.prompt, cfg.heldout_fraction) != want_heldout:
+        if ex.prompt in seen:
+            misses += 1
             continue
         seen.add(ex.prompt)
+        if in_heldout(ex.prompt, cfg.heldout_fraction) != want_heldout:
+            continue
+        misses = 0
         out.append(ex)
     if len(out) < n:
         raise ValueError(f"only {len(out)} distinct {split} arithmetic problems found for n={n}; "
