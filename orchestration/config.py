@@ -238,6 +238,12 @@ def config_groups() -> frozenset:
     return frozenset(p.name for p in resources.files("conf").iterdir() if p.is_dir() and p.name != "__pycache__")
 
 
+@functools.cache
+def group_choices(group: str) -> list[str]:
+    """The choices of a config group: its YAML files under conf/<group>/."""
+    return sorted(p.name[:-5] for p in resources.files("conf").joinpath(group).iterdir() if p.name.endswith(".yaml"))
+
+
 def unknown_override(args: list[str], schema: type) -> Optional[str]:
     """The error for the first command-line override `key=value` whose key `schema` lacks (with
     the nearest key), or whose value the key's type refuses, else None. (Hydra's own messages
@@ -248,6 +254,15 @@ def unknown_override(args: list[str], schema: type) -> Optional[str]:
     for arg in args:
         key, eq, value = arg.partition("=")
         parts = key.split(".")
+        group = key.lstrip("+")
+        if eq and group in config_groups() and "," not in value and "${" not in value and value != "null":
+            choices = group_choices(group)
+            if value not in choices:  # (Hydra's own message spans several lines)
+                close = difflib.get_close_matches(value, choices, n=1, cutoff=0.6)
+                hint = f" (did you mean {key}={close[0]}?)" if close else ""
+                return (f"config key '{group}'={value} names no file conf/{group}/{value}.yaml{hint}. Fix: use one "
+                        f"of {choices}" + (", or model.path=/a/local/model/folder" if group == "model" else ""))
+            continue
         if not eq or arg.startswith(("-", "+", "~")) or "/" in key or parts[0] == "hydra" or (
                 len(parts) == 1 and parts[0] in config_groups()):
             continue
