@@ -20,6 +20,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Optional
 
+from algorithms.config.swift_keys import output_run_dir
 from algorithms.data.tasks import arithmetic_examples
 from orchestration.config import ConfigError, read_config_file
 from roles.models import build_model, load_tokenizer, save_checkpoint
@@ -45,8 +46,9 @@ def driver_of(path: str) -> str:
 
 
 def forward(module: str, args: list[str]) -> None:
-    """Run a driver's (or the planner's) Hydra main with `args` as its command line."""
-    sys.argv = [module, *args]
+    """Run a driver's (or the planner's) Hydra main with `args` as its command line. A driver's
+    entry reads a config_file's output folder itself (runtime/entry.py); the planner's is read here."""
+    sys.argv = [module, *args] if module.startswith("algorithms.") else output_run_dir([module, *args])
     importlib.import_module(module).main()
 
 
