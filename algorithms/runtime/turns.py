@@ -158,6 +158,7 @@ class Turns:
         with self._surfacing():
             yield self.rollout
         if one_call and calls is not None and self.rollout.calls_sent - calls > 1:
+            self.rollout.drop_deferred()
             raise RuntimeError(f"the rollout turn was promised one call (one_call=True) but made "
                                f"{self.rollout.calls_sent - calls}: its sleep rode on the first. Make one call, "
                                "or turn one_call off")

@@ -43,6 +43,7 @@ class RolloutWeights:
         # send's answer or a ResultOf standing for it).
         self._outgoing: Optional[int] = None
         self.sent: Optional[tuple] = None
+        self._receiving: Optional[int] = None  # the version a rollout turn's first call receives
 
     # ------------------------------------------------------------------ when
 
@@ -131,7 +132,7 @@ class RolloutWeights:
         """The rollout's turn starts: a send made already is received by its first call (returns
         True: `received` follows the block); else, behind, it gets `version` now."""
         if self.behind and self.sent is not None:
-            _, channel, sent = self.sent
+            self._receiving, (_, channel, sent) = self.sent[0], self.sent
             self._sync.receive_later(self.rollout, channel, sent)
             return True
         if self.behind:
@@ -140,7 +141,7 @@ class RolloutWeights:
 
     def received(self, metrics: dict) -> None:
         """The rollout's first call of the turn carried the receive: its figures into `metrics`."""
-        version = self.sent[0]
+        version = self._receiving  # (the version sent when the turn began)
         answers = [r.get("receive_sent") for r in self.rollout.deferred_results()]
         metrics.update(sync_metrics([self._sync.received(self.rollout, version, answers)], metrics))
         self.behind, self.version, self.sent = False, version, None
