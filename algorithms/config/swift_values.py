@@ -49,15 +49,6 @@ def number(value: Any) -> float:
     return out
 
 
-def numbers(value: Any) -> list[float]:
-    """A list of finite numbers (one number: a list of one)."""
-    items = value if isinstance(value, list) else [value]
-    try:
-        return [number(v) for v in items]
-    except Unsupported:
-        raise Unsupported("must be a list of finite numbers") from None
-
-
 def flag(value: Any) -> bool:
     """true or false (YAML booleans, or the words and 1/0 that ms-swift's command line takes)."""
     if isinstance(value, bool):
@@ -85,13 +76,19 @@ def scale(value: Any) -> str:
     return {True: "group", False: "none"}[value] if isinstance(value, bool) else text(value)
 
 
-def texts(value: Any) -> list[str]:
-    """A list of texts (one text: a list of one)."""
-    items = value if isinstance(value, list) else [value]
-    try:
-        return [text(v) for v in items]
-    except Unsupported:
-        raise Unsupported("must be a name or a list of names") from None
+def listed(convert: Callable[[Any], Any], what: str) -> Callable[[Any], list]:
+    """A list of `convert`'s values (one value: a list of one); refused as `what`."""
+    def to_list(value: Any) -> list:
+        items = value if isinstance(value, list) else [value]
+        try:
+            return [convert(v) for v in items]
+        except Unsupported:
+            raise Unsupported(f"must be {what}") from None
+    return to_list
+
+
+numbers = listed(number, "a list of finite numbers")
+texts = listed(text, "a name or a list of names")
 
 
 def path(value: Any) -> str:
