@@ -29,6 +29,7 @@ setup(
         "numpy",
         "pyyaml",
         "transformers>=4.50",
+        "peft>=0.15",  # LoRA adapters (trainer.lora), saved in the format other tools load
         "safetensors",
         "datasets",
         "matplotlib",  # curves.png and timeline.png of every run

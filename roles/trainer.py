@@ -40,7 +40,9 @@ from roles.engines.megatron_trainer import MegatronTrainEngine
 from roles.engines.options import TRAIN_ENGINES, check_engine
 from roles.engines.torch_engine import process_memory, token_entropy, token_logprobs
 from roles.engines.torch_trainer import TorchTrainEngine, rank_device, rng_state, set_rng_state
-from roles.engines.train_kernels import TrainKernelOptions, topk_logprobs
+from roles.engines.train_kernels import TrainKernelOptions, topk_logprobs, vocab_logprobs
+from roles.lora import (PARTS, adapter_config, adapter_off, adapter_state, adapter_weights, add_adapter, base_name,
+                        merged_weights, scalings, write_adapter)
 from roles.trainer_config import KERNEL_OPTIONS, TrainerConfig, resolve_trainer_config
 from roles.models import ModelConfig, ModelSpec, build_model, load_tokenizer, resolve_config, save_checkpoint
 from roles.weight_transfer import WeightSender
@@ -51,6 +53,8 @@ LossFn = Callable[[torch.Tensor, Batch, dict], Tuple[torch.Tensor, dict]]
 # with the log mass outside them, ([b, t, k], [b, t]) (GKD's student against a top-k teacher).
 LOSS_INPUTS = ("logits", "entropy", "student_topk")
 STATE_FILE = "trainer_state.pt"
+# A LoRA trainer's checkpoint holds the adapter in PEFT's format in this folder, beside the merged model.
+ADAPTER_DIR = "adapter"
 
 
 def sft_loss(logprobs: torch.Tensor, batch: Batch, extras: dict) -> tuple[torch.Tensor, dict]:
@@ -98,12 +102,22 @@ class Trainer(WeightSender):
                      eps=c.adam_eps, optimizer=c.optimizer, warmup_steps=c.warmup_steps, total_steps=c.total_steps,
                      schedule=c.schedule, min_lr=c.min_lr,
                      seed=c.seed)
+        model = build_model(self.model_config)
+        # With LoRA the adapters go into the model in place (its class and forward stay): the
+        # engines see a model whose trainable parameters are the adapters'.
+        self.peft = None
+        if c.lora.rank:
+            if engine == "megatron":
+                raise ValueError("trainer.lora: the megatron engine trains full parameters only; LoRA trains on "
+                                 "backend.train=torch or deepspeed (with tensor_parallel_size 1)")
+            self.peft = add_adapter(model, c.lora)
+        self._lora_scale = scalings(model)
         if engine == "megatron":
-            self.engine = MegatronTrainEngine(build_model(self.model_config), options=engine_options or {}, **optim)
+            self.engine = MegatronTrainEngine(model, options=engine_options or {}, **optim)
         elif engine == "deepspeed":
-            self.engine = DeepSpeedTrainEngine(build_model(self.model_config), options=engine_options or {}, **optim)
+            self.engine = DeepSpeedTrainEngine(model, options=engine_options or {}, **optim)
         else:
-            self.engine = TorchTrainEngine(build_model(self.model_config), **optim)
+            self.engine = TorchTrainEngine(model, **optim)
             self.engine.set_options(TrainKernelOptions(packing=c.packing, compile=c.compile, cuda_graphs=c.cuda_graphs,
                                                        activation_checkpointing=c.activation_checkpointing,
                                                        fused_logprobs=c.fused_logprobs))
@@ -185,9 +199,20 @@ class Trainer(WeightSender):
         if self.model.training != on:
             self.model.train(on)
 
-    def train_step(self, batch: Batch, temperature: float = 1.0) -> dict[str, float]:
-        """One optimizer update on `batch` (this rank's share); returns global metrics."""
+    def train_step(self, batch: Batch, temperature: float = 1.0, reference: bool = False,
+                   teacher: Optional[tuple[Optional[int], float]] = None) -> dict[str, float]:
+        """One optimizer update on `batch` (this rank's share); returns global metrics. With LoRA,
+        the base model (the adapter off) can stand in for a second model, with no copy of the
+        weights: `reference` sets batch.ref_logprobs to its logprobs (GRPO's KL reference),
+        `teacher` = (topk, temperature) the teacher fields to its distributions (`base_teacher`)."""
         self.engine.check_live("train_step")
+        if reference or teacher is not None:
+            batch = dataclasses.replace(batch)
+            if reference:
+                batch.ref_logprobs = self.base_logprobs(batch, temperature)
+            if teacher is not None:
+                scored = self.base_teacher(batch, *teacher)
+                batch.teacher_logprobs, batch.teacher_indices = scored if teacher[0] else (scored, None)
         batch, _ = self._join_rows(batch)
         micro_batches = -(-len(batch) // self._micro_size(batch, backward=True))
         local = [float(batch.loss_mask.sum()), float(len(batch)), float(micro_batches),
@@ -246,17 +271,72 @@ class Trainer(WeightSender):
             self.engine.idle_pass(backward=False)
         return (lp[own], ent[own]) if entropy else lp[own]
 
+    # ------------------------------------------------------------------ the base model (LoRA)
+    def _require_adapter(self, what: str) -> None:
+        if self.peft is None:
+            raise ValueError(f"trainer.{what}: the base model with the adapter off needs trainer.lora.rank >= 1; "
+                             "without LoRA the reference or teacher is a role of its own")
+
+    @torch.no_grad()
+    def base_logprobs(self, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
+        """`logprobs` of the base model: the same weights with the LoRA adapter off (its initial
+        policy, as a separately loaded base model gives them)."""
+        self._require_adapter("base_logprobs")
+        with adapter_off(self.peft):
+            return self.logprobs(batch, temperature)
+
+    @torch.no_grad()
+    def base_teacher(self, batch: Batch, topk: Optional[int], temperature: float = 1.0):
+        """The base model (adapter off) as a teacher: what `Teacher.logits(batch, topk,
+        temperature=temperature)` of a separately loaded base model returns (aligned log-softmax
+        [B, T, V], or its top-k (values, indices) [B, T, k]; 0 at position 0 and on padding)."""
+        self._require_adapter("base_teacher")
+        self.engine.check_live("base_teacher", optimizer=False)
+        self._train_mode(False)
+        B, T = batch.input_ids.shape
+        width = topk or self.model.get_output_embeddings().weight.shape[0]
+        values, indices = torch.zeros(B, T, width), torch.zeros(B, T, width, dtype=torch.long) if topk else None
+        idle = self._idle_passes(-(-B // self._micro_size(batch, backward=False)), backward=False)
+        with adapter_off(self.peft):
+            for start, stop, mb in self._micro_batches(batch, backward=False):
+                logits = self.engine.forward(mb.input_ids, mb.attention_mask)
+                keep = mb.attention_mask[:, 1:].bool().unsqueeze(-1).to(logits.device)
+                t = logits.shape[1]
+                # Row t of the logits predicts token t + 1: it becomes aligned position t + 1.
+                for out, got in zip((values, indices), vocab_logprobs(logits, topk, False, temperature)):
+                    out[start:stop, 1:t] = torch.where(keep, got[:, :-1], 0).cpu()
+            for _ in range(idle):
+                self.engine.idle_pass(backward=False)
+        return (values, indices) if topk else values
+
     # ------------------------------------------------------------------ weights
-    def state_dict_buckets(self, bucket_mb: float, dtype: Optional[str] = None,
-                           to_cpu: bool = True) -> list[list[tuple[str, torch.Tensor]]]:
+    def state_dict_buckets(self, bucket_mb: float, dtype: Optional[str] = None, to_cpu: bool = True,
+                           part: str = "full") -> list[list[tuple[str, torch.Tensor]]]:
         """All weights as [(HF name, tensor)] lists of at most `bucket_mb` MiB each (a larger
         tensor gets a bucket of its own), in the model's state_dict order; a tied weight
         appears once. `dtype` casts (e.g. 'bfloat16' for the rollout); `to_cpu` returns
-        host copies that can cross processes and are not changed by later steps."""
+        host copies that can cross processes and are not changed by later steps. With LoRA,
+        `part` (roles.lora.PARTS): "full" every weight with the adapter merged in, "adapted"
+        only those the adapter changes (merged), "adapter" the adapter's own tensors
+        (PEFT's names), "base" every weight of the base (the adapter left out)."""
+        if part not in (*PARTS, "base"):
+            raise ValueError(f"part={part!r}; choose one of {[*PARTS, 'base']}")
+        if part != "full" and self.peft is None:
+            raise ValueError(f"state_dict_buckets(part={part!r}) needs trainer.lora; without it every sync is full")
         cast = getattr(torch, dtype) if dtype else None
 
+        def named():
+            weights = self.engine.named_weights()
+            if self.peft is None:
+                return weights
+            if part == "adapter":
+                return adapter_weights(weights)
+            if part == "base":
+                return ((hf, t) for hf, t in ((base_name(n), t) for n, t in weights) if hf is not None)
+            return merged_weights(weights, self._lora_scale, only_adapted=part == "adapted")
+
         def prepared():
-            for name, t in self.engine.named_weights():
+            for name, t in named():
                 t = t.detach()
                 if cast is not None:
                     t = t.to(cast)
@@ -285,9 +365,14 @@ class Trainer(WeightSender):
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         state = self.engine.state_dict()  # every rank: a sharded engine gathers its state here
+        adapter = list(adapter_weights(self.engine.named_weights())) if self.peft is not None else None
         if self.rank == 0:
-            hf = self.model if self.engine_name == "torch" else self.engine.hf_model()
-            save_checkpoint(hf, self.tokenizer, out)
+            if adapter is not None:  # the adapter as PEFT saves it, and the merged model beside it
+                write_adapter(out / ADAPTER_DIR, adapter, adapter_config(self.peft, self.model_config.path))
+                save_checkpoint(self._merged_model(), self.tokenizer, out)
+            else:
+                hf = self.model if self.engine_name == "torch" else self.engine.hf_model()
+                save_checkpoint(hf, self.tokenizer, out)
             torch.save({**state, "config": dataclasses.asdict(self.config),
                         "world_size": self.world_size}, out / STATE_FILE)
         self.engine.barrier()
@@ -299,6 +384,13 @@ class Trainer(WeightSender):
         """Restore what `save` wrote (weights, optimizer, scheduler, step, this rank's RNG)."""
         self.engine.check_live("load")
         src = Path(in_dir)
+        if self.peft is not None:  # the base stays as built; the adapter comes back exactly
+            from safetensors.torch import load_file
+
+            self.engine.load_params(adapter_state(load_file(str(src / ADAPTER_DIR / "adapter_model.safetensors"))))
+            self.engine.load_state_dict(torch.load(src / STATE_FILE, map_location="cpu", weights_only=True))
+            self._load_rng(src)
+            return
         saved = build_model(ModelConfig(name=src.name, path=str(src), dtype="float32"))
         if self.engine_name == "torch":
             self.model.load_state_dict(saved.state_dict())
@@ -316,7 +408,15 @@ class Trainer(WeightSender):
         saved = torch.load(Path(in_dir) / STATE_FILE, map_location="cpu", weights_only=True)
         self.engine.load_moments(saved["optimizer"])
 
+    def _merged_model(self) -> torch.nn.Module:
+        """A plain HF model (CPU, the base's class) holding the merged weights: the export."""
+        model = build_model(self.model_config)
+        got = model.load_state_dict(dict(merged_weights(self.engine.named_weights(), self._lora_scale)), strict=False)
+        assert not got.unexpected_keys, got.unexpected_keys
+        return model
+
     def _load_rng(self, src: Path) -> None:
         rng_file = src / f"rng_state_rank{self.rank}.pt"
         if rng_file.is_file():
             set_rng_state(torch.load(rng_file, weights_only=True))
+

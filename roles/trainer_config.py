@@ -1,12 +1,13 @@
 """The Trainer's settings (the `trainer:` section of a run) and their checks."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional, Tuple, Union
 
 from omegaconf import OmegaConf
 
 from roles.engines.torch_trainer import OPTIMIZERS
+from roles.lora import LoraConfig, lora_problems
 
 SCHEDULES = ("cosine", "linear", "constant")
 COMPUTE_DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -74,6 +75,9 @@ class TrainerConfig:
     # chunked_logprobs, which holds less: the [tokens, V] 16-bit logits stay for the backward).
     # Entropies (GRPO logs them) come from the same pass; a loss that reads logits gets the full logits.
     fused_logprobs: bool = False
+    # LoRA: a low-rank adapter trained on the frozen base (peft; rank 0: full-parameter training).
+    # The optimizer, gradients and clipping cover the adapter (and modules_to_save) only.
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 def resolve_trainer_config(config: Union[TrainerConfig, Mapping[str, Any], None]) -> TrainerConfig:
@@ -108,6 +112,7 @@ def resolve_trainer_config(config: Union[TrainerConfig, Mapping[str, Any], None]
         problems.append("fused_logprobs=true is a compiled function: set compile=true too")
     if cfg.fused_logprobs and cfg.chunked_logprobs:
         problems.append("fused_logprobs and chunked_logprobs are two ways to the same logprobs: set one")
+    problems.extend(lora_problems(cfg.lora))
     if len(cfg.betas) != 2:
         problems.append(f"betas={cfg.betas} must hold two values")
     if problems:

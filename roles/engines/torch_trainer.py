@@ -294,6 +294,16 @@ class TorchTrainEngine(DataParallelCollectives):
             seen.add(id(t))
             yield name, host.get(id(t), t.detach())
 
+    def load_params(self, state: dict) -> None:
+        """Copy tensors into the parameters of those names (a LoRA adapter's, on resume)."""
+        params = dict(self.model.named_parameters())
+        unknown = sorted(set(state) - set(params))
+        if unknown:
+            raise ValueError(f"load_params: the model has no parameters {unknown[:5]}")
+        with torch.no_grad():
+            for name, t in state.items():
+                params[name].copy_(t)
+
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:
         return {"step": self.step, "optimizer": self.optimizer.state_dict(),
