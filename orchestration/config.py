@@ -159,6 +159,11 @@ class WeightSyncConfig:
     file_dir: Optional[str] = None
     # Seconds a broadcast (or forming its process group) may wait for the other side.
     timeout_s: float = 600.0
+    # With trainer.lora, what a sync carries: "merged" (every weight with the adapter merged in the
+    # first time, then only the tensors the adapter changes) or "adapter" (the adapter's own
+    # tensors, each time: vLLM serves them on the base with enable_lora, the torch rollout merges
+    # them onto its own copy of the base; ms-swift's vllm_enable_lora).
+    lora: str = "merged"
 
 
 @dataclass

@@ -46,6 +46,7 @@ CHOICES = ("auto", *PATHS)
 # offload would move them) and a broadcast needs both sides at once.
 DEFERRABLE = ("shm", "file", "object_store")
 CHECKSUMS = ("sample", "full")
+LORA_SYNCS = ("merged", "adapter")
 
 
 def check_settings(settings: WeightSyncConfig) -> None:
@@ -54,6 +55,8 @@ def check_settings(settings: WeightSyncConfig) -> None:
     if settings.checksum not in CHECKSUMS:
         raise ConfigError(f"config key 'weight_sync.checksum'={settings.checksum!r} is unknown. "
                           f"Fix: use one of {list(CHECKSUMS)}")
+    if settings.lora not in LORA_SYNCS:
+        raise ConfigError(f"config key 'weight_sync.lora'={settings.lora!r} is unknown. Fix: use one of {list(LORA_SYNCS)}")
     for key in ("bucket_mb", "timeout_s"):
         if not getattr(settings, key) > 0:
             raise ConfigError(f"config key 'weight_sync.{key}'={getattr(settings, key)} must be > 0. Fix: raise it")
@@ -99,9 +102,13 @@ def _role(group: Any) -> str:
 class WeightSync:
     """Holds the channels (shared-memory files, process groups) of one trainer group across syncs."""
 
-    def __init__(self, trainer: Any, settings: WeightSyncConfig):
+    def __init__(self, trainer: Any, settings: WeightSyncConfig, whole_each_time: bool = False):
+        """`whole_each_time`: the receivers drop their weights between syncs (sleep level 2), so a
+        LoRA trainer's merged sync sends every weight each time, not just the adapted ones."""
         check_settings(settings)
-        self.trainer, self.settings = trainer, settings
+        self.trainer, self.settings, self.whole_each_time = trainer, settings, whole_each_time
+        self._adapter: Optional[bool] = None  # whether the trainer trains a LoRA adapter (asked once)
+        self._whole: set[int] = set()  # groups that hold every weight of the trainer's (merged)
         self.records: list[SyncRecord] = []
         self._paths: dict[int, str] = {}
         self._channels: dict[tuple, dict] = {}
@@ -169,6 +176,32 @@ class WeightSync:
                               f"{list(accepts)}. Fix: weight_sync.path=auto or one of those")
         return path
 
+    # ---- what a sync carries ------------------------------------------------------------
+    def part_for(self, group: Any) -> str:
+        """What the next sync to `group` carries (roles.lora.PARTS): "full" without LoRA; with it,
+        per weight_sync.lora, the adapter alone, or the merged weights, whole the first time (and
+        after every sleep that dropped them), then only the tensors the adapter changes."""
+        if self._adapter is None:
+            try:
+                self._adapter = bool(self.trainer.call("adapter_rank", execute="first"))
+            except (AttributeError, WorkerError) as e:  # a trainer stand-in without LoRA
+                if "adapter_rank" not in str(e):
+                    raise
+                self._adapter = False
+        if not self._adapter:
+            return "full"
+        if self.settings.lora == "adapter":
+            return "adapter"
+        return "adapted" if id(group) in self._whole and not self.whole_each_time else "full"
+
+    def _took(self, group: Any, part: str) -> None:
+        if part == "full":
+            self._whole.add(id(group))
+
+    def forget(self, group: Any) -> None:
+        """`group` lost its weights (a replaced rank): its next merged sync is whole."""
+        self._whole.discard(id(group))
+
     # ---- a send and a receive riding on other calls ------------------------------------
     def defers(self, group: Any) -> bool:
         """Whether `group` can take the weights apart from their send: Ray groups on a DEFERRABLE path."""
@@ -178,7 +211,10 @@ class WeightSync:
         """Arguments of trainer rank 0's `send_weights` for `group` (a `defers` one), the channel
         opened on first use."""
         self._seq += 1
-        return self._channel(self.path_for(group), None), self._seq, version, self.settings.bucket_mb, self._checksum
+        part = self.part_for(group)
+        self._took(group, part)
+        return (self._channel(self.path_for(group), None), self._seq, version, self.settings.bucket_mb, self._checksum,
+                None, part)
 
     def receive_later(self, group: Any, channel: dict, sent: Any) -> None:
         """`group`'s receive, queued on its next call. `sent` is send_weights' answer, or a
@@ -199,35 +235,38 @@ class WeightSync:
     def sync(self, targets: list[Any], version: int) -> list[SyncRecord]:
         """Trainer rank 0's weights into every rank of each target group; one record per group."""
         self._seq += 1
-        by_path: dict[str, list] = defaultdict(list)
+        by_path: dict[tuple, list] = defaultdict(list)
         for group in targets:
-            by_path[self.path_for(group)].append(group)
+            by_path[self.path_for(group), self.part_for(group)].append(group)
         records = []
-        for path, groups in by_path.items():
+        for (path, part), groups in by_path.items():
             if path == "direct":
-                records += self._direct(groups, version)
+                records += self._direct(groups, version, part)
             elif path == "collective":
-                records += [self._collective(g, version) for g in groups]
+                records += [self._collective(g, version, part) for g in groups]
             else:  # one send serves every group reading the same shm files/folder/arrays/handles
-                records += self._send_then_receive(path, groups, version)
+                records += self._send_then_receive(path, groups, version, part)
+            for g in groups:
+                self._took(g, part)
         self.records += records
         return records
 
-    def _direct(self, groups: list, version: int) -> list[SyncRecord]:
+    def _direct(self, groups: list, version: int, part: str) -> list[SyncRecord]:
         t0 = time.perf_counter()
-        buckets = self.trainer.call("state_dict_buckets", self.settings.bucket_mb, execute="first")
+        lora = {} if part == "full" else {"part": part}  # (stand-ins without LoRA take no part)
+        buckets = self.trainer.call("state_dict_buckets", self.settings.bucket_mb, execute="first", **lora)
         nbytes = sum(t.numel() * t.element_size() for b in buckets for _, t in b)
         records = []
         for g in groups:
-            g.call("update_weights", buckets, version)
+            g.call("update_weights", buckets, version, **lora)
             records.append(SyncRecord(_role(g), "direct", version, nbytes, time.perf_counter() - t0))
         return records
 
-    def _send_then_receive(self, path: str, groups: list, version: int) -> list[SyncRecord]:
+    def _send_then_receive(self, path: str, groups: list, version: int, part: str) -> list[SyncRecord]:
         channel = self._channel(path, None)
         t0 = time.perf_counter()
         sending = self.trainer.async_call("send_weights", channel, self._seq, version, self.settings.bucket_mb,
-                                          self._checksum, execute="first")
+                                          self._checksum, None, part, execute="first")
         # The receivers take the send's manifest and payload from trainer rank 0's answer, rank to
         # rank: they start once it is written, without a round trip through the driver.
         futures = [g.async_call("receive_weights", channel, ResultOf(sending, "manifest"), ResultOf(sending, "payload"))
@@ -240,7 +279,7 @@ class WeightSync:
             records.append(SyncRecord(_role(g), path, version, sent["bytes"], time.perf_counter() - t0))
         return records
 
-    def _collective(self, group: Any, version: int) -> SyncRecord:
+    def _collective(self, group: Any, version: int, part: str) -> SyncRecord:
         channel, seq = self._channel("collective", group), self._seq
 
         def per_rank(n: int, i: int) -> tuple[tuple, dict]:
@@ -251,7 +290,7 @@ class WeightSync:
         self._remember(group)
         receiving = group.async_call("receive_weights", dispatch=per_rank)
         sent = self.trainer.async_call("send_weights", channel, seq, version, self.settings.bucket_mb,
-                                       self._checksum, execute="first").get()
+                                       self._checksum, None, part, execute="first").get()
         receiving.get()
         return SyncRecord(_role(group), "collective", version, sent["bytes"], time.perf_counter() - t0)
 

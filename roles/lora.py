@@ -18,7 +18,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Callable, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 import peft
 import torch
@@ -194,19 +194,27 @@ def write_adapter(folder: Union[str, os.PathLike], pairs: Sequence[Tuple[str, to
     return out
 
 
-def merge_into(base: Mapping[str, torch.Tensor], adapter: Iterable[Tuple[str, torch.Tensor]],
-               config: Mapping) -> Iterator[Tuple[str, torch.Tensor]]:
+def merge_into(base: Callable[[str], torch.Tensor], adapter: Iterable[Tuple[str, torch.Tensor]],
+               scale: float) -> Iterator[Tuple[str, torch.Tensor]]:
     """(HF name, merged tensor) for every tensor an adapter (PEFT names, as `adapter_weights`
-    gives them) changes, from the `base` tensors by HF name: what a receiver that holds the
-    base computes itself."""
+    gives them) changes: base(HF name) + scale * B @ A, in the base's dtype and device; what a
+    receiver that holds the base computes itself. A module of modules_to_save comes whole."""
     pairs = dict(adapter)
-    scale = float(config["lora_alpha"]) / float(config["r"])
     for name, t in pairs.items():
         hf = name.removeprefix("base_model.model.")
         if ".lora_A." in hf:
             prefix = hf[:hf.index(".lora_A.")]
             b = pairs[name.replace(".lora_A.", ".lora_B.")]
-            w = base[f"{prefix}.weight"]
+            w = base(f"{prefix}.weight")
             yield f"{prefix}.weight", (w.float() + (b.float() @ t.float()).to(w.device) * scale).to(w.dtype)
-        elif ".lora_B." not in hf:  # a module of modules_to_save, whole
+        elif ".lora_B." not in hf:
             yield hf, t
+
+
+def served_config(pairs: Iterable[Tuple[str, torch.Tensor]], rank: int, alpha: float) -> dict:
+    """adapter_config.json for adapter tensors a receiver got (PEFT names): its rank, alpha and
+    the module names they adapt (what vLLM's LoRARequest reads from the folder)."""
+    targets = sorted({n.split(".lora_A.")[0].rsplit(".", 1)[-1] for n, _ in pairs if ".lora_A." in n})
+    return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": int(rank), "lora_alpha": float(alpha),
+            "target_modules": targets, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+            "use_rslora": False, "use_dora": False, "modules_to_save": None, "base_model_name_or_path": None}

@@ -37,6 +37,7 @@ from roles.batch import Completions, SamplingParams
 from roles.engines.torch_engine import pick_device, process_memory
 from roles.engines.torch_generate import generate_batch
 from roles.engines.vllm_engine import VLLMEngine
+from roles.lora import PARTS, merge_into
 from roles.models import DTYPES, ModelSpec, build_model, load_tokenizer
 from roles.weight_transfer import WeightReceiver
 
@@ -64,6 +65,12 @@ class RolloutConfig:
     # joined by newlines); null: the template when the tokenizer has one. The drivers set it
     # from data.chat.
     chat: Optional[bool] = None
+    # Rank and alpha of a trainer's LoRA adapter that each weight sync sends alone
+    # (weight_sync.lora=adapter; the drivers set both from trainer.lora). vLLM then serves the
+    # base with enable_lora and the adapter as a LoRARequest; the torch engine merges it onto
+    # its own copy of the base. 0: syncs carry merged weights.
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
 
 
 def resolve_rollout_config(config: Union[RolloutConfig, Mapping[str, Any], None]) -> RolloutConfig:
@@ -164,7 +171,8 @@ class Rollout(WeightReceiver):
         uses_template(self.tokenizer, self.config.chat)  # chat=true needs a template: refused here
         self._vllm = None
         if engine == "vllm":  # vLLM holds the model; generation, weights and sleep go to it
-            self._vllm = VLLMEngine(model, self.tokenizer, self.device, self.config.dtype, engine_options, "rollout")
+            self._vllm = VLLMEngine(model, self.tokenizer, self.device, self.config.dtype, engine_options, "rollout",
+                                    lora_rank=self.config.lora_rank)
             tok, self.weight_version = self.tokenizer, 0
             self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
             self.eos_ids = ({tok.eos_token_id} | self._vllm.eos_ids) - {None}
@@ -194,6 +202,9 @@ class Rollout(WeightReceiver):
         self._sleep_level = 0  # 0: awake
         self._host: Optional[dict[str, torch.Tensor]] = None  # weights held in host memory while asleep
         self._weights_valid = True  # False from sleep(2) until the next update_weights
+        # The base's tensors that a received LoRA adapter is merged onto, by HF name (kept from the
+        # first adapter on: weights in place then hold base + adapter).
+        self._lora_base: dict[str, torch.Tensor] = {}
         # The static decode path's KV cache and CUDA graph, kept across calls until sleep (CUDA only).
         self._decoder = torch_decode.StaticDecoder(compile=self.config.compile_decode)
 
@@ -268,23 +279,39 @@ class Rollout(WeightReceiver):
 
     # ---- weights ----------------------------------------------------------------------
 
-    def update_weights(self, buckets: Union[Iterable, str, os.PathLike], version: int) -> None:
-        """Load every weight from buckets of (name, tensor) pairs (a trainer's
-        state_dict_buckets) and set weight_version. Names and shapes must match the model
-        exactly and cover all its weights; on a mismatch nothing is loaded. Asleep, the
-        weights go to host memory and reach the device on wake_up(). A path is passed on
-        to update_weights_from_path."""
+    def update_weights(self, buckets: Union[Iterable, str, os.PathLike], version: int, part: str = "full") -> None:
+        """Load weights from buckets of (name, tensor) pairs (a trainer's state_dict_buckets) and
+        set weight_version. `part` (roles.lora.PARTS) "full": every weight, names and shapes
+        exactly the model's; "adapted": some of them (a LoRA trainer's merged tensors, after a
+        full sync); "adapter": a LoRA adapter's tensors (PEFT names; rollout.lora_rank set),
+        served or merged onto the base. On a mismatch nothing is loaded. Asleep, the weights go to
+        host memory and reach the device on wake_up(). A path is passed on to
+        update_weights_from_path."""
         if isinstance(buckets, (str, os.PathLike)):
-            return self.update_weights_from_path(buckets, version)
+            return self.update_weights_from_path(buckets, version, part)
+        if part not in PARTS:
+            raise ValueError(f"update_weights(part={part!r}); choose one of {PARTS}")
         pairs = _named_tensors(buckets)
+        if part == "adapter" and not self.config.lora_rank:
+            raise ValueError("update_weights(part='adapter'): this rollout has rollout.lora_rank=0 and serves merged "
+                             "weights; build it with the trainer's lora_rank and lora_alpha (weight_sync.lora=adapter)")
+        if part != "full" and not self._weights_valid:
+            raise RuntimeError(f"update_weights(part={part!r}) builds on weights that sleep(level=2) discarded; "
+                               "send every weight (part='full') first")
         if self._vllm:
-            self._vllm.load_weights(pairs, version)
+            if part == "adapter":
+                self._vllm.load_adapter(pairs, self.config.lora_alpha / self.config.lora_rank, self.config.lora_rank)
+            else:
+                self._vllm.load_weights(pairs, version, complete=part == "full")
             self.weight_version = int(version)
             return
+        if part == "adapter":
+            pairs = list(merge_into(self._base_of, pairs, self.config.lora_alpha / self.config.lora_rank))
         unknown = [n for n, _ in pairs if n not in self._alias]
         wrong = [f"{n}: got {tuple(t.shape)}, model has {self._meta[self._alias[n]][0]}"
                  for n, t in pairs if n in self._alias and tuple(t.shape) != self._meta[self._alias[n]][0]]
-        missing = sorted(set(self._meta) - {self._alias[n] for n, _ in pairs if n in self._alias})
+        missing = sorted(set(self._meta) - {self._alias[n] for n, _ in pairs if n in self._alias}) \
+            if part == "full" else []
         if unknown or wrong or missing:
             parts = [f"{len(unknown)} unknown names {unknown[:5]}" if unknown else "",
                      f"{len(wrong)} wrong shapes {wrong[:5]}" if wrong else "",
@@ -292,13 +319,24 @@ class Rollout(WeightReceiver):
             raise ValueError(f"update_weights(version={version}) does not match the rollout's model "
                              f"({type(self.model).__name__}): " + "; ".join(p for p in parts if p)
                              + ". Buckets must hold the model's state_dict names with their shapes, all of them.")
+        if part == "full":
+            self._lora_base = {}  # a new base
         with torch.no_grad():
             for name, tensor in pairs:
                 self._destination(self._alias[name]).copy_(tensor)
         self._weights_valid = True
         self.weight_version = int(version)
 
-    def update_weights_from_path(self, path: Union[str, os.PathLike], version: int) -> None:
+    def _base_of(self, name: str) -> torch.Tensor:
+        """The base tensor an adapter is merged onto: what the weight held before the first adapter."""
+        if name not in self._alias:
+            raise ValueError(f"update_weights(part='adapter'): the adapter changes {name!r}, which the rollout's "
+                             f"model ({type(self.model).__name__}) does not have")
+        if name not in self._lora_base:
+            self._lora_base[name] = self._destination(self._alias[name]).detach().clone()
+        return self._lora_base[name]
+
+    def update_weights_from_path(self, path: Union[str, os.PathLike], version: int, part: str = "full") -> None:
         """Load weights from a safetensors file or a directory of them (save_pretrained output)."""
         from safetensors.torch import load_file
 
@@ -310,7 +348,7 @@ class Rollout(WeightReceiver):
         state: dict[str, torch.Tensor] = {}
         for f in files:
             state.update(load_file(str(f), device="cpu"))
-        self.update_weights([state], version)
+        self.update_weights([state], version, part)
 
     def _destination(self, name: str) -> torch.Tensor:
         """Where weight `name` is written now: the live tensor, or its host copy while asleep."""

@@ -44,11 +44,11 @@ class Sampler(WeightReceiver):
     def weight_version(self) -> int:
         return self.rollout.weight_version
 
-    def update_weights(self, buckets: Iterable, version: int) -> None:
-        self.rollout.update_weights(buckets, version)
+    def update_weights(self, buckets: Iterable, version: int, part: str = "full") -> None:
+        self.rollout.update_weights(buckets, version, part)
 
-    def update_weights_from_path(self, path, version: int) -> None:
-        self.rollout.update_weights_from_path(path, version)
+    def update_weights_from_path(self, path, version: int, part: str = "full") -> None:
+        self.rollout.update_weights_from_path(path, version, part)
 
     def sleep(self, level: int = 1) -> dict[str, float]:
         return self.rollout.sleep(level)

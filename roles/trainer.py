@@ -110,7 +110,9 @@ class Trainer(WeightSender):
             if engine == "megatron":
                 raise ValueError("trainer.lora: the megatron engine trains full parameters only; LoRA trains on "
                                  "backend.train=torch or deepspeed (with tensor_parallel_size 1)")
-            self.peft = add_adapter(model, c.lora)
+            with torch.random.fork_rng(devices=[]):  # the adapter's initial A: the same for every seed-equal run
+                torch.manual_seed(c.seed)
+                self.peft = add_adapter(model, c.lora)
         self._lora_scale = scalings(model)
         if engine == "megatron":
             self.engine = MegatronTrainEngine(model, options=engine_options or {}, **optim)
@@ -272,6 +274,10 @@ class Trainer(WeightSender):
         return (lp[own], ent[own]) if entropy else lp[own]
 
     # ------------------------------------------------------------------ the base model (LoRA)
+    def adapter_rank(self) -> int:
+        """The LoRA adapter's rank; 0: full-parameter training."""
+        return self.config.lora.rank
+
     def _require_adapter(self, what: str) -> None:
         if self.peft is None:
             raise ValueError(f"trainer.{what}: the base model with the adapter off needs trainer.lora.rank >= 1; "

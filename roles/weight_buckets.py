@@ -21,6 +21,8 @@ from typing import Any, Optional, Sequence
 import numpy as np
 import torch
 
+from roles.lora import PARTS
+
 ALIGN = 64
 _MASK = 2**64 - 1
 # checksum="sample" reads one 8-byte word per 4 KiB (a page: stale, torn or misplaced pages
@@ -54,6 +56,9 @@ class Manifest:
     checksums: list[int] = field(default_factory=list)
     location: str = ""  # shm file prefix or safetensors folder
     stride: int = 1  # of the checksums (see STRIDES)
+    # What the buckets hold: "full" (every weight), or with a LoRA trainer "adapted" (the merged
+    # tensors the adapter changes) or "adapter" (its own tensors); roles.lora.PARTS.
+    part: str = "full"
 
     @property
     def total_bytes(self) -> int:
@@ -157,7 +162,7 @@ DTYPES = frozenset({"float64", "float32", "float16", "bfloat16", "int64", "int32
 
 
 def manifest_to_json(m: Manifest) -> str:
-    return json.dumps({"seq": m.seq, "version": m.version, "path": m.path, "stride": m.stride,
+    return json.dumps({"seq": m.seq, "version": m.version, "path": m.path, "stride": m.stride, "part": m.part,
                        "buckets": [[b.names, [list(s) for s in b.shapes], b.dtypes, b.offsets, b.nbytes]
                                    for b in m.buckets]})
 
@@ -166,13 +171,13 @@ def manifest_from_json(raw: bytes, seq: int) -> Manifest:
     """The manifest of sync `seq`; ValueError for anything but the layout manifest_to_json writes."""
     try:
         d = json.loads(raw)
-        _check(d["seq"] == seq and _is_int(d["version"]) and d["path"] == "collective" and _is_int(d["stride"], 1),
-               "seq, version, path or stride")
+        _check(d["seq"] == seq and _is_int(d["version"]) and d["path"] == "collective" and _is_int(d["stride"], 1)
+               and d["part"] in PARTS, "seq, version, path, stride or part")
         buckets = [_layout(*b) for b in d["buckets"]]
     except (ValueError, KeyError, TypeError) as e:
         raise ValueError(f"weight sync {seq}: the manifest in the store is malformed ({type(e).__name__}: {e}); "
                          "only trainer rank 0's send_weights writes it") from None
-    return Manifest(seq, d["version"], "collective", buckets, [], "", d["stride"])
+    return Manifest(seq, d["version"], "collective", buckets, [], "", d["stride"], d["part"])
 
 
 def _layout(names: list, shapes: list, dtypes: list, offsets: list, nbytes: int) -> BucketLayout:

@@ -163,18 +163,19 @@ class WeightSender:
         return str(getattr(self, "device", "cpu"))
 
     def send_weights(self, channel: dict, seq: int, version: int, bucket_mb: float,
-                     checksum: Optional[str], dtype: Optional[str] = None) -> dict:
-        """Send every weight along `channel` with per-bucket checksums ("full", "sample" or None:
-        none: weight_sync.checksum, None without weight_sync.verify); returns {"manifest", "bytes",
-        "seconds"} and, for path object_store, "payload"."""
+                     checksum: Optional[str], dtype: Optional[str] = None, part: str = "full") -> dict:
+        """Send the weights along `channel` with per-bucket checksums ("full", "sample" or None:
+        none: weight_sync.checksum, None without weight_sync.verify); `part`: every weight, or
+        with a LoRA trainer the adapted tensors or the adapter (roles.lora.PARTS). Returns
+        {"manifest", "bytes", "seconds"} and, for path object_store, "payload"."""
         t0 = time.perf_counter()
-        buckets = self.state_dict_buckets(bucket_mb, dtype, False)
+        buckets = self.state_dict_buckets(bucket_mb, dtype, False, **({} if part == "full" else {"part": part}))
         path = channel["path"]
         if checksum is not None and checksum not in STRIDES:
             raise ValueError(f"checksum={checksum!r}; choose one of {sorted(STRIDES)} or None")
         stride = STRIDES.get(checksum, 1)
         manifest = Manifest(seq, int(version), path, [layout_of(b) for b in buckets], [],
-                            channel.get("location", ""), stride)
+                            channel.get("location", ""), stride, part)
         sums = (lambda bucket: bucket_checksum(bucket, stride)) if checksum else None
         out: dict[str, Any] = {}
         if path == "collective":
@@ -182,8 +183,10 @@ class WeightSender:
         elif path == "cuda_ipc":
             from torch.multiprocessing.reductions import reduce_tensor
 
-            # Handles of the live CUDA tensors: receivers copy from them, no staging buffer.
+            # Handles of the live CUDA tensors: receivers copy from them, no staging buffer. Tensors
+            # made for this send (a LoRA trainer's merged weights) are held until the next one.
             out["payload"] = [[(n, reduce_tensor(t.detach())) for n, t in b] for b in buckets]
+            self._ipc_held = buckets
             manifest.checksums = [sums(b) for b in buckets] if sums else []
         else:
             payload = []
@@ -213,7 +216,7 @@ class WeightSender:
             Path(path).unlink(missing_ok=True)
         for folder in getattr(self, "_temp_dirs", []):
             shutil.rmtree(folder, ignore_errors=True)
-        self._shm_maps, self._senders, self._temp_dirs = {}, {}, []
+        self._shm_maps, self._senders, self._temp_dirs, self._ipc_held = {}, {}, [], None
 
     # ---- internals ----------------------------------------------------------------------
     def _sender_state(self) -> dict:
@@ -307,10 +310,11 @@ class WeightReceiver:
             buckets = [unpack(buf, layout) for buf, layout in zip(bufs, manifest.buckets)]
         for i, pairs in enumerate(buckets):
             verify(manifest, i, pairs, bufs[i] if path in PACKED_PATHS else None)
+        part = {} if manifest.part == "full" else {"part": manifest.part}  # (receivers without LoRA take none)
         if path == "file":  # loaded by the engine itself (it may only read from disk)
-            self.update_weights_from_path(manifest.location, manifest.version)
+            self.update_weights_from_path(manifest.location, manifest.version, **part)
         else:
-            self.update_weights([p for pairs in buckets for p in pairs], manifest.version)
+            self.update_weights([p for pairs in buckets for p in pairs], manifest.version, **part)
         if path == "cuda_ipc":  # copies done before the mapping goes: the sender may free or offload it
             torch.cuda.synchronize()
         return {"bytes": manifest.total_bytes, "seconds": time.perf_counter() - t0, "version": manifest.version}

@@ -52,7 +52,8 @@ class Steps:
         self.first_step = self.resumed.get("step", -1) + 1
         present = {name: group for name, group in roles.items() if group is not None}
         self.weights = RolloutWeights(present["train"], present.get("rollout"), weight_sync, log, run,
-                                      version=max(self.first_step - 1, 0), behind=rollout_behind)
+                                      version=max(self.first_step - 1, 0), behind=rollout_behind,
+                                      drops_weights="rollout" in plan.roles and plan["rollout"].sleep_level == 2)
         self.turns = Turns(plan, present, log, self.weights)
         self._mark = (time.perf_counter(), CALLS.remote, CALLS.role_s, CALLS.overhead_s)  # start of the step's accounting
         self._last: dict = {}

@@ -32,8 +32,9 @@ class RolloutWeights:
     rollout should hold at the start (a resumed run's checkpoint step)."""
 
     def __init__(self, trainer: Any, rollout: Any, settings: WeightSyncConfig, log: RunLog, run: Any,
-                 version: int, behind: bool):
+                 version: int, behind: bool, drops_weights: bool = False):
         self.trainer, self.rollout, self.settings, self.log, self.run = trainer, rollout, settings, log, run
+        self.drops_weights = drops_weights  # the rollout sleeps at level 2: every sync is whole
         self.behind = behind  # the rollout lacks the trainer's current weights
         self.version = version  # of the weights the rollout should hold
         self.trained = version  # the last training step the driver saw end
@@ -155,13 +156,17 @@ class RolloutWeights:
         if self._sync is not None and self._sync.path_for(self.rollout) == "collective":  # its process group
             self._sync.close()                                                            # had the lost rank
             self._sync = None
-        buckets = self.trainer.call("state_dict_buckets", self.settings.bucket_mb, execute="first")
-        self.rollout.call_rank(rank, "update_weights", buckets, self.trained)
+        # A fresh rank holds its model's weights: a LoRA run's base, onto which an adapter-only sync
+        # goes as it does to its peers; a merged sync sends it every weight.
+        adapter = {"part": "adapter"} if self.channel().part_for(self.rollout) == "adapter" else {}
+        self.channel().forget(self.rollout)
+        buckets = self.trainer.call("state_dict_buckets", self.settings.bucket_mb, execute="first", **adapter)
+        self.rollout.call_rank(rank, "update_weights", buckets, self.trained, **adapter)
 
     def channel(self) -> WeightSync:
         """The run's weight-sync channel, made on first use."""
         if self._sync is None:
-            self._sync = WeightSync(self.trainer, self.settings)
+            self._sync = WeightSync(self.trainer, self.settings, whole_each_time=self.drops_weights)
         return self._sync
 
     def close(self, failed: bool) -> None:

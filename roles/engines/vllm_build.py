@@ -116,9 +116,14 @@ def checkpoint_shapes(path: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+# The ranks vLLM serves LoRA adapters of (its max_lora_rank takes one of them).
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
 def engine_kwargs(path: str, opts: VLLMOptions, device: torch.device, dtype: str, max_model_len: int,
-                   group: EngineGroup) -> dict[str, Any]:
-    """Arguments of vllm.LLM for this device (see the module notes on the two builds)."""
+                   group: EngineGroup, lora_rank: int = 0) -> dict[str, Any]:
+    """Arguments of vllm.LLM for this device (see the module notes on the two builds); with
+    `lora_rank`, LoRA serving for one adapter of at most that rank."""
     gpu = device.type == "cuda"
     kwargs = dict(model=path, dtype=dtype, max_model_len=max_model_len, max_logprobs=opts.max_logprobs,
                   enforce_eager=(not gpu) if opts.enforce_eager is None else opts.enforce_eager,
@@ -129,6 +134,11 @@ def engine_kwargs(path: str, opts: VLLMOptions, device: torch.device, dtype: str
             kwargs[key] = getattr(opts, key)
     if opts.cudagraph_capture_sizes:
         kwargs["compilation_config"] = {"cudagraph_capture_sizes": sorted(int(n) for n in opts.cudagraph_capture_sizes)}
+    if lora_rank:
+        if lora_rank > LORA_RANKS[-1]:
+            raise ValueError(f"trainer.lora.rank={lora_rank}: vLLM serves adapters of rank <= {LORA_RANKS[-1]}; "
+                             "lower it, or set weight_sync.lora=merged")
+        kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=next(r for r in LORA_RANKS if r >= lora_rank))
     if group.size > 1:
         kwargs.update(tensor_parallel_size=group.size, distributed_executor_backend="external_launcher")
     if gpu:

@@ -48,6 +48,7 @@ from __future__ import annotations
 import functools
 import os
 import random
+import shutil
 import tempfile
 import time
 import weakref
@@ -61,6 +62,7 @@ from transformers import AutoConfig, GenerationConfig
 from roles.engines.decoding import Generated
 from roles.engines.vllm_build import (EngineGroup, checkpoint_shapes, engine_kwargs, joined, resolved_settings,
                                       vllm_options)
+from roles.lora import served_config, write_adapter
 from roles.models import DTYPES, ModelSpec, build_model, resolve_config, save_checkpoint
 
 # Read by vLLM when the engine is built: keep it in this process (weights load as tensors).
@@ -120,7 +122,7 @@ class VLLMEngine:
     """A vllm.LLM plus the state a role needs around it (sleep level, weight validity)."""
 
     def __init__(self, model: ModelSpec, tokenizer: Any, device: torch.device, dtype: Optional[str],
-                 options: Optional[Mapping[str, Any]], role: str, wake_call: str = "wake_up()"):
+                 options: Optional[Mapping[str, Any]], role: str, wake_call: str = "wake_up()", lora_rank: int = 0):
         # vllm is optional (engine=vllm): imported on use
         from vllm import LLM
         from vllm.platforms import current_platform
@@ -151,7 +153,7 @@ class VLLMEngine:
         dtype = dtype or cfg.dtype
         if dtype != "auto" and dtype not in DTYPES:
             raise ValueError(f"{role}.dtype='{dtype}'; choose one of {sorted(DTYPES)} or null")
-        kwargs = engine_kwargs(self.path, opts, device, dtype, self.max_model_len, group)
+        kwargs = engine_kwargs(self.path, opts, device, dtype, self.max_model_len, group, lora_rank)
         # vLLM reseeds the global RNGs and, on CPU, replaces torch.set_num_threads with a
         # no-op for the whole process: restore both, the caller's code relies on them.
         states = random.getstate(), np.random.get_state(), torch.random.get_rng_state()
@@ -167,6 +169,9 @@ class VLLMEngine:
         if device.type == "cuda":
             _GPU_ENGINES.add(self)
         self._scale = 1.0
+        # The LoRA adapter requests carry (load_adapter); None: the base alone.
+        self._lora_request = None
+        self._lora_dir: Optional[tempfile.TemporaryDirectory] = None
         self.sleep_level = 0
         self._weights_valid = True
         # GPU: weights woken (to load an update) while the KV cache still sleeps.
@@ -233,15 +238,16 @@ class VLLMEngine:
 
     # ---- weights ------------------------------------------------------------------
 
-    def load_weights(self, pairs: Sequence[tuple[str, torch.Tensor]], version: int) -> None:
-        """All weights as (HF name, tensor) pairs, checked against the checkpoint, loaded in
-        place; asleep on GPU, only the weights wake for it (the KV cache waits for wake_up)."""
+    def load_weights(self, pairs: Sequence[tuple[str, torch.Tensor]], version: int, complete: bool = True) -> None:
+        """All weights (`complete`; else some of them, e.g. a LoRA trainer's merged tensors) as
+        (HF name, tensor) pairs, checked against the checkpoint, loaded in place; asleep on GPU,
+        only the weights wake for it (the KV cache waits for wake_up)."""
         # A tied head arrives as the embedding (trainers send it once) or under its own name.
         pairs = [(EMBED if n == self._tied else n, t) for n, t in pairs]
         unknown = [n for n, _ in pairs if n not in self._shapes]
         wrong = [f"{n}: got {tuple(t.shape)}, model has {self._shapes[n]}"
                  for n, t in pairs if n in self._shapes and tuple(t.shape) != self._shapes[n]]
-        missing = sorted(set(self._shapes) - {n for n, _ in pairs})
+        missing = sorted(set(self._shapes) - {n for n, _ in pairs}) if complete else []
         if unknown or wrong or missing:
             parts = [f"{len(unknown)} unknown names {unknown[:5]}" if unknown else "",
                      f"{len(wrong)} wrong shapes {wrong[:5]}" if wrong else "",
@@ -260,6 +266,25 @@ class VLLMEngine:
         if not self.sleep_level:  # (sleep already dropped the cache)
             self.llm.reset_prefix_cache()  # cached KV blocks belong to the old weights
         self._weights_valid = True
+
+    def load_adapter(self, pairs: Sequence[tuple[str, torch.Tensor]], scale: float, rank: int) -> None:
+        """Serve a LoRA adapter (PEFT-named tensors) on the base: written as PEFT's folder in shared
+        memory (vLLM loads adapters from folders) and named by a new LoRARequest that every later
+        generation carries; the previous adapter is dropped."""
+        # vllm is optional (engine=vllm): imported on use
+        from vllm.lora.request import LoRARequest
+
+        self.check_ready()
+        if self._lora_dir is None:
+            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            self._lora_dir = tempfile.TemporaryDirectory(prefix="rayroles-lora-", dir=shm)
+        number = (self._lora_request.lora_int_id + 1) if self._lora_request else 1
+        folder = Path(self._lora_dir.name) / str(number)
+        write_adapter(folder, pairs, served_config(pairs, rank, scale * rank))
+        if self._lora_request is not None:
+            self.llm.remove_lora(self._lora_request.lora_int_id)
+            shutil.rmtree(self._lora_request.lora_path, ignore_errors=True)
+        self._lora_request = LoRARequest(f"adapter-{number}", number, str(folder))
 
     def _use_scale(self, scale: float) -> None:
         if scale != self._scale:
@@ -288,7 +313,7 @@ class VLLMEngine:
                                  max_tokens=max_new_tokens, stop_token_ids=list(stop_ids), ignore_eos=ignore_eos,
                                  logprobs=0, flat_logprobs=True, detokenize=False, seed=seed) for seed in seeds]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
-                                    use_tqdm=False)
+                                    use_tqdm=False, lora_request=self._lora_request)
         result = Generated([], [], [])
         for out in outputs:
             done = out.outputs[0]
