@@ -56,7 +56,7 @@ from roles.batch import SamplingParams
 from roles.models import load_tokenizer, resolve_config
 from roles.rollout import Rollout
 from roles.teacher import KERNEL_OPTIONS as TEACHER_KERNEL_OPTIONS, Teacher, TeacherConfig
-from roles.trainer import Trainer, TrainerConfig
+from roles.trainer import BaseTeacher, Trainer, TrainerConfig
 
 logger = logging.getLogger("algorithms.gkd")  # not __name__: python -m runs this module as __main__
 
@@ -128,6 +128,9 @@ def train(cfg: GKDConfig, plan: Plan, trainer: Any, rollout: Any, teacher: Any, 
     `teacher_writer` (a rollout with the teacher's weights) writes off-policy completions when seq_kd."""
     algo, topk = cfg.algorithm, cfg.algorithm.logits_topk
     sampling = SamplingParams(temperature=algo.temperature, max_new_tokens=algo.max_new_tokens)
+    # The student's own base as the teacher (LoRA, teacher None): the trainer scores each batch
+    # with its adapter off inside the train call.
+    base_teacher = {"teacher": BaseTeacher(topk, algo.temperature if topk else 1.0)} if teacher is None else {}
     writer = teacher_writer if algo.seq_kd else None
     # The coin of every step, drawn up front: generations may start max_staleness steps early.
     coin = random.Random(cfg.run.seed)
@@ -174,15 +177,16 @@ def train(cfg: GKDConfig, plan: Plan, trainer: Any, rollout: Any, teacher: Any, 
                         comps = _off_policy(examples, tokenizer, writer, sampling, log, cfg.data.chat)
                     batch = _gkd_batch(tokenizer, comps, on_policy[step])
                     # Teacher: its logprobs at every position (top-k or the full vocabulary).
-                    scored = turns.call("teacher", "logits", batch, topk, keep=keep, **scoring)
-                _attach_teacher(batch, scored, topk, keep)
+                    scored = turns.call("teacher", "logits", batch, topk, keep=keep, **scoring) if teacher else None
+                if teacher is not None:
+                    _attach_teacher(batch, scored, topk, keep)
                 # Train: one update of the student on the generalized JSD; then the weights go to the
                 # rollout when it samples before the next update (once generations started ahead
                 # finish). The trainer's onload, the weights' send and its offload ride on the call.
                 with turns.train_turn(step, prefetch, algo.max_staleness, metrics, one_call=True):
                     with log.phase("train", "train"):
                         future = trainer.async_call("train_step", batch, train_temperature, dispatch="slice",
-                                                    collect=first)
+                                                    collect=first, **base_teacher)
                         # Score ahead: when nothing else comes between this step and the next
                         # (off-policy) one, the teacher scores the next step's dataset responses now,
                         # beside this train call; the next step reads the answer.
@@ -204,7 +208,18 @@ def scores_ahead(cfg: GKDConfig, plan: Plan, keep: Optional[str]) -> bool:
     generation and the dataset's own responses (not seq_kd)."""
     algo = cfg.algorithm
     return (algo.score_ahead and cfg.backend.workers == "ray" and not algo.seq_kd and not algo.max_staleness
-            and keep is None and not {"train", "rollout"} & set(plan["teacher"].colocated_with))
+            and keep is None and not base_teaches(cfg, plan)
+            and not {"train", "rollout"} & set(plan["teacher"].colocated_with))
+
+
+def base_teaches(cfg: GKDConfig, plan: Plan) -> bool:
+    """Whether the teacher is the student's own base model under LoRA (self-distillation): the
+    trainer then computes it with its adapter off, and no teacher role (no second copy of the
+    weights) is started."""
+    if not cfg.trainer.lora.rank or cfg.teacher.warmup_steps:
+        return False
+    teacher, student = resolve_config(teacher_spec(cfg, plan)), resolve_config(as_dict(cfg.model))
+    return (teacher.path or teacher.name) == (student.path or student.name)
 
 
 def _gkd_batch(tokenizer: Any, comps: Any, on_policy: bool) -> Any:
@@ -304,22 +319,28 @@ def run(cfg: GKDConfig, plan: Plan, out_dir: Path) -> dict:
     loss = gkd_loss(cfg, plan)
     # The teacher's accuracy, for reference (the gap the student closes).
     judge = driver_group(Rollout, {"model": teacher_model, "config": rollout_section(cfg)}, "teacher_eval")
+    own_base = base_teaches(cfg, plan)
+    if own_base:
+        logger.info("gkd: the teacher is the student's base model: the trainer scores with its LoRA adapter off "
+                    "(no teacher role started)")
     teacher_accuracy = accuracy(judge, eval_set, cfg.run.eval_max_new_tokens, cfg.data)
     if not cfg.algorithm.seq_kd:  # with seq_kd it writes the off-policy completions
         judge.shutdown()
     roles = start_roles(cfg, plan, {
         "train": (Trainer, {"model": student, "config": as_dict(cfg.trainer), "loss_fn": loss,
                             "loss_inputs": loss.loss_inputs, **engine_args(cfg, "train")}),
-        "rollout": (Rollout, {"model": student, "config": rollout_section(cfg), **engine_args(cfg, "rollout")}),
-        "teacher": (Teacher, {"model": teacher_model, "config": as_dict(cfg.teacher.engine),
-                              **engine_args(cfg, "teacher")})}, restarts=cfg.run.max_restarts)
+        "rollout": (Rollout, {"model": student, "config": rollout_section(cfg, trained=True),
+                              **engine_args(cfg, "rollout")}),
+        **({} if own_base else {"teacher": (Teacher, {"model": teacher_model, "config": as_dict(cfg.teacher.engine),
+                                                      **engine_args(cfg, "teacher")})})},
+        restarts=cfg.run.max_restarts)
     log = RunLog(out_dir, cfg.run.steps, cfg.run, resolved_config=cfg)
     topk = cfg.algorithm.logits_topk
     logger.info(f"gkd: {len(train_set)} train / {len(eval_set)} held-out examples; {cfg.run.steps} steps x "
                 f"{cfg.run.prompts_per_step} prompts; teacher {teacher_model} (accuracy {teacher_accuracy:.3f}, "
                 f"{'top-%d %s' % (topk, cfg.algorithm.topk_mode) if topk else 'full vocabulary'}); output {log.dir}")
     try:
-        record = train(cfg, plan, roles["train"], roles["rollout"], roles["teacher"], train_set, eval_set,
+        record = train(cfg, plan, roles["train"], roles["rollout"], roles.get("teacher"), train_set, eval_set,
                        load_tokenizer(student), log, step0={"teacher/eval_accuracy": teacher_accuracy, **stats},
                        teacher_writer=judge if cfg.algorithm.seq_kd else None)
         record["teacher/eval_accuracy"] = teacher_accuracy

@@ -144,8 +144,10 @@ class GRPOConfig(DriverConfig):
 def train(cfg: GRPOConfig, plan: Plan, trainer: Any, rollout: Any, reference: Any, rewards: Rewards,
           train_set: list, eval_set: list, tokenizer: Any, log: RunLog) -> dict:
     """The GRPO loop; roles are worker groups (or fakes in tests), `reference` is None when
-    beta = 0. Returns the last record."""
+    beta = 0 or with LoRA (the trainer's base with the adapter off is the reference then).
+    Returns the last record."""
     algo, G = cfg.algorithm, cfg.algorithm.num_generations
+    base_reference = {"reference": True} if algo.beta and cfg.trainer.lora.rank else {}
     sampling = SamplingParams(temperature=algo.temperature, max_new_tokens=algo.max_new_tokens, n=G)
     check = checker(cfg.data)
     with Steps(plan, {"train": trainer, "rollout": rollout, "reference": reference}, cfg.run, cfg.weight_sync,
@@ -175,7 +177,8 @@ def train(cfg: GRPOConfig, plan: Plan, trainer: Any, rollout: Any, reference: An
                 batch.advantages = group_advantages(scores, G, algo.scale_rewards, algo.leave_one_out)
                 metrics.update({f"advantages/{k}": float(getattr(batch.advantages, k)())
                                 for k in ("mean", "std", "min", "max")})
-                # Reference logprobs: the initial policy's, for the KL penalty.
+                # Reference logprobs: the initial policy's, for the KL penalty (with LoRA, the
+                # trainer's own base with the adapter off, inside its train call).
                 if reference is not None:
                     batch.ref_logprobs = turns.call("reference", "logprobs", batch, algo.temperature, dispatch="slice",
                                                     collect="flatten", phase="ref_logprobs")
@@ -186,7 +189,7 @@ def train(cfg: GRPOConfig, plan: Plan, trainer: Any, rollout: Any, reference: An
                                       one_call=algo.steps_per_generation == 1):
                     with log.phase("train", "train"):
                         results = [trainer.call("train_step", part, algo.temperature, dispatch="slice",
-                                                collect=first)
+                                                collect=first, **base_reference)
                                    for part in _parts(batch, algo.steps_per_generation)]
                         metrics.update({f"train/{k}": sum(r[k] for r in results) / len(results) for k in results[0]})
                         metrics["train/step"] = results[-1]["step"]
@@ -303,19 +306,21 @@ def run(cfg: GRPOConfig, plan: Plan, out_dir: Path) -> dict:
     trainer_cfg = as_dict(cfg.trainer)  # (its schedule spans cfg.updates(run.steps) updates: prepare)
     specs = reward_specs(a, cfg.data)
     planned = planned_reward_configs(specs, plan)
-    if a.beta:  # the initial policy for the KL term, on the trainer's devices and with its engine
+    if a.beta and not cfg.trainer.lora.rank:  # the initial policy for the KL term, on the trainer's devices and
+        # with its engine (with LoRA it is the trainer's base: the adapter off, no second copy)
         plan = with_colocated_role(plan, "reference", "train", offload_model=plan["train"].offload_model)
     policy = {"model": model, "config": trainer_cfg, **engine_args(cfg, "train")}
     roles = start_roles(cfg, plan, {
         "train": (Trainer, {**policy, "loss_fn": loss, "loss_inputs": ("entropy",)}),
-        "rollout": (Rollout, {"model": model, "config": rollout_section(cfg), **engine_args(cfg, "rollout")}),
-        **({"reference": (Trainer, policy)} if a.beta else {}),
+        "rollout": (Rollout, {"model": model, "config": rollout_section(cfg, trained=True),
+                              **engine_args(cfg, "rollout")}),
+        **({"reference": (Trainer, policy)} if "reference" in plan.roles else {}),
         **{role: ({"orm": ORM, "prm": PRM}[role], {"config": c}) for role, c in planned.items()}},
         restarts=cfg.run.max_restarts)
     if warm and a.warmup_keep_optimizer:
         roles["train"].call("load_optimizer_moments", warm)
     rewards = Rewards(specs, {role: roles[role] for role in planned})
-    reference = roles["reference"] if a.beta else None
+    reference = roles["reference"] if "reference" in plan.roles else None
     log = RunLog(out_dir, cfg.run.steps, cfg.run, resolved_config=cfg)
     record_data_stats(log, stats, cfg.run.resume)
     logger.info(f"grpo: {len(train_set)} train / {len(eval_set)} held-out examples; {cfg.run.steps} steps x "

@@ -86,7 +86,8 @@ def run(cfg: SFTConfig, plan: Any, out_dir: Path) -> dict:
     roles = start_roles(cfg, plan, {role: (Trainer, {"model": as_dict(cfg.model), "config": as_dict(cfg.trainer),
                                                      "loss_fn": loss, "loss_inputs": loss.loss_inputs,
                                                      **engine_args(cfg, "train")})})
-    evaluator = driver_group(Rollout, {"model": as_dict(cfg.model), "config": rollout_section(cfg)}, "evaluator")
+    evaluator = driver_group(Rollout, {"model": as_dict(cfg.model), "config": rollout_section(cfg, trained=True)},
+                             "evaluator")
     log = RunLog(out_dir, cfg.run.steps, cfg.run, resolved_config=cfg)
     record_data_stats(log, stats, cfg.run.resume)
     logger.info(f"sft: {len(train_set)} train / {len(eval_set)} held-out examples; {cfg.run.steps} steps x "

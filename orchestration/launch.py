@@ -9,7 +9,7 @@ spawns one actor per rank; with `local` every rank is built in this process.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from orchestration.base_group import BaseWorkerGroup
 from orchestration.cluster import init_cluster
@@ -29,6 +29,10 @@ class Roles:
 
     def __getitem__(self, role: str) -> BaseWorkerGroup:
         return self.groups[role]
+
+    def get(self, role: str) -> Optional[BaseWorkerGroup]:
+        """The group of `role`, None when it was not started."""
+        return self.groups.get(role)
 
     def shutdown(self) -> None:
         if self._closed:

@@ -24,7 +24,7 @@ from typing import Any, List, Mapping, Optional, Union
 
 import torch
 from omegaconf import OmegaConf
-from transformers import (AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig,
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig,
                           PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config)
 from transformers.utils import logging as hf_logging
 
@@ -240,18 +240,8 @@ def load_tokenizer(spec: ModelSpec):
             from err
 
 
-def build_model(spec: ModelSpec) -> PreTrainedModel:
-    """A causal LM on CPU in eval mode: loaded from `path`, or a preset built from a seed."""
-    cfg = resolve_config(spec)
-    if cfg.path is not None:
-        if not os.path.isfile(os.path.join(cfg.path, "config.json")):
-            raise ValueError(f"model.path={cfg.path} has no config.json; expected a directory "
-                             "written by save_pretrained")
-        check_load_options(cfg)
-        dtype = "auto" if cfg.dtype == "auto" else DTYPES[cfg.dtype]
-        model = AutoModelForCausalLM.from_pretrained(
-            cfg.path, local_files_only=True, dtype=dtype, attn_implementation=cfg.attn_implementation)
-        return model.eval()
+def preset_config(cfg: ModelConfig) -> Any:
+    """The transformers config of a preset (its shape, and its tokenizer's size and ids)."""
     check_config(cfg)
     tokenizer = load_tokenizer(cfg)
     hf_config = ARCHS[cfg.arch](
@@ -270,6 +260,31 @@ def build_model(spec: ModelSpec) -> PreTrainedModel:
         eos_token_id=tokenizer.eos_token_id,
     )
     hf_config._attn_implementation = cfg.attn_implementation
+    return hf_config
+
+
+def model_skeleton(spec: ModelSpec) -> PreTrainedModel:
+    """The model's modules on the meta device (no weights, nothing read but its config): what
+    checks of module names need, at no cost for a large model."""
+    cfg = resolve_config(spec)
+    hf_config = AutoConfig.from_pretrained(cfg.path, local_files_only=True) if cfg.path else preset_config(cfg)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_config)
+
+
+def build_model(spec: ModelSpec) -> PreTrainedModel:
+    """A causal LM on CPU in eval mode: loaded from `path`, or a preset built from a seed."""
+    cfg = resolve_config(spec)
+    if cfg.path is not None:
+        if not os.path.isfile(os.path.join(cfg.path, "config.json")):
+            raise ValueError(f"model.path={cfg.path} has no config.json; expected a directory "
+                             "written by save_pretrained")
+        check_load_options(cfg)
+        dtype = "auto" if cfg.dtype == "auto" else DTYPES[cfg.dtype]
+        model = AutoModelForCausalLM.from_pretrained(
+            cfg.path, local_files_only=True, dtype=dtype, attn_implementation=cfg.attn_implementation)
+        return model.eval()
+    hf_config = preset_config(cfg)
     # Fork the RNG so that building a model never shifts the caller's random stream.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.seed)

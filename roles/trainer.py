@@ -57,6 +57,14 @@ STATE_FILE = "trainer_state.pt"
 ADAPTER_DIR = "adapter"
 
 
+@dataclasses.dataclass(frozen=True)
+class BaseTeacher:
+    """The base model (LoRA adapter off) as the teacher of `train_step`: its top-k logprobs
+    (None: the full vocabulary) at `temperature`, as `Teacher.logits` gives them."""
+    topk: Optional[int]
+    temperature: float
+
+
 def sft_loss(logprobs: torch.Tensor, batch: Batch, extras: dict) -> tuple[torch.Tensor, dict]:
     """Token-level negative log-likelihood over `loss_mask`, normalised by the loss tokens
     of the whole step (so micro-batching and data parallel do not change it)."""
@@ -202,19 +210,19 @@ class Trainer(WeightSender):
             self.model.train(on)
 
     def train_step(self, batch: Batch, temperature: float = 1.0, reference: bool = False,
-                   teacher: Optional[tuple[Optional[int], float]] = None) -> dict[str, float]:
+                   teacher: Optional[BaseTeacher] = None) -> dict[str, float]:
         """One optimizer update on `batch` (this rank's share); returns global metrics. With LoRA,
         the base model (the adapter off) can stand in for a second model, with no copy of the
         weights: `reference` sets batch.ref_logprobs to its logprobs (GRPO's KL reference),
-        `teacher` = (topk, temperature) the teacher fields to its distributions (`base_teacher`)."""
+        `teacher` the teacher fields to its distributions (`base_teacher`)."""
         self.engine.check_live("train_step")
         if reference or teacher is not None:
             batch = dataclasses.replace(batch)
             if reference:
                 batch.ref_logprobs = self.base_logprobs(batch, temperature)
             if teacher is not None:
-                scored = self.base_teacher(batch, *teacher)
-                batch.teacher_logprobs, batch.teacher_indices = scored if teacher[0] else (scored, None)
+                scored = self.base_teacher(batch, teacher.topk, teacher.temperature)
+                batch.teacher_logprobs, batch.teacher_indices = scored if teacher.topk else (scored, None)
         batch, _ = self._join_rows(batch)
         micro_batches = -(-len(batch) // self._micro_size(batch, backward=True))
         local = [float(batch.loss_mask.sum()), float(len(batch)), float(micro_batches),
@@ -292,7 +300,7 @@ class Trainer(WeightSender):
             return self.logprobs(batch, temperature)
 
     @torch.no_grad()
-    def base_teacher(self, batch: Batch, topk: Optional[int], temperature: float = 1.0):
+    def base_teacher(self, batch: Batch, topk: Optional[int], temperature: float):
         """The base model (adapter off) as a teacher: what `Teacher.logits(batch, topk,
         temperature=temperature)` of a separately loaded base model returns (aligned log-softmax
         [B, T, V], or its top-k (values, indices) [B, T, k]; 0 at position 0 and on padding)."""
@@ -300,7 +308,7 @@ class Trainer(WeightSender):
         self.engine.check_live("base_teacher", optimizer=False)
         self._train_mode(False)
         B, T = batch.input_ids.shape
-        width = topk or self.model.get_output_embeddings().weight.shape[0]
+        width = topk or self.model.get_output_embeddings().out_features  # (ZeRO-3 leaves the weight a shard)
         values, indices = torch.zeros(B, T, width), torch.zeros(B, T, width, dtype=torch.long) if topk else None
         idle = self._idle_passes(-(-B // self._micro_size(batch, backward=False)), backward=False)
         with adapter_off(self.peft):

@@ -37,6 +37,15 @@ EXCEPTIONS = {
     ("roles/trainer.py", "Trainer.train_step", "temperature"): "untempered",
     ("roles/trainer.py", "Trainer.logprobs", "temperature"): "untempered",
     ("roles/teacher.py", "Teacher.logits", "temperature"): "untempered",
+    ("roles/trainer.py", "Trainer.base_logprobs", "temperature"): "untempered",
+    # Attention dropout of the kernels (off in every forward here), not the LoRA adapter's dropout.
+    ("roles/engines/torch_decode.py", "_static_attention", "dropout"): "attention dropout",
+    ("roles/engines/train_kernels.py", "_packed_attention", "dropout"): "attention dropout",
+    # A vLLM engine serves no LoRA adapter unless a rollout asks (a teacher never does).
+    ("roles/engines/vllm_build.py", "engine_kwargs", "lora_rank"): "no adapter served",
+    ("roles/engines/vllm_engine.py", "VLLMEngine.__init__", "lora_rank"): "no adapter served",
+    # The rank of a process in its tensor-parallel engine, not a LoRA rank.
+    ("roles/engines/vllm_build.py", "EngineGroup", "rank"): "a process rank",
     # The scale of the logits the trainer handed over (extras['temperature']), 1 when absent;
     # GKD's own temperature is GKDLoss.temperature, required.
     ("algorithms/objectives/losses.py", "GKDLoss._student_logits", "temperature"): "untempered",

@@ -15,7 +15,7 @@ from roles.lora import LoraConfig, adapter_state, adapter_weights, hf_name, lora
 from roles.models import build_model
 from roles.rollout import Rollout
 from roles.teacher import Teacher
-from roles.trainer import ADAPTER_DIR, Trainer
+from roles.trainer import ADAPTER_DIR, BaseTeacher, Trainer
 
 MODEL = "tiny_qwen2"
 LORA = {"rank": 4, "alpha": 8.0, "dropout": 0.0}
@@ -88,7 +88,7 @@ def test_base_teacher_equals_a_teacher_of_the_base_model(trained, topk):
 def test_train_step_with_the_base_as_reference_and_teacher_equals_passing_their_answers():
     batch = _batch(3)
     inside, outside = _trainer(), _trainer()
-    a = inside.train_step(batch, reference=True, teacher=(None, 1.0))
+    a = inside.train_step(batch, reference=True, teacher=BaseTeacher(None, 1.0))
     given = Batch(**{**batch.__dict__, "ref_logprobs": outside.base_logprobs(batch),
                      "teacher_logprobs": outside.base_teacher(batch, None, 1.0)})
     b = outside.train_step(given)

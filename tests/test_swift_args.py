@@ -126,17 +126,16 @@ def test_grpo_global_batch_counts_completions():
 
 
 def test_every_key_that_cannot_be_honoured_is_in_one_error_with_its_fix():
-    file = {"rlhf_type": "gkd", "learning_rat": 1e-5, "tuner_type": "lora", "lora_rank": 8, "lmbda": 0.5,
+    file = {"rlhf_type": "gkd", "learning_rat": 1e-5, "tuner_type": "longlora", "lora_rank": 8, "lmbda": 0.5,
             "vllm_mode": "server", "global_batch_size": 16, "train": {"gpus": 1, "sequence_parallel": True}}
     with pytest.raises(ConfigError) as info:
         translate(file, "grpo", defaults())
     message = str(info.value)
-    assert "\n" not in message and "has 7 key(s)" in message and "nothing has started" in message
-    assert message.count("; ") == 6  # one part per key
+    assert "\n" not in message and "has 6 key(s)" in message and "nothing has started" in message
+    assert message.count("; ") == 5  # one part per key
     assert "rlhf_type='gkd': is 'gkd' but this is the grpo driver (python -m algorithms.gkd runs it)" in message
     assert "learning_rat: unknown to the grpo driver, did you mean 'learning_rate'?" in message
-    assert "tuner_type='lora': 'lora': only full-parameter training is supported" in message
-    assert "lora_rank: not supported: only full-parameter training" in message
+    assert "tuner_type='longlora': 'longlora': the tuners here are ['lora', 'full']" in message
     assert "lmbda: unknown to the grpo driver (it is a key of the gkd driver)" in message
     assert "vllm_mode='server'" in message and "train.sequence_parallel=True" in message
 
@@ -297,3 +296,18 @@ def test_the_planner_reads_an_example_with_role_section_keys(example):
                    "hydra.output_subdir=null", cwd=example, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "teacher  GPU     1" in out.stdout and "'train.tuner_type'" in out.stderr
+
+
+def test_lora_keys_mean_what_they_mean_in_ms_swift():
+    """tuner_type: lora takes ms-swift's LoRA defaults unless the file sets them; under full the
+    LoRA keys have no effect (as there); vllm_enable_lora picks the adapter-only sync."""
+    _, out, _ = translate({"train": {"gpus": 1, "tuner_type": "lora", "lora_rank": 16}}, "grpo", defaults())
+    assert (out["trainer.lora.rank"], out["trainer.lora.alpha"], out["trainer.lora.dropout"]) == (16, 32.0, 0.05)
+    _, out, _ = translate({"tuner_type": "lora", "target_modules": ["q_proj", "v_proj"], "lora_dropout": 0,
+                           "vllm_enable_lora": True, "modules_to_save": "lm_head"}, "sft", defaults())
+    assert out["trainer.lora.target_modules"] == ["q_proj", "v_proj"] and out["trainer.lora.dropout"] == 0.0
+    assert out["trainer.lora.modules_to_save"] == ["lm_head"] and out["weight_sync.lora"] == "adapter"
+    _, out, _ = translate({"tuner_type": "full", "lora_rank": 8, "target_modules": ["all-linear"]}, "sft", defaults())
+    assert out == {"trainer.lora.rank": 0}
+    _, out, _ = translate({"lora_rank": 8}, "sft", defaults())  # no tuner_type: full parameters here
+    assert "trainer.lora.rank" not in out

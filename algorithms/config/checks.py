@@ -33,8 +33,10 @@ from orchestration.planner import Plan
 from orchestration.weight_sync import check_settings as check_weight_sync
 from roles.engines.options import ROLLOUT_ENGINES, TEACHER_ENGINES, TRAIN_ENGINES
 from roles.orm import ANSWER_KINDS, compile_pattern
+from roles.engines.vllm_build import LORA_RANKS
+from roles.lora import ALL_LINEAR, lora_problems, unknown_targets
 from roles.models import (TOKENIZER_FILES, ModelFieldError, check_config, check_load_options, has_tokenizer_files,
-                          hub_cache_root, load_tokenizer, resolve_config)
+                          hub_cache_root, load_tokenizer, model_skeleton, resolve_config)
 from roles.engines.torch_trainer import OPTIMIZERS
 from roles.trainer_config import COMPUTE_DTYPES, KERNEL_OPTIONS, SCHEDULES
 
@@ -118,6 +120,7 @@ def check_run(cfg: Any, plan: Plan, updates: Optional[int] = None, classes: Opti
         require(value in choices, f"backend.{role}", value, "is not an engine", f"use one of {list(choices)}")
     check_engine_options(cfg, plan)
     check_weight_sync(cfg.weight_sync)
+    check_lora(cfg, plan)
     check_vllm_tensor_parallel(cfg, plan)
     require_all(cfg.rollout, "rollout", {"max_batch_size": AT_LEAST_1})
     require(cfg.backend.rollout == "torch" or not cfg.rollout.compile_decode, "rollout.compile_decode", True,
@@ -153,6 +156,36 @@ def check_trainer(t: Any, prefix: str, updates: int, updates_key: str) -> None:
     require(t.schedule == "constant" or t.warmup_steps < updates, f"{prefix}.warmup_steps", t.warmup_steps,
             f"reaches the run's {updates} updates ({updates_key}), so the {t.schedule} schedule would never decay",
             f"set it below {updates}, or {prefix}.schedule=constant")
+
+
+def check_lora(cfg: Any, plan: Plan) -> None:
+    """trainer.lora against its own values, the trainer's engine, the model's modules and
+    weight_sync.lora (the adapter-only sync and what the rollout can serve)."""
+    lora, sync = cfg.trainer.lora, cfg.weight_sync.lora
+    problems = lora_problems(lora)
+    require(not problems, "trainer.lora", f"rank={lora.rank}", "; ".join(problems), "correct those fields")
+    if not lora.rank:
+        require(sync == "merged", "weight_sync.lora", sync, "sends a LoRA adapter, but trainer.lora.rank=0 trains "
+                "full parameters", "set trainer.lora.rank (e.g. 8, or tuner_type: lora), or weight_sync.lora=merged")
+        return
+    require(cfg.backend.train != "megatron", "trainer.lora.rank", lora.rank, "needs backend.train=torch or deepspeed: "
+            "the megatron engine trains full parameters only", "set backend.train=torch or deepspeed "
+            "(tensor_model_parallel_size: 1), or trainer.lora.rank=0")
+    unknown = unknown_targets(model_skeleton(cfg.model), lora)
+    require(not unknown, "trainer.lora", f"target_modules={list(lora.target_modules)} modules_to_save="
+            f"{list(lora.modules_to_save)}", f"names modules {unknown} that {cfg.model.name} does not have",
+            f"use [{ALL_LINEAR}] or its module names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, "
+            "lm_head, embed_tokens)")
+    if sync == "adapter":
+        sleep = plan["rollout"].sleep_level if "rollout" in plan.roles else 0
+        require(sleep != 2, "weight_sync.lora", sync, "merges each adapter onto the rollout's base weights, which "
+                "placement.sleep_level=2 drops", "use placement.sleep_level=1, or weight_sync.lora=merged")
+        if cfg.backend.rollout == "vllm":
+            require(not lora.modules_to_save, "weight_sync.lora", sync, "serves the adapter in vLLM, which takes no "
+                    f"modules_to_save ({list(lora.modules_to_save)})",
+                    "set weight_sync.lora=merged, or trainer.lora.modules_to_save=[]")
+            require(lora.rank <= LORA_RANKS[-1], "trainer.lora.rank", lora.rank, f"exceeds the largest rank vLLM "
+                    f"serves ({LORA_RANKS[-1]})", "lower it, or set weight_sync.lora=merged")
 
 
 def check_model(key: str, spec: Any) -> None:

@@ -222,10 +222,36 @@ def sampler_engine(value: Any, file: Mapping, cfg: Any) -> dict:
     return {"backend.rollout": engines[value]}
 
 
+# ms-swift's tuner_type (train_type) values this project trains.
+TUNERS = ("lora", "full")
+# ms-swift's LoRA defaults (lora_rank, lora_alpha, lora_dropout), used when the file sets tuner_type: lora only.
+SWIFT_LORA = {"rank": 8, "alpha": 32.0, "dropout": 0.05}
+
+
+def tuner(file: Mapping) -> str:
+    """The file's tuner_type (or train_type); a file without one trains full parameters here."""
+    return text(file.get("tuner_type", file.get("train_type", "full")))
+
+
 def train_type(value: Any, file: Mapping, cfg: Any) -> dict:
-    if not isinstance(value, str) or value != "full":
-        raise Unsupported(f"{value!r}: only full-parameter training is supported (train_type: full)")
-    return {}
+    if not isinstance(value, str) or value not in TUNERS:
+        raise Unsupported(f"{value!r}: the tuners here are {list(TUNERS)} (LoRA through peft, or full parameters)")
+    if value == "full":
+        return {"trainer.lora.rank": 0}
+    return {f"trainer.lora.{k}": convert(file.get(f"lora_{k}", SWIFT_LORA[k]))
+            for k, convert in (("rank", integer), ("alpha", number), ("dropout", number))}
+
+
+def lora_key(field: str, convert: Callable[[Any], Any]) -> Mapper:
+    """A LoRA key (lora_rank, target_modules, ...): trainer.lora.<field> under tuner_type: lora;
+    without effect under tuner_type: full, as in ms-swift."""
+    def mapped(value: Any, file: Mapping, cfg: Any) -> dict:
+        return {f"trainer.lora.{field}": convert(value)} if tuner(file) == "lora" else {}
+    return mapped
+
+
+def vllm_enable_lora(value: Any, file: Mapping, cfg: Any) -> dict:
+    return {"weight_sync.lora": "adapter" if flag(value) else "merged"}
 
 
 def loggers(value: Any, file: Mapping, cfg: Any) -> dict:
