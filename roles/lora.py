@@ -64,10 +64,13 @@ def lora_problems(cfg: LoraConfig) -> list[str]:
     return problems
 
 
-def _peft_config(cfg: LoraConfig) -> peft.LoraConfig:
+def _peft_config(cfg: LoraConfig, tied: bool) -> peft.LoraConfig:
+    """peft's LoraConfig; `tied`: the model ties its output head to its embedding, and a trained
+    copy of either (modules_to_save) stays shared by both."""
     targets = ALL_LINEAR if list(cfg.target_modules) == [ALL_LINEAR] else list(cfg.target_modules)
     return peft.LoraConfig(r=cfg.rank, lora_alpha=cfg.alpha, lora_dropout=cfg.dropout, target_modules=targets,
-                           modules_to_save=list(cfg.modules_to_save) or None, bias="none")
+                           modules_to_save=list(cfg.modules_to_save) or None, bias="none",
+                           ensure_weight_tying=tied and bool(cfg.modules_to_save))
 
 
 def unknown_targets(model: torch.nn.Module, cfg: LoraConfig) -> list[str]:
@@ -86,7 +89,8 @@ def add_adapter(model: torch.nn.Module, cfg: LoraConfig) -> peft.PeftModel:
     if unknown:
         raise ValueError(f"trainer.lora names modules {unknown} that {type(model).__name__} does not have; "
                          f"use [{ALL_LINEAR}] or names from its modules (e.g. q_proj, v_proj, lm_head)")
-    return peft.get_peft_model(model, _peft_config(cfg))
+    tied = bool(getattr(model.config, "tie_word_embeddings", False))
+    return peft.get_peft_model(model, _peft_config(cfg, tied))
 
 
 def scalings(model: torch.nn.Module) -> dict[str, float]:
@@ -142,14 +146,35 @@ def merged_weights(named: Iterable[Tuple[str, torch.Tensor]], scale: Mapping[str
             yield target, t
 
 
-def adapter_weights(named: Iterable[Tuple[str, torch.Tensor]]) -> Iterator[Tuple[str, torch.Tensor]]:
+def adapter_weights(named: Iterable[Tuple[str, torch.Tensor]],
+                    aliases: Optional[Mapping[str, str]] = None) -> Iterator[Tuple[str, torch.Tensor]]:
     """The adapter's tensors under the names PEFT saves them by (`base_model.model.X.lora_A.weight`,
-    `...modules_to_save.X.weight`), which `PeftModel.from_pretrained` and vLLM read."""
+    `...X.weight` for a module of modules_to_save), which `PeftModel.from_pretrained` and vLLM
+    read; `aliases` (`tied_aliases`) adds the names of a trained copy that tied modules share."""
+    out = {}
     for name, t in named:
         if _is_adapter(name):
-            yield "base_model.model." + name.replace(f".{ADAPTER}.", "."), t
+            out["base_model.model." + name.replace(f".{ADAPTER}.", ".")] = t
         elif f".modules_to_save.{ADAPTER}." in name:
-            yield "base_model.model." + name.replace(f".modules_to_save.{ADAPTER}.", "."), t
+            out["base_model.model." + name.replace(f".modules_to_save.{ADAPTER}.", ".")] = t
+    for alias, name in (aliases or {}).items():
+        out[alias] = out[name]
+    yield from out.items()
+
+
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """PEFT names of a trained copy that tied modules share (modules_to_save on a tied output head
+    and embedding): each later name -> the first, which the weight listings carry."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if f".modules_to_save.{ADAPTER}." in name:
+            saved = "base_model.model." + name.replace(f".modules_to_save.{ADAPTER}.", ".")
+            if id(t) in first:
+                aliases[saved] = first[id(t)]
+            else:
+                first[id(t)] = saved
+    return aliases
 
 
 def adapter_state(pairs: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -187,7 +212,7 @@ def write_adapter(folder: Union[str, os.PathLike], pairs: Sequence[Tuple[str, to
 
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
-    save_file({n: t.detach().contiguous().cpu() for n, t in pairs}, out / ".adapter_model.safetensors.tmp")
+    save_file({n: t.detach().cpu().clone() for n, t in pairs}, out / ".adapter_model.safetensors.tmp")  # (no shared storage)
     (out / ".adapter_config.json.tmp").write_text(json.dumps(config, indent=2))
     os.replace(out / ".adapter_model.safetensors.tmp", out / "adapter_model.safetensors")
     os.replace(out / ".adapter_config.json.tmp", out / "adapter_config.json")

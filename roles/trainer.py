@@ -42,7 +42,7 @@ from roles.engines.torch_engine import process_memory, token_entropy, token_logp
 from roles.engines.torch_trainer import TorchTrainEngine, rank_device, rng_state, set_rng_state
 from roles.engines.train_kernels import TrainKernelOptions, topk_logprobs, vocab_logprobs
 from roles.lora import (PARTS, adapter_config, adapter_off, adapter_state, adapter_weights, add_adapter, base_name,
-                        merged_weights, scalings, write_adapter)
+                        merged_weights, scalings, tied_aliases, write_adapter)
 from roles.trainer_config import KERNEL_OPTIONS, TrainerConfig, resolve_trainer_config
 from roles.models import ModelConfig, ModelSpec, build_model, load_tokenizer, resolve_config, save_checkpoint
 from roles.weight_transfer import WeightSender
@@ -121,7 +121,7 @@ class Trainer(WeightSender):
             with torch.random.fork_rng(devices=[]):  # the adapter's initial A: the same for every seed-equal run
                 torch.manual_seed(c.seed)
                 self.peft = add_adapter(model, c.lora)
-        self._lora_scale = scalings(model)
+        self._lora_scale, self._lora_aliases = scalings(model), tied_aliases(model)
         if engine == "megatron":
             self.engine = MegatronTrainEngine(model, options=engine_options or {}, **optim)
         elif engine == "deepspeed":
@@ -344,7 +344,7 @@ class Trainer(WeightSender):
             if self.peft is None:
                 return weights
             if part == "adapter":
-                return adapter_weights(weights)
+                return adapter_weights(weights, self._lora_aliases)
             if part == "base":
                 return ((hf, t) for hf, t in ((base_name(n), t) for n, t in weights) if hf is not None)
             return merged_weights(weights, self._lora_scale, only_adapted=part == "adapted")
@@ -379,7 +379,8 @@ class Trainer(WeightSender):
         out = Path(out_dir)
         out.mkdir(parents=True, exist_ok=True)
         state = self.engine.state_dict()  # every rank: a sharded engine gathers its state here
-        adapter = list(adapter_weights(self.engine.named_weights())) if self.peft is not None else None
+        lora_rank0 = self.peft is not None and self.rank == 0  # (ZeRO-3's full weights live on rank 0 alone)
+        adapter = list(adapter_weights(self.engine.named_weights(), self._lora_aliases)) if lora_rank0 else None
         if self.rank == 0:
             if adapter is not None:  # the adapter as PEFT saves it, and the merged model beside it
                 write_adapter(out / ADAPTER_DIR, adapter, adapter_config(self.peft, self.model_config.path))
@@ -401,7 +402,9 @@ class Trainer(WeightSender):
         if self.peft is not None:  # the base stays as built; the adapter comes back exactly
             from safetensors.torch import load_file
 
-            self.engine.load_params(adapter_state(load_file(str(src / ADAPTER_DIR / "adapter_model.safetensors"))))
+            own = dict(self.model.named_parameters())  # (a trained copy that tied modules share: once)
+            state = adapter_state(load_file(str(src / ADAPTER_DIR / "adapter_model.safetensors")))
+            self.engine.load_params({n: t for n, t in state.items() if n in own})
             self.engine.load_state_dict(torch.load(src / STATE_FILE, map_location="cpu", weights_only=True))
             self._load_rng(src)
             return

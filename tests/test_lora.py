@@ -179,13 +179,22 @@ def test_resume_restores_adapter_and_optimizer_bitwise(tmp_path):
         assert torch.equal(x, y), n
 
 
-def test_adapter_names_round_trip():
+def test_a_trained_output_head_stays_tied_and_round_trips(tmp_path):
+    """modules_to_save=[lm_head] on a model with tied embeddings trains one copy shared by both
+    (merged weights and the checkpoint agree with the trainer); adapter names map back exactly."""
     trainer = _trainer(modules_to_save=["lm_head"])
+    for step in range(2):
+        trainer.train_step(_batch(step))
     named = dict(trainer.engine.named_weights())
     saved = dict(adapter_weights(named.items()))
     assert all(n.startswith("base_model.model.") for n in saved)
     back = adapter_state(saved)
     assert set(back) == {n for n in named if ".lora_" in n or ".modules_to_save." in n}
+    batch = _batch(11)
+    assert torch.allclose(_logprobs(_merged_model(trainer), batch), trainer.logprobs(batch), atol=1e-5)
+    trainer.save(tmp_path)
+    loaded = peft.PeftModel.from_pretrained(build_model(MODEL), str(tmp_path / ADAPTER_DIR))
+    assert torch.allclose(_logprobs(loaded, batch), trainer.logprobs(batch), atol=1e-5)
 
 
 @pytest.mark.parametrize("lora, problem", [
