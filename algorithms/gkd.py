@@ -145,7 +145,8 @@ def train(cfg: GKDConfig, plan: Plan, trainer: Any, rollout: Any, teacher: Any, 
     train_temperature = algo.temperature if student_topk(cfg, plan) else 1.0
     score_ahead = scores_ahead(cfg, plan, keep)
     with Steps(plan, {"train": trainer, "rollout": rollout, "teacher": teacher}, cfg.run, cfg.weight_sync, log,
-               eval_set, data=cfg.data) as steps:
+               eval_set, data=cfg.data,
+               adapter=bool(cfg.trainer.lora.rank)) as steps:
         turns = steps.turns
         # Prompts continue where a resumed run's checkpoint left them.
         stream = PromptStream(train_set, cfg.run.prompts_per_step, cfg.run.seed, steps.resumed.get("stream", 0))

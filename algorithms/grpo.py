@@ -124,7 +124,9 @@ class GRPOAlgorithm:
     # answers of the rest); 0: all of them.
     warmup_sft_examples: int = 0
     # GRPO continues with the warm start's AdamW moments (its own lr and schedule): a fresh
-    # optimizer's first updates move every weight by ~lr whatever the gradient's noise.
+    # optimizer's first updates move every weight by ~lr whatever the gradient's noise. (With
+    # trainer.lora the warm start trains every weight, standing for the pretrained model a LoRA
+    # run starts from, and GRPO's new adapter starts with a fresh optimizer.)
     warmup_keep_optimizer: bool = True
 
 
@@ -151,7 +153,8 @@ def train(cfg: GRPOConfig, plan: Plan, trainer: Any, rollout: Any, reference: An
     sampling = SamplingParams(temperature=algo.temperature, max_new_tokens=algo.max_new_tokens, n=G)
     check = checker(cfg.data)
     with Steps(plan, {"train": trainer, "rollout": rollout, "reference": reference}, cfg.run, cfg.weight_sync,
-                      log, eval_set, data=cfg.data) as steps:
+                      log, eval_set, data=cfg.data,
+                      adapter=bool(cfg.trainer.lora.rank)) as steps:
         turns = steps.turns
         # Prompts continue where a resumed run's checkpoint left them; step k's generation starts
         # up to max_staleness steps early (0: after step k-1's weight sync).
@@ -268,11 +271,12 @@ def warmup_rows(data: Any, examples: int) -> dict:
 
 def warm_start_trainer(cfg: GRPOConfig) -> Any:
     """The trainer section of the SFT warm start: GRPO's, with the warm start's own learning
-    rate, schedule and batch."""
+    rate, schedule and batch, training every weight (with trainer.lora, GRPO's adapter then goes
+    onto the warm-started model)."""
     a = cfg.algorithm
     return replace(cfg.trainer, lr=a.warmup_sft_lr, warmup_steps=warmup_steps(a.warmup_sft_steps),
                    total_steps=a.warmup_sft_steps, schedule=a.warmup_sft_schedule,
-                   micro_batch_per_device=a.warmup_sft_batch)
+                   micro_batch_per_device=a.warmup_sft_batch, lora=replace(cfg.trainer.lora, rank=0))
 
 
 def warm_start(cfg: GRPOConfig, train_ranks: int, out_dir: Path) -> str:
@@ -317,7 +321,7 @@ def run(cfg: GRPOConfig, plan: Plan, out_dir: Path) -> dict:
         **({"reference": (Trainer, policy)} if "reference" in plan.roles else {}),
         **{role: ({"orm": ORM, "prm": PRM}[role], {"config": c}) for role, c in planned.items()}},
         restarts=cfg.run.max_restarts)
-    if warm and a.warmup_keep_optimizer:
+    if warm and a.warmup_keep_optimizer and not cfg.trainer.lora.rank:  # (a new adapter: its own moments)
         roles["train"].call("load_optimizer_moments", warm)
     rewards = Rewards(specs, {role: roles[role] for role in planned})
     reference = roles["reference"] if "reference" in plan.roles else None

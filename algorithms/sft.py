@@ -59,7 +59,8 @@ def train(cfg: SFTConfig, plan: Any, trainer: Any, evaluator: Any, train_set: li
     """The SFT loop; roles are worker groups (or fakes in tests); the evaluator (a rollout)
     gets the trainer's weights before each eval. Returns the last record."""
     with Steps(plan, {"train": trainer, "rollout": evaluator}, cfg.run, cfg.weight_sync, log, eval_set,
-                      rollout_behind=True, data=cfg.data) as steps:
+                      rollout_behind=True, data=cfg.data,
+                      adapter=bool(cfg.trainer.lora.rank)) as steps:
         turns = steps.turns
         # Examples continue where a resumed run's checkpoint left them.
         stream = PromptStream(train_set, cfg.run.prompts_per_step, cfg.run.seed, steps.resumed.get("stream", 0))

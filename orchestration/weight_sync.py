@@ -102,12 +102,13 @@ def _role(group: Any) -> str:
 class WeightSync:
     """Holds the channels (shared-memory files, process groups) of one trainer group across syncs."""
 
-    def __init__(self, trainer: Any, settings: WeightSyncConfig, whole_each_time: bool = False):
-        """`whole_each_time`: the receivers drop their weights between syncs (sleep level 2), so a
-        LoRA trainer's merged sync sends every weight each time, not just the adapted ones."""
+    def __init__(self, trainer: Any, settings: WeightSyncConfig, adapter: bool = False, whole_each_time: bool = False):
+        """`adapter`: the trainer trains a LoRA adapter (trainer.lora), so syncs after the first
+        may carry less (weight_sync.lora); `whole_each_time`: the receivers drop their weights
+        between syncs (sleep level 2), so a merged sync sends every weight each time."""
         check_settings(settings)
         self.trainer, self.settings, self.whole_each_time = trainer, settings, whole_each_time
-        self._adapter: Optional[bool] = None  # whether the trainer trains a LoRA adapter (asked once)
+        self._adapter = adapter
         self._whole: set[int] = set()  # groups that hold every weight of the trainer's (merged)
         self.records: list[SyncRecord] = []
         self._paths: dict[int, str] = {}
@@ -181,13 +182,6 @@ class WeightSync:
         """What the next sync to `group` carries (roles.lora.PARTS): "full" without LoRA; with it,
         per weight_sync.lora, the adapter alone, or the merged weights, whole the first time (and
         after every sleep that dropped them), then only the tensors the adapter changes."""
-        if self._adapter is None:
-            try:
-                self._adapter = bool(self.trainer.call("adapter_rank", execute="first"))
-            except (AttributeError, WorkerError) as e:  # a trainer stand-in without LoRA
-                if "adapter_rank" not in str(e):
-                    raise
-                self._adapter = False
         if not self._adapter:
             return "full"
         if self.settings.lora == "adapter":

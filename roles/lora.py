@@ -74,11 +74,16 @@ def _peft_config(cfg: LoraConfig, tied: bool) -> peft.LoraConfig:
 
 
 def unknown_targets(model: torch.nn.Module, cfg: LoraConfig) -> list[str]:
-    """Names in target_modules / modules_to_save that match no module of `model` (a meta-device
-    copy serves: only names are read)."""
-    names = [n for n, _ in model.named_modules()]
-    wanted = [t for t in cfg.target_modules if t != ALL_LINEAR] + list(cfg.modules_to_save)
-    return [t for t in wanted if not any(n == t or n.endswith("." + t) for n in names)]
+    """Names in target_modules that match no linear layer of `model`, and in modules_to_save
+    that match no module (a meta-device copy serves: only names and types are read). An
+    embedding trains whole, through modules_to_save."""
+    def matches(name: str, wanted: str) -> bool:
+        return name == wanted or name.endswith("." + wanted)
+
+    modules = list(model.named_modules())
+    linear = [n for n, m in modules if isinstance(m, torch.nn.Linear)]
+    return ([t for t in cfg.target_modules if t != ALL_LINEAR and not any(matches(n, t) for n in linear)]
+            + [t for t in cfg.modules_to_save if not any(matches(n, t) for n, _ in modules)])
 
 
 def add_adapter(model: torch.nn.Module, cfg: LoraConfig) -> peft.PeftModel:
@@ -87,8 +92,9 @@ def add_adapter(model: torch.nn.Module, cfg: LoraConfig) -> peft.PeftModel:
     saves the adapter and turns it off (`adapter_off`)."""
     unknown = unknown_targets(model, cfg)
     if unknown:
-        raise ValueError(f"trainer.lora names modules {unknown} that {type(model).__name__} does not have; "
-                         f"use [{ALL_LINEAR}] or names from its modules (e.g. q_proj, v_proj, lm_head)")
+        raise ValueError(f"trainer.lora names modules {unknown} that {type(model).__name__} does not have (as linear "
+                         f"layers, for target_modules); use [{ALL_LINEAR}] or its linear layers (e.g. q_proj, "
+                         "v_proj), and modules_to_save for an embedding")
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     return peft.get_peft_model(model, _peft_config(cfg, tied))
 

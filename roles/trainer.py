@@ -282,10 +282,6 @@ class Trainer(WeightSender):
         return (lp[own], ent[own]) if entropy else lp[own]
 
     # ------------------------------------------------------------------ the base model (LoRA)
-    def adapter_rank(self) -> int:
-        """The LoRA adapter's rank; 0: full-parameter training."""
-        return self.config.lora.rank
-
     def _require_adapter(self, what: str) -> None:
         if self.peft is None:
             raise ValueError(f"trainer.{what}: the base model with the adapter off needs trainer.lora.rank >= 1; "
@@ -308,7 +304,7 @@ class Trainer(WeightSender):
         self.engine.check_live("base_teacher", optimizer=False)
         self._train_mode(False)
         B, T = batch.input_ids.shape
-        width = topk or self.model.get_output_embeddings().out_features  # (ZeRO-3 leaves the weight a shard)
+        width = topk or self.model.config.vocab_size  # (the head's weight: a shard under ZeRO-3)
         values, indices = torch.zeros(B, T, width), torch.zeros(B, T, width, dtype=torch.long) if topk else None
         idle = self._idle_passes(-(-B // self._micro_size(batch, backward=False)), backward=False)
         with adapter_off(self.peft):

@@ -212,6 +212,9 @@ def test_bad_lora_values_are_named(lora, problem):
 def test_unknown_target_module_is_named():
     model = build_model(MODEL)
     assert unknown_targets(model, LoraConfig(rank=4, target_modules=["q_proj", "c_attn"])) == ["c_attn"]
+    # An embedding is no linear layer: it trains whole, in modules_to_save.
+    assert unknown_targets(model, LoraConfig(rank=4, target_modules=["embed_tokens"],
+                                             modules_to_save=["embed_tokens"])) == ["embed_tokens"]
     with pytest.raises(ValueError, match=r"modules \['c_attn'\]"):
         _trainer(target_modules=["c_attn"])
 

@@ -144,6 +144,16 @@ CASES = {
                                         "algorithm.beta=0.04", "data.train_size=6"]),
     "gkd": (gkd, GKDConfig, ["+experiment=gkd_quickstart", *TINY_GKD, "algorithm.lmbda=0.5",
                                 "algorithm.logits_topk=4"]),
+    # LoRA: the adapter, its optimizer state and the RNG come back; GRPO's KL reference and GKD's
+    # teacher are the trainer's own base (adapter off); GRPO's rollout takes adapter-only syncs.
+    "sft_lora": (sft, SFTConfig, ["+experiment=sft_quickstart", *TINY, "trainer.lora.rank=4"]),
+    "grpo_lora": (grpo, grpo.GRPOConfig, ["+experiment=grpo_quickstart", *TINY, "algorithm.num_generations=2",
+                                          "algorithm.max_new_tokens=8", "algorithm.warmup_sft_steps=0",
+                                          "algorithm.beta=0.04", "data.train_size=6", "trainer.lora.rank=4",
+                                          "weight_sync.lora=adapter"]),
+    "gkd_lora": (gkd, GKDConfig, ["+experiment=gkd_quickstart", *TINY, "algorithm.max_new_tokens=12",
+                                  "placement.teacher_model=nano_qwen2", "teacher.warmup_steps=0",
+                                  "algorithm.lmbda=0.5", "trainer.lora.rank=4"]),
 }
 
 
@@ -172,11 +182,14 @@ def test_stop_and_resume_equals_a_straight_run(name, tmp_path, monkeypatch):
     step 2 (step 3's metrics, written after the checkpoint, are replaced)."""
     driver, schema, overrides = CASES[name]
     base = overrides + ["backend=local", "run.steps=5", "run.save_every=2", "run.eval_every=2",
-                        f"teacher.cache_dir={tmp_path / 'teachers'}" if name == "gkd" else "run.keep_last=0"]
+                        f"teacher.cache_dir={tmp_path / 'teachers'}" if name.startswith("gkd") else "run.keep_last=0"]
     want, got, straight, resumed = stop_and_resume(driver, schema, base, [], tmp_path, monkeypatch)
     assert comparable(got) == comparable(want)
     a, b = weights(straight["checkpoint"]), weights(resumed["checkpoint"])
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    if name.endswith("_lora"):  # the adapter itself, as PEFT saved it
+        a, b = (load_file(str(Path(r["checkpoint"]) / "adapter" / "adapter_model.safetensors")) for r in (straight, resumed))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # The resumed run continued from step 2's checkpoint, with its optimizer: step counts agree.
     state = torch.load(Path(resumed["checkpoint"]) / "trainer_state.pt", weights_only=True)
     assert state["step"] == 5

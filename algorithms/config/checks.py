@@ -173,9 +173,9 @@ def check_lora(cfg: Any, plan: Plan) -> None:
             "(tensor_model_parallel_size: 1), or trainer.lora.rank=0")
     unknown = unknown_targets(model_skeleton(cfg.model), lora)
     require(not unknown, "trainer.lora", f"target_modules={list(lora.target_modules)} modules_to_save="
-            f"{list(lora.modules_to_save)}", f"names modules {unknown} that {cfg.model.name} does not have",
-            f"use [{ALL_LINEAR}] or its module names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, "
-            "lm_head, embed_tokens)")
+            f"{list(lora.modules_to_save)}", f"names modules {unknown} that {cfg.model.name} does not have (target_modules: "
+            "as linear layers)", f"use target_modules [{ALL_LINEAR}] or its linear layers (q_proj, k_proj, v_proj, "
+            "o_proj, gate_proj, up_proj, down_proj); an embedding trains whole in modules_to_save")
     if sync == "adapter":
         sleep = plan["rollout"].sleep_level if "rollout" in plan.roles else 0
         require(sleep != 2, "weight_sync.lora", sync, "merges each adapter onto the rollout's base weights, which "

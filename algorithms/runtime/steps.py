@@ -41,10 +41,11 @@ class Steps:
     """`roles`: {"train": trainer, "rollout": rollout, ...} worker groups (or fakes); None
     entries are skipped. `run` is the run's LoopConfig (steps, eval and save cadence, resume).
     `rollout_behind`: the rollout starts without the trainer's weights (a separate evaluator).
-    `data`: the run's DataConfig (data.check judges eval/accuracy)."""
+    `data`: the run's DataConfig (data.check judges eval/accuracy); `adapter`: the trainer trains
+    a LoRA adapter (weight_sync.lora says what its syncs carry)."""
 
     def __init__(self, plan: Plan, roles: dict[str, Any], run: Any, weight_sync: WeightSyncConfig, log: RunLog,
-                 eval_set: list, rollout_behind: bool = False, data: Any = None):
+                 eval_set: list, rollout_behind: bool = False, data: Any = None, adapter: bool = False):
         self.run, self.log, self.eval_set, self.data = run, log, eval_set, data
         # Resume: the trainer continues from the checkpoint; the driver reads `resumed`.
         self.resumed_from = find_resume(log.dir, run.resume)
@@ -52,7 +53,7 @@ class Steps:
         self.first_step = self.resumed.get("step", -1) + 1
         present = {name: group for name, group in roles.items() if group is not None}
         self.weights = RolloutWeights(present["train"], present.get("rollout"), weight_sync, log, run,
-                                      version=max(self.first_step - 1, 0), behind=rollout_behind,
+                                      version=max(self.first_step - 1, 0), behind=rollout_behind, adapter=adapter,
                                       drops_weights="rollout" in plan.roles and plan["rollout"].sleep_level == 2)
         self.turns = Turns(plan, present, log, self.weights)
         self._mark = (time.perf_counter(), CALLS.remote, CALLS.role_s, CALLS.overhead_s)  # start of the step's accounting

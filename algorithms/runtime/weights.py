@@ -32,9 +32,10 @@ class RolloutWeights:
     rollout should hold at the start (a resumed run's checkpoint step)."""
 
     def __init__(self, trainer: Any, rollout: Any, settings: WeightSyncConfig, log: RunLog, run: Any,
-                 version: int, behind: bool, drops_weights: bool = False):
+                 version: int, behind: bool, adapter: bool = False, drops_weights: bool = False):
         self.trainer, self.rollout, self.settings, self.log, self.run = trainer, rollout, settings, log, run
-        self.drops_weights = drops_weights  # the rollout sleeps at level 2: every sync is whole
+        self.adapter = adapter  # the trainer trains a LoRA adapter (what a sync carries: weight_sync.lora)
+        self.drops_weights = drops_weights  # the rollout sleeps at level 2: every merged sync is whole
         self.behind = behind  # the rollout lacks the trainer's current weights
         self.version = version  # of the weights the rollout should hold
         self.trained = version  # the last training step the driver saw end
@@ -166,7 +167,7 @@ class RolloutWeights:
     def channel(self) -> WeightSync:
         """The run's weight-sync channel, made on first use."""
         if self._sync is None:
-            self._sync = WeightSync(self.trainer, self.settings, whole_each_time=self.drops_weights)
+            self._sync = WeightSync(self.trainer, self.settings, self.adapter, self.drops_weights)
         return self._sync
 
     def close(self, failed: bool) -> None:
