@@ -22,6 +22,9 @@ How the Trainer's step maps onto DeepSpeed:
   state gathered from the shards. They load into either engine at any world size.
 - With ZeRO-3 a weight sync asks rank 0 alone (execute='first') while gathering weights is a
   collective, so rank 0 keeps a host copy of the full weights, refreshed after each update.
+- Frozen parameters (a LoRA adapter's base) are partitioned like the rest under ZeRO-3 but
+  have no gradients, fp32 masters or AdamW state; the engine moves them itself on offload,
+  and an update refreshes only the trained ones' host copy.
 
 On CPU the process group is gloo (DeepSpeed wraps the one `init_data_parallel` made); on
 CUDA it is NCCL.
@@ -119,6 +122,9 @@ class DeepSpeedTrainEngine(DataParallelCollectives):
                 dist.broadcast(t.data, src=0)
         optimizer = adamw([p for p in model.parameters() if p.requires_grad], lr, betas, weight_decay, eps, optimizer)
         self.groups = [list(g["params"]) for g in optimizer.param_groups]
+        # Taken once: peft's adapter_off clears the adapter's requires_grad while it is off.
+        self._trained = {id(p) for g in self.groups for p in g}
+        self.frozen = [p for p in model.parameters() if id(p) not in self._trained]
         self.group_settings = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
         torch_linear = torch.nn.functional.linear
         self.ds, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self._config(dtype),
@@ -136,9 +142,11 @@ class DeepSpeedTrainEngine(DataParallelCollectives):
         self.step = 0
         self._offloaded: set[str] = set()
         self._host_optimizer: Optional[list] = None  # ZeRO-3's offloaded masters and moments
+        self._host_frozen: Optional[list] = None     # offloaded frozen parameters (ZeRO-3: their shards)
         self._moved = {"model_bytes": 0, "optimizer_bytes": 0}  # what onload brings back
         self._full: Optional[dict[int, torch.Tensor]] = None   # ZeRO-3: rank 0's host copy
-        self._masters: Optional[dict[int, torch.Tensor]] = None  # fp32 weights gathered by state_dict()
+        # fp32 weights of the trained parameters gathered by state_dict() (rank 0), until they change
+        self._masters: Optional[dict[int, torch.Tensor]] = None
         self._refresh_full()
 
     def _config(self, dtype: str) -> dict:
@@ -217,15 +225,17 @@ class DeepSpeedTrainEngine(DataParallelCollectives):
         if applied:
             self.scheduler.step()
             self.step += 1
-            self._refresh_full()
+            self._masters = None
+            self._refresh_full([p for g in self.groups for p in g])
         return norm, applied
 
     # ------------------------------------------------------------------ memory
     def offload(self, model: bool, optimizer: bool) -> dict:
         """Weights and/or optimizer partitions (fp32 masters, AdamW moments, gradient buffers)
         to host memory with DeepSpeed's offload_states. ZeRO-3's refuses optimizer state that
-        is not FusedAdam's, so there the masters and moments move like the torch engine's.
-        What ZeRO-Offload already keeps on the host stays there."""
+        is not FusedAdam's, so there the masters and moments move like the torch engine's, as
+        do frozen parameters, which offload_states does not know. What ZeRO-Offload already
+        keeps on the host stays there."""
         # deepspeed is optional (backend.train=deepspeed): imported on use
         from deepspeed.runtime.zero.offload_config import OffloadDeviceEnum, OffloadStateTypeEnum as S
 
@@ -235,6 +245,7 @@ class DeepSpeedTrainEngine(DataParallelCollectives):
             if not self.options.offload_param:
                 include.add(S.lp_params)
                 moved["model_bytes"] = self._model_bytes()
+                self._host_frozen = to_host([getattr(p, "ds_tensor", p) for p in self.frozen])
         if optimizer and "optimizer" not in self._offloaded:
             self._offloaded.add("optimizer")
             if not self.options.offload_optimizer:
@@ -245,8 +256,9 @@ class DeepSpeedTrainEngine(DataParallelCollectives):
                 else:
                     self._host_optimizer = to_host(self._optimizer_tensors())
         if include:
-            self.ds.offload_states(include=include, device=OffloadDeviceEnum.cpu,
-                                   pin_memory=self.device.type == "cuda")
+            with self._zero3_offload_order():
+                self.ds.offload_states(include=include, device=OffloadDeviceEnum.cpu,
+                                       pin_memory=self.device.type == "cuda")
         self._moved = {k: self._moved[k] + moved[k] for k in moved}
         return {**moved, "seconds": time.perf_counter() - start}
 
@@ -254,12 +266,28 @@ class DeepSpeedTrainEngine(DataParallelCollectives):
         start, moved = time.perf_counter(), self._moved
         if self.ds.optimizer.offloaded_states:
             self.ds.reload_states()
-        if self._host_optimizer is not None:
-            to_device(self._host_optimizer)
-            self._host_optimizer = None
+        for saved in (self._host_optimizer, self._host_frozen):
+            if saved is not None:
+                to_device(saved)
+        self._host_optimizer = self._host_frozen = None
         self._offloaded.clear()
         self._moved = {"model_bytes": 0, "optimizer_bytes": 0}
         return {**moved, "seconds": time.perf_counter() - start}
+
+    @contextlib.contextmanager
+    def _zero3_offload_order(self) -> Iterator[None]:
+        """ZeRO-3's offload_states (DeepSpeed 0.19) re-points the shard of every parameter of its
+        module, in module order, into the host copy of its flat buffer, which holds the trained
+        ones alone, in group order: frozen ones overran it. It is shown those it holds, in order."""
+        if self.stage != 3:
+            yield
+            return
+        module, held = self.zero.module, [p for group in self.zero.fp16_groups for p in group]
+        self.zero.module = torch.nn.ParameterList(held)
+        try:
+            yield
+        finally:
+            self.zero.module = module
 
     def _model_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (getattr(p, "ds_tensor", p) for p in self.model.parameters()))
@@ -283,23 +311,27 @@ class DeepSpeedTrainEngine(DataParallelCollectives):
             raise RuntimeError(f"trainer {part} is offloaded; call onload() before {what}()")
 
     # ------------------------------------------------------------------ weights
-    def _refresh_full(self) -> None:
-        """ZeRO-3: gather the full parameters (collective) and keep a host copy on rank 0."""
+    def _refresh_full(self, params: Optional[list[torch.nn.Parameter]] = None) -> None:
+        """ZeRO-3: gather the full parameters (`params`, else all; collective) and keep host
+        copies on rank 0."""
         if self.stage != 3:
             return
         # deepspeed is optional (backend.train=deepspeed): imported on use
         from deepspeed.runtime.zero import GatheredParameters
 
         full = {}
-        for bucket in size_buckets(self.model.parameters(), GATHER_BUCKET_BYTES,
+        for bucket in size_buckets(self.model.parameters() if params is None else params, GATHER_BUCKET_BYTES,
                                    lambda p: p.ds_numel * p.element_size()):
             with GatheredParameters(bucket, modifier_rank=None):
                 if self.rank == 0:
                     full.update({id(q): q.data.detach().to("cpu", copy=True) for q in bucket})
-        self._full = full if self.rank == 0 else None
+        if self.rank == 0:
+            self._full = {**(self._full or {}), **full}
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """HF-named full weights in state_dict order, each tensor once (tied copies skipped).
+        """Full weights under the model's state_dict names and order, each tensor once (tied
+        copies skipped); a trained one as its fp32 master while the last `state_dict()` call's
+        copy is current (a checkpoint then holds the masters, as a LoRA adapter resumes from).
         With ZeRO-3 only rank 0 holds them (a weight sync asks rank 0: execute='first')."""
         if self.stage == 3 and self._full is None:
             raise RuntimeError(f"rank {self.rank}: with deepspeed.zero_stage=3 full weights live on rank 0 only; "
@@ -309,17 +341,18 @@ class DeepSpeedTrainEngine(DataParallelCollectives):
             if id(t) in seen:
                 continue
             seen.add(id(t))
-            yield name, (self._full or {}).get(id(t), t.detach())
+            master = (self._masters or {}).get(id(t))
+            yield name, master if master is not None else (self._full or {}).get(id(t), t.detach())
 
     def hf_model(self) -> torch.nn.Module:
-        """The current weights as an HF model on the host (what Trainer.save writes): the fp32
-        masters gathered by the last `state_dict()` call, else `named_weights`."""
+        """The current weights as an HF model on the host (what Trainer.save writes without
+        LoRA): `named_weights`, the fp32 masters the last `state_dict()` call gathered
+        (released here) for the trained ones."""
         from transformers import AutoModelForCausalLM
 
         with torch.random.fork_rng(devices=[]):
             hf = AutoModelForCausalLM.from_config(self.model.config)
-        masters = {name: (self._masters or {}).get(id(t)) for name, t in self.model.state_dict(keep_vars=True).items()}
-        state = {name: t.float() if masters[name] is None else masters[name] for name, t in self.named_weights()}
+        state = {name: t.float() for name, t in self.named_weights()}
         if self.model.config.tie_word_embeddings:
             state["lm_head.weight"] = state["model.embed_tokens.weight"]
         hf.load_state_dict(state)
@@ -332,13 +365,32 @@ class DeepSpeedTrainEngine(DataParallelCollectives):
         names = {id(t): n for n, t in reversed(list(self.model.state_dict(keep_vars=True).items()))}
         with torch.no_grad():
             for p in list(self.model.parameters()):
-                value = state[names[id(p)]].to(self.device, torch.float32)
-                self._set_full(p, value, None)
-                if self.stage == 3:
-                    _copy_shard(p.ds_tensor, value, self.rank)
-                else:
-                    p.data.copy_(value)
+                self._write(p, state[names[id(p)]])
+        self._masters = None
         self._refresh_full()
+
+    def load_params(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Set the parameters of those names (a LoRA adapter's, on resume) from full tensors;
+        every rank passes the same ones and keeps its shard."""
+        params = dict(self.model.named_parameters())
+        unknown = sorted(set(state) - set(params))
+        if unknown:
+            raise ValueError(f"load_params: the model has no parameters {unknown[:5]}")
+        with torch.no_grad():
+            for name, t in state.items():
+                self._write(params[name], t)
+        self._masters = None
+        self._refresh_full([p for name, p in params.items() if name in state])  # the same order on every rank
+
+    def _write(self, p: torch.nn.Parameter, value: torch.Tensor) -> None:
+        """Set `p` to the full `value`: this rank's shard (ZeRO-3) or copy, and its fp32 master if trained."""
+        value = value.to(self.device, torch.float32)
+        if id(p) in self._trained:
+            self._set_full(p, value, None)
+        if self.stage == 3:
+            _copy_shard(p.ds_tensor, value, self.rank)
+        else:
+            p.data.copy_(value)
 
     # ------------------------------------------------------------------ optimizer state
     def _get_full(self, p: torch.nn.Parameter, key: Optional[str]) -> torch.Tensor:
