@@ -189,6 +189,11 @@ BAD_FILES = [
     ({"dataset": "./data/missing.jsonl"}, "data.paths"),
     ({"dataset": "AI-ModelScope/alpaca-gpt4-data-en#2000"}, "(a hub dataset id? datasets are never downloaded here)"),
     ({"rollout": {"gpus": 1, "vllm_gpu_memory_utilisation": 0.4}}, "rollout.vllm_gpu_memory_utilisation: unknown"),
+    # ms-swift's LoRA GKD examples say tensor_model_parallel_size: 2, which picks Megatron here.
+    ({"train": {"gpus": 2, "tuner_type": "lora", "tensor_model_parallel_size": 2}, "rollout": {"gpus": 2}},
+     "needs backend.train=torch or deepspeed: the megatron engine trains full parameters only"),
+    ({"train": {"gpus": 1, "tuner_type": "lora", "target_modules": ["c_attn"]}}, "names modules ['c_attn']"),
+    ({"vllm_enable_lora": True, "train": {"gpus": 1, "tuner_type": "full"}}, "config key 'weight_sync.lora'"),
 ]
 
 
