@@ -222,3 +222,16 @@ def test_unknown_target_module_is_named():
 def test_megatron_lora_is_refused_naming_the_engines_that_serve():
     with pytest.raises(ValueError, match="backend.train=torch or deepspeed"):
         Trainer(MODEL, {"device": "cpu", "lora": LORA}, engine="megatron")
+
+
+def test_the_frozen_base_is_kept_in_the_compute_dtype():
+    """Under bf16 autocast the base never updates, so it is held in bf16 (half the memory and the
+    offload bytes); the adapter keeps fp32 master weights and its optimizer state."""
+    trainer = Trainer(MODEL, {"lr": 1e-2, "device": "cpu", "dtype": "bfloat16", "lora": LORA})
+    assert {p.dtype for p in trainer.model.parameters() if not p.requires_grad} == {torch.bfloat16}
+    assert {p.dtype for p in trainer.engine.params} == {torch.float32}
+    before = trainer.train_step(_batch(0))["loss"]
+    moved = trainer.offload()
+    trainer.onload()
+    assert moved["model_bytes"] < sum(p.numel() * 4 for p in trainer.model.parameters()) * 0.6
+    assert trainer.train_step(_batch(0))["loss"] < before

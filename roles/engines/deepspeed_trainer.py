@@ -46,7 +46,7 @@ import torch.distributed as dist
 from roles.engines.collectives import DIST_TIMEOUT, DataParallelCollectives, init_data_parallel, size_buckets
 from roles.engines.host_copies import to_device, to_host
 from roles.engines.options import DeepSpeedOptions
-from roles.engines.torch_trainer import adamw, lr_schedule
+from roles.engines.torch_trainer import adamw, lr_schedule, named_params
 
 # Parameters are gathered (ZeRO-3) in groups of about this size.
 GATHER_BUCKET_BYTES = 64 * 2**20
@@ -372,10 +372,7 @@ class DeepSpeedTrainEngine(DataParallelCollectives):
     def load_params(self, state: Mapping[str, torch.Tensor]) -> None:
         """Set the parameters of those names (a LoRA adapter's, on resume) from full tensors;
         every rank passes the same ones and keeps its shard."""
-        params = dict(self.model.named_parameters())
-        unknown = sorted(set(state) - set(params))
-        if unknown:
-            raise ValueError(f"load_params: the model has no parameters {unknown[:5]}")
+        params = named_params(self.model, state)
         with torch.no_grad():
             for name, t in state.items():
                 self._write(params[name], t)

@@ -79,6 +79,15 @@ def lr_schedule(optimizer: torch.optim.Optimizer, warmup_steps: int, total_steps
         optimizer, lambda s: lr_multiplier(s, warmup_steps, total_steps, schedule, floor))
 
 
+def named_params(model: torch.nn.Module, names) -> dict[str, torch.nn.Parameter]:
+    """The model's parameters by name; ValueError naming any of `names` it does not have."""
+    params = dict(model.named_parameters())
+    unknown = sorted(set(names) - set(params))
+    if unknown:
+        raise ValueError(f"load_params: the model has no parameters {unknown[:5]}")
+    return params
+
+
 def rng_state() -> dict:
     state = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
@@ -100,9 +109,14 @@ class TorchTrainEngine(DataParallelCollectives):
         self.rank, self.world_size = init_data_parallel(device)
         self.device = device
         torch.manual_seed(seed + self.rank)
-        # Master weights stay fp32; a lower `dtype` is the autocast compute precision.
+        # Master weights stay fp32; a lower `dtype` is the autocast compute precision. Frozen
+        # weights (a LoRA adapter's base) never update: they are kept in that precision.
         self.model = model.to(device=device, dtype=torch.float32)
         self.autocast_dtype = AUTOCAST_DTYPES[dtype]
+        if self.autocast_dtype is not None:
+            for p in self.model.parameters():
+                if not p.requires_grad:
+                    p.data = p.data.to(self.autocast_dtype)
         if self.world_size > 1:
             for t in module_tensors(self.model):
                 dist.broadcast(t.data, src=0)
@@ -296,10 +310,7 @@ class TorchTrainEngine(DataParallelCollectives):
 
     def load_params(self, state: dict) -> None:
         """Copy tensors into the parameters of those names (a LoRA adapter's, on resume)."""
-        params = dict(self.model.named_parameters())
-        unknown = sorted(set(state) - set(params))
-        if unknown:
-            raise ValueError(f"load_params: the model has no parameters {unknown[:5]}")
+        params = named_params(self.model, state)
         with torch.no_grad():
             for name, t in state.items():
                 params[name].copy_(t)
