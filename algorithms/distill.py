@@ -51,6 +51,7 @@ from roles.models import resolve_config
 from roles.orm import KINDS as ORM_KINDS, ORM, ORMConfig
 from roles.prm import AGGREGATES, KINDS as PRM_KINDS, PRM, PRMConfig
 from roles.sampler import Sampler
+from roles.trainer_config import every_weight
 
 logger = logging.getLogger("algorithms.distill")  # not __name__: python -m runs this module as __main__
 
@@ -236,17 +237,16 @@ def greedy_accuracy(sampler: Any, examples: list[Example], max_new_tokens: int, 
 
 
 def run_sft(cfg: DistillConfig, plan: Plan, model: Any, data: DataConfig, steps: int, lr: float,
-            out_dir: Path, every_weight: bool = False) -> dict:
-    """algorithms.sft on the sampler's device kind (as many ranks on Ray, one locally);
-    `every_weight`: full-parameter training whatever trainer.lora says (the warm-up, which stands
-    for the pretrained model a LoRA run adapts)."""
+            out_dir: Path, full: bool = False) -> dict:
+    """algorithms.sft on the sampler's device kind (as many ranks on Ray, one locally); `full`:
+    every weight trains whatever trainer.lora says (the warm-up: `every_weight`)."""
     s = plan["sampler"]
     ranks = s.world_size if cfg.backend.workers == "ray" else 1
     sft_plan = make_plan({"train": {"gpus": ranks}} if s.device == "GPU" else
                          {"device_groups": {"nproc_per_node": 1, "sft": {"device": "CPU", "ranks": ranks,
                                                                           "workers": ["train"]}}})
-    trainer = replace(cfg.trainer, lr=lr, total_steps=steps, warmup_steps=warmup_steps(steps),
-                      lora=replace(cfg.trainer.lora, rank=0) if every_weight else cfg.trainer.lora)
+    trainer = replace(every_weight(cfg.trainer) if full else cfg.trainer, lr=lr, total_steps=steps,
+                      warmup_steps=warmup_steps(steps))
     run = phase_run(cfg.run, Path(out_dir).parent, Path(out_dir).name, steps=steps,
                     prompts_per_step=cfg.algorithm.sft_batch, seed=cfg.run.seed,
                     eval_max_new_tokens=cfg.run.eval_max_new_tokens, resume="auto" if cfg.run.resume else None)
@@ -274,7 +274,7 @@ def run(cfg: DistillConfig, plan: Plan, out_dir: Path) -> dict:
     if algo.warmup_sft_steps:
         logger.info(f"distill: warm-up SFT of the policy for {algo.warmup_sft_steps} steps")
         policy = run_sft(cfg, plan, policy, cfg.data, algo.warmup_sft_steps, algo.warmup_lr,
-                         out_dir / "warmup_sft", every_weight=True)["checkpoint"]
+                         out_dir / "warmup_sft", full=True)["checkpoint"]
     path, state = Path(out_dir) / algo.output_file, Path(out_dir) / SAMPLING_STATE
     resumed = json.loads(state.read_text()) if cfg.run.resume and state.is_file() else None
     if resumed and resumed["step"] == cfg.run.steps:  # sampling had finished: on to the SFT phase

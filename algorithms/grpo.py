@@ -62,6 +62,7 @@ from roles.orm import ANSWER_KINDS, ORM
 from roles.prm import AGGREGATES, PRM
 from roles.rollout import Rollout
 from roles.trainer import Trainer
+from roles.trainer_config import every_weight
 
 logger = logging.getLogger("algorithms.grpo")  # not __name__: python -m runs this module as __main__
 
@@ -274,9 +275,9 @@ def warm_start_trainer(cfg: GRPOConfig) -> Any:
     rate, schedule and batch, training every weight (with trainer.lora, GRPO's adapter then goes
     onto the warm-started model)."""
     a = cfg.algorithm
-    return replace(cfg.trainer, lr=a.warmup_sft_lr, warmup_steps=warmup_steps(a.warmup_sft_steps),
+    return replace(every_weight(cfg.trainer), lr=a.warmup_sft_lr, warmup_steps=warmup_steps(a.warmup_sft_steps),
                    total_steps=a.warmup_sft_steps, schedule=a.warmup_sft_schedule,
-                   micro_batch_per_device=a.warmup_sft_batch, lora=replace(cfg.trainer.lora, rank=0))
+                   micro_batch_per_device=a.warmup_sft_batch)
 
 
 def warm_start(cfg: GRPOConfig, train_ranks: int, out_dir: Path) -> str:

@@ -1,7 +1,7 @@
 """The Trainer's settings (the `trainer:` section of a run) and their checks."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Optional, Tuple, Union
 
 from omegaconf import OmegaConf
@@ -78,6 +78,12 @@ class TrainerConfig:
     # LoRA: a low-rank adapter trained on the frozen base (peft; rank 0: full-parameter training).
     # The optimizer, gradients and clipping cover the adapter (and modules_to_save) only.
     lora: LoraConfig = field(default_factory=LoraConfig)
+
+
+def every_weight(config: TrainerConfig) -> TrainerConfig:
+    """`config` training every parameter (no LoRA adapter): a warm start that stands for the
+    pretrained model a LoRA run adapts."""
+    return replace(config, lora=replace(config.lora, rank=0))
 
 
 def resolve_trainer_config(config: Union[TrainerConfig, Mapping[str, Any], None]) -> TrainerConfig:

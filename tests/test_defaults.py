@@ -44,6 +44,8 @@ EXCEPTIONS = {
     # A vLLM engine serves no LoRA adapter unless a rollout asks (a teacher never does).
     ("roles/engines/vllm_build.py", "engine_kwargs", "lora_rank"): "no adapter served",
     ("roles/engines/vllm_engine.py", "VLLMEngine.__init__", "lora_rank"): "no adapter served",
+    # No adapter: what "every weight trains" means, not a default of trainer.lora.rank.
+    ("roles/trainer_config.py", "every_weight", "rank"): "no adapter",
     # The rank of a process in its tensor-parallel engine, not a LoRA rank.
     ("roles/engines/vllm_build.py", "EngineGroup", "rank"): "a process rank",
     # The scale of the logits the trainer handed over (extras['temperature']), 1 when absent;
