@@ -44,7 +44,8 @@ from roles.engines.train_kernels import TrainKernelOptions, topk_logprobs, vocab
 from roles.lora import (PARTS, adapter_config, adapter_off, adapter_state, adapter_weights, add_adapter, base_name,
                         merged_weights, scalings, tied_aliases, write_adapter)
 from roles.trainer_config import KERNEL_OPTIONS, TrainerConfig, resolve_trainer_config
-from roles.models import ModelConfig, ModelSpec, build_model, load_tokenizer, resolve_config, save_checkpoint
+from roles.models import (ModelConfig, ModelSpec, build_model, load_tokenizer, model_skeleton, resolve_config,
+                          save_checkpoint)
 from roles.weight_transfer import WeightSender
 
 LossFn = Callable[[torch.Tensor, Batch, dict], Tuple[torch.Tensor, dict]]
@@ -422,10 +423,15 @@ class Trainer(WeightSender):
         self.engine.load_moments(saved["optimizer"])
 
     def _merged_model(self) -> torch.nn.Module:
-        """A plain HF model (CPU, the base's class) holding the merged weights: the export."""
-        model = build_model(self.model_config)
-        got = model.load_state_dict(dict(merged_weights(self.engine.named_weights(), self._lora_scale)), strict=False)
-        assert not got.unexpected_keys, got.unexpected_keys
+        """A plain HF model of the base's class holding the merged weights (the export): its
+        modules built without weights, then given the merged tensors (no second model's memory
+        or initialisation; a tied head takes the embedding's)."""
+        model = model_skeleton(self.model_config)
+        got = model.load_state_dict(dict(merged_weights(self.engine.named_weights(), self._lora_scale)), strict=False,
+                                    assign=True)
+        model.tie_weights()
+        unset = [n for n, p in model.named_parameters() if p.is_meta]
+        assert not got.unexpected_keys and not unset, (got.unexpected_keys, unset)
         return model
 
     def _load_rng(self, src: Path) -> None:
