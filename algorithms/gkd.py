@@ -10,7 +10,9 @@ sampled completions, written by a teacher-weight rollout in the driver process).
 (top-k logprobs when `algorithm.logits_topk` is set, else the full vocabulary), the
 trainer minimises the generalized JSD (`beta`, `temperature`, `sft_alpha`), and the new
 weights go to the rollout. The teacher is colocated with the trainer (placement
-`teacher_model`) or in its own group (`placement.teacher`). With separate placement and
+`teacher_model`) or in its own group (`placement.teacher`); with `trainer.lora` and the
+student's own model as the teacher, it is the trainer's base with the adapter off, scored
+inside the train call (no teacher role). With separate placement and
 `max_staleness` N > 0, the student's generations for the next N steps run while the teacher
 and trainer work (samples at most N weight versions old). On Ray, a teacher group of its own
 scores an off-policy step's dataset responses during the previous step's train call

@@ -12,7 +12,8 @@ with `dynamic_sample`, groups whose rewards are all equal are dropped and fresh 
 generated. The trainer takes `steps_per_generation` clipped-ratio updates on the batch
 (ratios against the rollout's own sampling logprobs, so stale weights stay correct), with
 a k3 KL penalty to the initial weights when `beta` > 0 (the reference policy: a role on
-the trainer's devices and engine, offloaded between uses when the trainer offloads), and
+the trainer's devices and engine, offloaded between uses when the trainer offloads; with
+`trainer.lora`, the trainer's own base with the adapter off, inside its train call), and
 the new weights go to the rollout. With separate placement and `max_staleness` N > 0, the
 rollout generates the batches of the next N steps while the trainer trains (samples at
 most N weight versions old; staleness/max and staleness/mean are logged). With
