@@ -235,3 +235,15 @@ def test_the_frozen_base_is_kept_in_the_compute_dtype():
     trainer.onload()
     assert moved["model_bytes"] < sum(p.numel() * 4 for p in trainer.model.parameters()) * 0.6
     assert trainer.train_step(_batch(0))["loss"] < before
+
+
+def test_forward_options_give_the_same_lora_steps():
+    """The torch engine's forward options (chunked logprobs, packing, activation checkpointing)
+    run through the adapted model and give the plain forward's LoRA updates."""
+    def losses(**options):
+        trainer = Trainer(MODEL, {"lr": 5e-2, "device": "cpu", "lora": LORA, **options})
+        return [trainer.train_step(_batch(step))["loss"] for step in range(3)]
+
+    plain = losses()
+    for options in ({"chunked_logprobs": True}, {"packing": True}, {"activation_checkpointing": True}):
+        assert losses(**options) == pytest.approx(plain, rel=1e-5), options
