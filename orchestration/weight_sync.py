@@ -70,6 +70,8 @@ class SyncRecord:
     version: int
     bytes: int
     seconds: float
+    # What it carried (roles.lora.PARTS): every weight, or a LoRA trainer's adapted tensors or adapter.
+    part: str = "full"
 
     @property
     def mb_per_s(self) -> float:
@@ -88,6 +90,8 @@ def sync_metrics(records: list[SyncRecord], before: Optional[Mapping[str, Any]] 
         seconds = r.seconds + so_far.get(key + "seconds", 0.0)
         out.update({key + "path": r.path, key + "mb": mb, key + "seconds": seconds,
                     key + "mb_per_s": mb / max(seconds, 1e-9)})
+        if r.part != "full":  # (a LoRA trainer's: what this sync's bytes are)
+            out[key + "part"] = r.part
     return out
 
 
@@ -221,7 +225,8 @@ class WeightSync:
         results): seconds are the send's plus the slowest rank's receive, as the ranks timed them."""
         answers = [a for a in answers if a]
         seconds = answers[0]["send_seconds"] + max(a["seconds"] for a in answers)
-        record = SyncRecord(_role(group), self.path_for(group), version, answers[0]["bytes"], seconds)
+        record = SyncRecord(_role(group), self.path_for(group), version, answers[0]["bytes"], seconds,
+                            answers[0].get("part", "full"))
         self.records.append(record)
         return record
 
@@ -253,7 +258,7 @@ class WeightSync:
         records = []
         for g in groups:
             g.call("update_weights", buckets, version, **lora)
-            records.append(SyncRecord(_role(g), "direct", version, nbytes, time.perf_counter() - t0))
+            records.append(SyncRecord(_role(g), "direct", version, nbytes, time.perf_counter() - t0, part))
         return records
 
     def _send_then_receive(self, path: str, groups: list, version: int, part: str) -> list[SyncRecord]:
@@ -270,7 +275,7 @@ class WeightSync:
         for g, future in zip(groups, futures):
             self._remember(g)
             future.get()
-            records.append(SyncRecord(_role(g), path, version, sent["bytes"], time.perf_counter() - t0))
+            records.append(SyncRecord(_role(g), path, version, sent["bytes"], time.perf_counter() - t0, part))
         return records
 
     def _collective(self, group: Any, version: int, part: str) -> SyncRecord:
@@ -286,7 +291,7 @@ class WeightSync:
         sent = self.trainer.async_call("send_weights", channel, seq, version, self.settings.bucket_mb,
                                        self._checksum, None, part, execute="first").get()
         receiving.get()
-        return SyncRecord(_role(group), "collective", version, sent["bytes"], time.perf_counter() - t0)
+        return SyncRecord(_role(group), "collective", version, sent["bytes"], time.perf_counter() - t0, part)
 
     def _channel(self, path: str, group: Any) -> dict:
         key = (path, id(group))

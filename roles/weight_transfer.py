@@ -317,7 +317,8 @@ class WeightReceiver:
             self.update_weights([p for pairs in buckets for p in pairs], manifest.version, **part)
         if path == "cuda_ipc":  # copies done before the mapping goes: the sender may free or offload it
             torch.cuda.synchronize()
-        return {"bytes": manifest.total_bytes, "seconds": time.perf_counter() - t0, "version": manifest.version}
+        return {"bytes": manifest.total_bytes, "seconds": time.perf_counter() - t0, "version": manifest.version,
+                "part": manifest.part}
 
     def receive_sent(self, channel: dict, sent: dict) -> dict:
         """`receive_weights` of the sync `sent` (trainer rank 0's send_weights answer, passed rank
