@@ -326,3 +326,72 @@ def test_colocated_on_one_gpu_syncs_by_cuda_ipc():
                 g.shutdown()
         placement.remove()
         ray.shutdown()
+
+
+class LoraTrainer(Trainer):
+    def learn(self, seed: int) -> None:
+        """One update on random rows: the adapter moves (its B starts at zero)."""
+        from roles.batch import Batch
+
+        ids = torch.randint(3, 40, (4, 10), generator=torch.Generator().manual_seed(seed))
+        mask = torch.ones_like(ids)
+        self.train_step(Batch(input_ids=ids, attention_mask=mask, loss_mask=mask))
+
+    def merged(self) -> dict[str, torch.Tensor]:
+        return {n: t for b in self.state_dict_buckets(64) for n, t in b}
+
+
+LORA = {"rank": 4, "alpha": 8.0, "dropout": 0.0}
+
+
+@pytest.fixture(scope="module")
+def lora_groups(ray_cluster):
+    """A LoRA trainer, a rollout that takes merged syncs and one that takes the adapter alone."""
+    from orchestration.placement import create_placement
+    from orchestration.worker_group import WorkerGroup
+
+    # (Two rollouts: the second on the bundles planned for a sampler.)
+    plan = make_plan({"device_groups": {"nproc_per_node": 1, **cpu_group("t", 1, "train"),
+                                        **cpu_group("m", 1, "rollout"), **cpu_group("a", 1, "sampler")}})
+    placement = create_placement(plan, timeout_s=60)
+    made = {}
+    try:
+        made["train"] = WorkerGroup(LoraTrainer, plan["train"], {"model": MODEL, "config": {**CPU, "lr": 5e-2,
+                                                                                           "lora": LORA}},
+                                    placement=placement, timeout_s=300)
+        made["merged"] = WorkerGroup(ProbedRollout, plan["rollout"], {"model": MODEL, "config": CPU},
+                                     placement=placement, timeout_s=300)
+        made["adapter"] = WorkerGroup(ProbedRollout, plan["sampler"], {"model": MODEL, "config": {
+            **CPU, "lora_rank": LORA["rank"], "lora_alpha": LORA["alpha"]}}, placement=placement, timeout_s=300)
+        yield made
+    finally:
+        for g in made.values():
+            g.shutdown()
+        placement.remove()
+
+
+@pytest.mark.parametrize("path", ["shm", "collective", "object_store", "file"])
+def test_each_path_carries_a_lora_trainers_merged_and_adapter_syncs(lora_groups, path):
+    """Merged: every weight the first time, then only the adapted tensors; adapter-only: the
+    adapter's tensors each time, merged by the rollout onto its base. Both rollouts then hold
+    the trainer's merged weights, on every path."""
+    trainer = lora_groups["train"]
+    syncs = {kind: WeightSync(trainer, WeightSyncConfig(path=path, bucket_mb=0.5, lora=kind), adapter=True)
+             for kind in ("merged", "adapter")}
+    try:
+        parts = {"merged": [], "adapter": []}
+        for version in (1, 2):
+            trainer.call("learn", version + 10 * len(path), execute="first")
+            want = trainer.call("merged", execute="first")
+            for kind, sync in syncs.items():
+                [record] = sync.sync([lora_groups[kind]], version=version)
+                parts[kind].append((record.part, record.bytes))
+                got = lora_groups[kind].call("weights", execute="first")
+                for name, t in want.items():
+                    assert torch.allclose(got[name], t, atol=1e-6), (kind, name)
+        assert [p for p, _ in parts["merged"]] == ["full", "adapted"]
+        assert [p for p, _ in parts["adapter"]] == ["adapter", "adapter"]
+        assert parts["adapter"][0][1] < parts["merged"][1][1] < parts["merged"][0][1]
+    finally:
+        for sync in syncs.values():
+            sync.close()
