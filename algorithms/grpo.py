@@ -100,6 +100,9 @@ class GRPOAlgorithm:
     temperature: float = 1.0
     # Longest completion in tokens.
     max_new_tokens: int = 48
+    # Completions cut at max_new_tokens (finish_reason "length") take no part in the loss
+    # (ms-swift's overlong_filter); they still count in their group's advantages.
+    overlong_filter: bool = False
     # Reward functions: accuracy (data.check against the reference), an answer check named by
     # its kind (numeric, exact, last_number, regex with data.check_pattern, boxed: see
     # data.check), format (regex format_pattern), prm (rule-based arithmetic step verifier, the
@@ -180,6 +183,8 @@ def train(cfg: GRPOConfig, plan: Plan, trainer: Any, rollout: Any, reference: An
                 batch = batch_of(tokenizer, comps)
                 batch.rewards = scores
                 batch.advantages = group_advantages(scores, G, algo.scale_rewards, algo.leave_one_out)
+                if algo.overlong_filter:
+                    metrics["grpo/overlong_filtered"] = filter_overlong(batch, comps.finish_reasons)
                 metrics.update({f"advantages/{k}": float(getattr(batch.advantages, k)())
                                 for k in ("mean", "std", "min", "max")})
                 # Reference logprobs: the initial policy's, for the KL penalty (with LoRA, the
@@ -235,6 +240,14 @@ def _sample_metrics(comps: Completions, scores: torch.Tensor, means: dict, zero:
             "rollout/completion_length": sum(lengths) / len(lengths),
             "rollout/truncated": sum(r == "length" for r in comps.finish_reasons) / len(lengths),
             "grpo/zero_std_groups": float(zero.float().mean())}
+
+
+def filter_overlong(batch: Any, finish_reasons: list) -> float:
+    """Rows whose completion was cut at the length limit leave the loss (their loss mask is
+    cleared); returns their fraction."""
+    cut = torch.tensor([reason == "length" for reason in finish_reasons], dtype=torch.bool)
+    batch.loss_mask[cut] = 0
+    return float(cut.float().mean()) if len(cut) else 0.0
 
 
 def _group(comps: Completions, g: int, G: int) -> Completions:

@@ -245,3 +245,17 @@ def test_planned_orm_and_prm_roles_score_the_rewards():
     total, means = grpo.Rewards(specs, groups).score(["(1+2)+3"] * 2, ["1+2=3\n3+3=6\n#### 6", "1+2=4\n#### 6"],
                                                      ["6"] * 2)
     assert total.tolist() == pytest.approx([1.6, 1.1]) and means == pytest.approx({"orm": 1.1 + 0.0, "prm": 0.5})
+
+
+def test_overlong_filter_takes_cut_completions_out_of_the_loss():
+    """ms-swift's overlong_filter: a completion that hit max_new_tokens keeps its place in the
+    group's advantages but contributes no loss token."""
+    from algorithms.data.prompts import batch_of
+    from roles.models import load_tokenizer
+
+    comps = Completions([0, 0, 1], [[5, 6]] * 3, [[7, 8, 9], [7, 2], [9, 9, 9]], ["a", "b", "c"],
+                        [[-0.5] * 3, [-0.5] * 2, [-0.5] * 3], ["length", "stop", "length"])
+    batch = batch_of(load_tokenizer("tiny_qwen2"), comps)
+    kept = batch.loss_mask.sum(1).clone()
+    assert grpo.filter_overlong(batch, comps.finish_reasons) == pytest.approx(2 / 3)
+    assert batch.loss_mask.sum(1).tolist() == [0.0, kept[1].item(), 0.0] and kept[1] > 0

@@ -122,7 +122,7 @@ DRIVER_KEYS: dict[str, dict[str, conv.Mapper]] = {
         "epsilon_high": conv.to("algorithm.epsilon_high", convert=conv.number),
         "loss_type": conv.to("algorithm.loss_type", convert=conv.text),
         "importance_sampling_level": conv.neutral(("token",), "sequence-level ratios (GSPO) are not implemented"),
-        "overlong_filter": conv.neutral((False,), "truncated completions are not filtered from the loss here"),
+        "overlong_filter": conv.to("algorithm.overlong_filter", convert=conv.flag),
         # Advantages and sampling rounds.
         "scale_rewards": conv.to("algorithm.scale_rewards", convert=conv.scale),
         "advantage_estimator": conv.advantage,
