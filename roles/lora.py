@@ -131,6 +131,11 @@ def base_name(name: str) -> Optional[str]:
     return name.replace(".base_layer.", ".").replace(".original_module.", ".")
 
 
+def merged(w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float) -> torch.Tensor:
+    """w + scale * B @ A, computed in float32, in w's dtype and on its device."""
+    return (w.float() + (b.float() @ a.float()).to(w.device) * scale).to(w.dtype)
+
+
 def merged_weights(named: Iterable[Tuple[str, torch.Tensor]], scale: Mapping[str, float],
                    only_adapted: bool = False) -> Iterator[Tuple[str, torch.Tensor]]:
     """(HF name, tensor) of the adapted model's weights with each adapter merged in (base + scale *
@@ -146,8 +151,7 @@ def merged_weights(named: Iterable[Tuple[str, torch.Tensor]], scale: Mapping[str
         if prefix is not None and prefix in scale:
             a = tensors[f"{prefix}.lora_A.{ADAPTER}.weight"]
             b = tensors[f"{prefix}.lora_B.{ADAPTER}.weight"]
-            delta = (b.float() @ a.float()).to(t.device) * scale[prefix]
-            yield target, (t.float() + delta).to(t.dtype)
+            yield target, merged(t, a, b, scale[prefix])
         elif not only_adapted or f".modules_to_save.{ADAPTER}." in name:
             yield target, t
 
@@ -237,7 +241,7 @@ def merge_into(base: Callable[[str], torch.Tensor], adapter: Iterable[Tuple[str,
             prefix = hf[:hf.index(".lora_A.")]
             b = pairs[name.replace(".lora_A.", ".lora_B.")]
             w = base(f"{prefix}.weight")
-            yield f"{prefix}.weight", (w.float() + (b.float() @ t.float()).to(w.device) * scale).to(w.dtype)
+            yield f"{prefix}.weight", merged(w, t, b, scale)
         elif ".lora_B." not in hf:
             yield hf, t
 

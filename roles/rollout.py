@@ -300,13 +300,13 @@ class Rollout(WeightReceiver):
                                "send every weight (part='full') first")
         if self._vllm:
             if part == "adapter":
-                self._vllm.load_adapter(pairs, self.config.lora_alpha / self.config.lora_rank, self.config.lora_rank)
+                self._vllm.load_adapter(pairs, self._lora_scale, self.config.lora_rank)
             else:
                 self._vllm.load_weights(pairs, version, complete=part == "full")
             self.weight_version = int(version)
             return
         if part == "adapter":
-            pairs = list(merge_into(self._base_of, pairs, self.config.lora_alpha / self.config.lora_rank))
+            pairs = list(merge_into(self._base_of, pairs, self._lora_scale))
         unknown = [n for n, _ in pairs if n not in self._alias]
         wrong = [f"{n}: got {tuple(t.shape)}, model has {self._meta[self._alias[n]][0]}"
                  for n, t in pairs if n in self._alias and tuple(t.shape) != self._meta[self._alias[n]][0]]
@@ -326,6 +326,11 @@ class Rollout(WeightReceiver):
                 self._destination(self._alias[name]).copy_(tensor)
         self._weights_valid = True
         self.weight_version = int(version)
+
+    @property
+    def _lora_scale(self) -> float:
+        """alpha / rank of the adapter an adapter-only sync carries."""
+        return self.config.lora_alpha / self.config.lora_rank
 
     def _base_of(self, name: str) -> torch.Tensor:
         """The base tensor an adapter is merged onto: what the weight held before the first adapter."""
