@@ -18,7 +18,8 @@ setup(
                 "GRPO, GKD, distill/sampling and SFT drivers, colocated or separate placement.",
     python_requires=">=3.10",
     packages=find_packages(include=["roles*", "orchestration*", "algorithms*", "conf*"]),
-    package_data={"conf": ["*.yaml", "*/*.yaml"], "algorithms.config": ["ms_swift_examples/*.yaml"]},
+    package_data={"conf": ["*.yaml", "*/*.yaml"], "algorithms.config": ["ms_swift_examples/*.yaml", "ms_swift_examples/examples/*/*/*.yaml",
+                                                                         "ms_swift_examples/examples/*/*/*/*.yaml"]},
     # `rayroles grpo|gkd|sft|distill|plan ...`, `rayroles run --config X.yaml`, `rayroles example DIR`.
     entry_points={"console_scripts": ["rayroles=algorithms.cli:main"]},
     install_requires=[

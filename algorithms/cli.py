@@ -4,8 +4,9 @@
     rayroles run --config X.yaml [overrides]       the driver an ms-swift file is written for
     python -m algorithms.cli config_file=X.yaml    the same
     rayroles plan [overrides]                      python -m orchestration.plan
-    rayroles example DIR                           a local student and teacher folder, a dataset
-                                                   and ms-swift YAMLs that use them, in DIR
+    rayroles example DIR                           ms-swift's own Ray example YAMLs with local
+                                                   stand-ins for their hub ids, and small quick
+                                                   versions with a local student and teacher, in DIR
 
 `run` reads the file's `rlhf_type` (grpo, gkd); a file with ms-swift's sampling keys is a
 distill run, any other an SFT run. Overrides are Hydra's (`run.steps=3`) and win over the file.
@@ -20,6 +21,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Optional
 
+from algorithms.config.swift_examples import write_swift_examples
 from algorithms.config.swift_keys import output_run_dir
 from algorithms.data.tasks import arithmetic_examples
 from orchestration.config import ConfigError, read_config_file
@@ -70,8 +72,9 @@ def config_of(args: list[str]) -> tuple[Optional[str], list[str]]:
 
 
 def write_example(folder: str) -> Path:
-    """A local student (tiny_qwen2) and teacher (small_qwen2) model folder, an arithmetic
-    dataset (data/train.jsonl, chat rows) and the ms-swift example YAMLs that use them."""
+    """ms-swift's own example files with their stand-ins (`write_swift_examples`), and small quick
+    versions: a local student (tiny_qwen2) and teacher (small_qwen2) model folder, an arithmetic
+    dataset (data/train.jsonl, chat rows) and four short YAMLs in ms-swift's form that use them."""
     out = Path(folder)
     (out / "data").mkdir(parents=True, exist_ok=True)
     for name, preset in (("student", "tiny_qwen2"), ("teacher", "small_qwen2")):
@@ -82,7 +85,7 @@ def write_example(folder: str) -> Path:
     for yaml_file in resources.files("algorithms.config").joinpath("ms_swift_examples").iterdir():
         if yaml_file.name.endswith(".yaml"):
             shutil.copyfile(str(yaml_file), out / yaml_file.name)
-    return out
+    return write_swift_examples(out)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -91,9 +94,11 @@ def main(argv: Optional[list[str]] = None) -> None:
         return forward(DRIVERS[args[0]], args[1:])
     if args and args[0] == "example" and len(args) == 2:
         out = write_example(args[1])
-        print(f"wrote {out}/student, {out}/teacher, {out}/data/train.jsonl and "
-              f"{', '.join(sorted(p.name for p in out.glob('*.yaml')))}; next: cd {out} && "
-              "rayroles run --config gkd_colocated_teacher.yaml")
+        print(f"wrote ms-swift's example files under {out}/examples with stand-ins for their hub ids in "
+              f"{out}/hub ({out}/STAND_INS.md), and quick versions: {out}/student, {out}/teacher, "
+              f"{out}/data/train.jsonl, {', '.join(sorted(p.name for p in out.glob('*.yaml')))}; next: cd {out} && "
+              "rayroles run --config gkd_colocated_teacher.yaml, or HF_HUB_CACHE=$PWD/hub rayroles run --config "
+              "examples/ray/gkd/rollout_colocate_teacher_colocate.yaml run.steps=2")
         return None
     command = args[0] if args and args[0] == "run" else None
     path, rest = config_of(args[1:] if command else args)
