@@ -28,6 +28,8 @@ the driver, __init__ skips every @function method and later calls go to the grou
 (train()) run in the driver. Each copy sees ms-swift's environment besides the worker
 groups' own (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT): RAY_SWIFT_GROUP,
 CLUSTER_NAME, WORKER_NAME and RAY_SWIFT_ARGS (the driver's command-line arguments, JSON).
+The class may be imported or defined in the script that runs (Ray sends a `__main__` class
+by value, with the globals its methods read: the wrappers read none of this module's state).
 """
 from __future__ import annotations
 
@@ -216,24 +218,17 @@ def _make_replica(cls: type, serves: tuple[str, ...], *args: Any, **kwargs: Any)
 
 def worker(group: list[str] | str) -> Callable[[type], type]:
     """Class decorator: instances built while configured get a worker group per named group."""
-    names = [group] if isinstance(group, str) else list(group)
+    names = tuple([group] if isinstance(group, str) else group)
 
     def decorate(cls: type) -> type:
         init = cls.__init__
 
+        # The wrappers only forward to module functions, which Ray pickles by reference: a class
+        # defined in a script's __main__ is pickled by value, with the globals its methods read,
+        # and reading _config here would ship the live workers (and their locks) with it.
         @functools.wraps(init)
         def __init__(self, *args, **kwargs):
-            state = self.__dict__.get(_STATE)
-            if state is None:
-                if _config is None and not try_init_ray():  # not active: a plain constructor
-                    return init(self, *args, **kwargs)
-                state = _Instance(groups=_config.spawn(cls, names, args, kwargs))
-                self.__dict__[_STATE] = state
-            state.init_depth += 1
-            try:
-                init(self, *args, **kwargs)
-            finally:
-                state.init_depth -= 1
+            _construct(cls, names, init, self, args, kwargs)
 
         cls.__init__ = __init__
         return cls
@@ -241,36 +236,57 @@ def worker(group: list[str] | str) -> Callable[[type], type]:
     return decorate
 
 
+def _construct(cls: type, names: tuple[str, ...], init: Callable, obj: Any, args: tuple, kwargs: dict) -> None:
+    """A @worker class's constructor: spawn its workers once active, then run its own __init__."""
+    state = obj.__dict__.get(_STATE)
+    if state is None:
+        if _config is None and not try_init_ray():  # not active: a plain constructor
+            init(obj, *args, **kwargs)
+            return
+        state = _Instance(groups=_config.spawn(cls, list(names), args, kwargs))
+        obj.__dict__[_STATE] = state
+    state.init_depth += 1
+    try:
+        init(obj, *args, **kwargs)
+    finally:
+        state.init_depth -= 1
+
+
 def function(group: str, dispatch: dsp.Dispatch = "all", execute: dsp.Execute = "all",
              collect: dsp.Collect = "none") -> Callable[[Callable], Callable]:
     """Method decorator: the method belongs to `group`; see `orchestration.dispatch` for the modes."""
     dsp.check_execute(execute)
+    modes = {"dispatch": dispatch, "execute": execute, "collect": collect}
 
     def decorate(func: Callable) -> Callable:
-        @functools.wraps(func)
+        @functools.wraps(func)  # forwards only, as worker's __init__ does
         def wrapper(self, *args, **kwargs):
-            state = getattr(self, "__dict__", {}).get(_STATE)
-            if state is None:  # not configured (or not a @worker instance): a plain call
-                return func(self, *args, **kwargs)
-            if state.serves:  # inside a worker copy
-                if group in state.serves:
-                    return func(self, *args, **kwargs)
-                if state.init_depth:
-                    return None  # another group's setup: that group's copies run it
-                raise RuntimeError(f"{func.__qualname__} belongs to group '{group}' but was called inside a "
-                                   f"{'/'.join(state.serves)} worker (rank {os.environ.get('RANK')}); "
-                                   "call it from the driver instead")
-            if state.init_depth:
-                return None  # driver __init__: each group's copies ran their own setup
-            if group not in state.groups:
-                raise RuntimeError(f"{func.__qualname__} belongs to group '{group}', which "
-                                   f"@worker(group={list(state.groups)}) of {type(self).__name__} does not name")
-            return state.groups[group].call(func.__name__, *args, dispatch=dispatch, execute=execute,
-                                            collect=collect, **kwargs)
+            return _call(func, group, modes, self, args, kwargs)
 
         return wrapper
 
     return decorate
+
+
+def _call(func: Callable, group: str, modes: dict, obj: Any, args: tuple, kwargs: dict) -> Any:
+    """A @function method's call: run here, skip it, or send it to its group's workers."""
+    state = getattr(obj, "__dict__", {}).get(_STATE)
+    if state is None:  # not configured (or not a @worker instance): a plain call
+        return func(obj, *args, **kwargs)
+    if state.serves:  # inside a worker copy
+        if group in state.serves:
+            return func(obj, *args, **kwargs)
+        if state.init_depth:
+            return None  # another group's setup: that group's copies run it
+        raise RuntimeError(f"{func.__qualname__} belongs to group '{group}' but was called inside a "
+                           f"{'/'.join(state.serves)} worker (rank {os.environ.get('RANK')}); "
+                           "call it from the driver instead")
+    if state.init_depth:
+        return None  # driver __init__: each group's copies ran their own setup
+    if group not in state.groups:
+        raise RuntimeError(f"{func.__qualname__} belongs to group '{group}', which "
+                           f"@worker(group={list(state.groups)}) of {type(obj).__name__} does not name")
+    return state.groups[group].call(func.__name__, *args, **modes, **kwargs)
 
 
 class RayHelper:
