@@ -103,7 +103,8 @@ class DistillConfig(DriverConfig):
     algorithm: DistillAlgorithm = field(default_factory=DistillAlgorithm)
     # Process reward model (rule-based arithmetic step verifier by default).
     prm: PRMConfig = field(default_factory=PRMConfig)
-    # Outcome reward model (numeric '#### N' check by default).
+    # Outcome reward model (numeric '#### N' check by default; ms-swift's orm_model: math sets
+    # kind=math, a plugin's reward kind=plugin); it gets each row's dataset columns.
     orm: ORMConfig = field(default_factory=ORMConfig)
 
 
@@ -131,6 +132,7 @@ def sample(cfg: DistillConfig, sampler: Any, prm: Any, orm: Any, train_set: list
                                         dispatch="slice", collect="flatten", after=after)
     totals: Counter = Counter(resumed["totals"] if resumed else {})
     check = checker(cfg.data)
+    plugin_orm = "plugin" in (cfg.orm.kind, *cfg.orm.weights)
     record: dict = log.rewind(resumed["step"]) if resumed else {}
     if resumed:
         _keep_lines(out_path, resumed["rows"])
@@ -139,9 +141,11 @@ def sample(cfg: DistillConfig, sampler: Any, prm: Any, orm: Any, train_set: list
         for step in range(first, steps + 1):
             metrics: dict = {}
             if step == 0:
-                # Eval: greedy held-out accuracy of the policy that samples.
-                with log.phase("eval"):
-                    metrics["eval/accuracy"] = greedy_accuracy(sampler, eval_set, cfg.run.eval_max_new_tokens, check)
+                # Eval: greedy held-out accuracy of the policy that samples (none held out: no eval).
+                if eval_set:
+                    with log.phase("eval"):
+                        metrics["eval/accuracy"] = greedy_accuracy(sampler, eval_set, cfg.run.eval_max_new_tokens,
+                                                                   check)
             else:
                 # Generate: n candidates per prompt, prompts split over the sampler ranks; the
                 # next step's generation is sent before this one is waited for.
@@ -158,7 +162,9 @@ def sample(cfg: DistillConfig, sampler: Any, prm: Any, orm: Any, train_set: list
                 refs = [reference(ex) for ex in examples for _ in range(n)]
                 with log.phase("score"):
                     prm_scores = prm.call("score", prompts, texts, refs, dispatch="slice", collect="flatten")
-                    orm_scores = orm.call("score", prompts, texts, refs, dispatch="slice", collect="flatten")
+                    # The rows' dataset columns, which only a plugin ORM reads.
+                    rows = ([ex.columns for ex in examples for _ in range(n)],) if plugin_orm else ()
+                    orm_scores = orm.call("score", prompts, texts, refs, *rows, dispatch="slice", collect="flatten")
                 # Select: best n_best_to_keep per prompt with PRM >= prm_threshold, the worst as rejected.
                 with log.phase("select"):
                     right = correct(check, examples, texts)
@@ -288,11 +294,12 @@ def run(cfg: DistillConfig, plan: Plan, out_dir: Path) -> dict:
     elif algo.sft_steps:
         # SFT on the kept rows, evaluated on the task's held-out examples.
         heldout = write_heldout(eval_set, Path(out_dir) / "heldout.jsonl")
-        data = DataConfig(task="files", paths=[str(path)], val_paths=[str(heldout)], eval_size=len(eval_set),
+        data = DataConfig(task="files", paths=[str(path)], val_paths=[str(heldout)] if eval_set else [],
+                          val_split=None if eval_set else 0.0, eval_size=len(eval_set),
                           cache_dir=cfg.data.cache_dir, check=cfg.data.check, check_pattern=cfg.data.check_pattern,
-                          chat=cfg.data.chat)
+                          chat=cfg.data.chat, enable_thinking=cfg.data.enable_thinking)
         tuned = run_sft(cfg, plan, policy, data, algo.sft_steps, cfg.trainer.lr, out_dir / "sft")
-        record.update({"sft/eval_accuracy": tuned["eval/accuracy"], "sft/checkpoint": tuned.get("checkpoint")})
+        record.update({"sft/eval_accuracy": tuned.get("eval/accuracy"), "sft/checkpoint": tuned.get("checkpoint")})
     return record
 
 

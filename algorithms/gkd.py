@@ -21,12 +21,19 @@ teacher is first trained by SFT on the task and cached. eval/accuracy (greedy, h
 the student is logged at step 0, every run.eval_every steps and at the end, beside the
 teacher's own accuracy. Per-step time, bytes moved and memory figures and timeline.jsonl are
 as in algorithms/grpo.py.
+
+OPSD (privileged distillation): a row with a non-empty `teacher_prompt` column shows the teacher
+that text as its last user turn (e.g. the problem with a reference solution) followed by the
+same response token ids the student is scored on; the teacher's distributions over the response
+are moved onto the student's positions, so the loss aligns the shared response tokens. Rows
+without one show the teacher the student's prompt (plain GKD). gkd/opsd_rows logs their share.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+import math
 import random
 import shutil
 from dataclasses import dataclass, field, replace
@@ -43,7 +50,7 @@ from algorithms.config.schema import (DriverConfig, as_dict, engine_args, fit_ep
                                       rollout_section, warmup_steps)
 from algorithms.data.answers import accuracy
 from algorithms.data.loading import load_task, row_limits
-from algorithms.data.prompts import PromptStream, batch_of, encode_examples
+from algorithms.data.prompts import PromptStream, batch_of, encode_examples, template_on
 from algorithms.objectives.losses import TOPK_MODES, make_loss
 from algorithms.records.runlog import RunLog
 from algorithms.runtime.ahead import Prefetch, staleness
@@ -54,9 +61,9 @@ from orchestration.base_group import Kept
 from orchestration.cluster import init_cluster, set_log_level
 from orchestration.launch import driver_group, start_roles
 from orchestration.planner import Plan, as_started, make_plan
-from roles.batch import SamplingParams
+from roles.batch import Batch, Completions, SamplingParams
 from roles.models import load_tokenizer, resolve_config
-from roles.rollout import Rollout
+from roles.rollout import Rollout, prompt_text, prompt_token_ids
 from roles.teacher import KERNEL_OPTIONS as TEACHER_KERNEL_OPTIONS, Teacher, TeacherConfig
 from roles.trainer import BaseTeacher, Trainer, TrainerConfig
 
@@ -163,41 +170,59 @@ def train(cfg: GKDConfig, plan: Plan, trainer: Any, rollout: Any, teacher: Any, 
                     metrics["gkd/scored_ahead"] = float(step in ahead)
                 if step in ahead:
                     # Scored ahead during the last train call: the teacher phase is the wait for it.
-                    batch, answer = ahead.pop(step)
+                    batch, view, answer = ahead.pop(step)
+                    metrics["gkd/opsd_rows"] = view.rows / len(batch) if view else 0.0
                     with log.phase("teacher"):
-                        scored = answer.get()
+                        scored = to_student_frame(answer.get(), view, batch)
                 else:
                     # Generate: the student writes the completions (on-policy), else the dataset's
                     # responses (with seq_kd, the teacher's own samples).
                     if on_policy[step]:
                         with turns.rollout_turn(step - 1, metrics, one_call=not algo.max_staleness):
                             with log.phase("generate"):
-                                _, comps = prefetch.take(step)
+                                examples, comps = prefetch.take(step)
                         metrics.update(staleness(comps, step, algo.max_staleness))
                     else:
                         with log.phase("generate"):
                             examples, _ = prefetch.take(step)
-                        comps = _off_policy(examples, tokenizer, writer, sampling, log, cfg.data.chat)
+                        comps = _off_policy(examples, tokenizer, writer, sampling, log, cfg.data)
                     batch = _gkd_batch(tokenizer, comps, on_policy[step])
+                    # OPSD: rows with a teacher_prompt are the teacher's own sequences (its prompt,
+                    # the same response ids); its answer comes back to the driver to be moved.
+                    view = teacher_view(tokenizer, examples, comps, cfg.data)
+                    metrics["gkd/opsd_rows"] = view.rows / len(batch) if view else 0.0
                     # Teacher: its logprobs at every position (top-k or the full vocabulary).
-                    scored = turns.call("teacher", "logits", batch, topk, keep=keep, **scoring) if teacher else None
+                    scored = to_student_frame(turns.call("teacher", "logits", view.batch if view else batch, topk,
+                                                         keep=None if view else keep, **scoring),
+                                              view, batch) if teacher else None
                 if teacher is not None:
-                    _attach_teacher(batch, scored, topk, keep)
+                    _attach_teacher(batch, scored, topk, None if view else keep)
                 # Train: one update of the student on the generalized JSD; then the weights go to the
                 # rollout when it samples before the next update (once generations started ahead
                 # finish). The trainer's onload, the weights' send and its offload ride on the call.
-                with turns.train_turn(step, prefetch, algo.max_staleness, metrics, one_call=True):
+                # The base as teacher of an OPSD batch scores the teacher's sequences in the same
+                # turn, before the update.
+                base_view = bool(base_teacher) and view is not None
+                with turns.train_turn(step, prefetch, algo.max_staleness, metrics, one_call=not base_view):
+                    if base_view:
+                        with log.phase("teacher", "train"):
+                            scored = trainer.call("base_teacher", view.batch, topk, base_teacher["teacher"].temperature,
+                                                  dispatch="slice", collect="flatten")
+                        _attach_teacher(batch, to_student_frame(scored, view, batch), topk, None)
                     with log.phase("train", "train"):
                         future = trainer.async_call("train_step", batch, train_temperature, dispatch="slice",
-                                                    collect=first, **base_teacher)
+                                                    collect=first, **({} if base_view else base_teacher))
                         # Score ahead: when nothing else comes between this step and the next
                         # (off-policy) one, the teacher scores the next step's dataset responses now,
                         # beside this train call; the next step reads the answer.
                         if score_ahead and steps.quiet_after(step, prefetch):
                             examples, _ = prefetch.take(step + 1)
-                            nxt = _gkd_batch(tokenizer, _off_policy(examples, tokenizer, None, sampling, log,
-                                                                    cfg.data.chat), on_policy=False)
-                            ahead[step + 1] = (nxt, turns.call("teacher", "logits", nxt, topk, ahead=True, **scoring))
+                            comps = _off_policy(examples, tokenizer, None, sampling, log, cfg.data)
+                            nxt = _gkd_batch(tokenizer, comps, on_policy=False)
+                            nxt_view = teacher_view(tokenizer, examples, comps, cfg.data)
+                            ahead[step + 1] = (nxt, nxt_view, turns.call("teacher", "logits",
+                                                                         nxt_view.batch if nxt_view else nxt, topk,
+                                                                         ahead=True, **scoring))
                         metrics.update({f"train/{k}": v for k, v in future.get().items()})
             # (A batch drawn ahead is drawn again by a run resumed from this step.)
             steps.end_step(step, metrics, {"stream": prefetch.position() - len(ahead)})
@@ -241,12 +266,77 @@ def _attach_teacher(batch: Any, answer: Any, topk: Optional[int], keep: Optional
     batch.teacher_logprobs, batch.teacher_indices = answer if topk else (answer, None)
 
 
+@dataclass
+class TeacherView:
+    """The teacher's own sequences of an OPSD batch: `batch` holds each row's teacher prompt
+    (its teacher_prompt as the last user turn; the student's prompt where it has none) followed
+    by the student's response token ids; `student_starts` / `teacher_starts` are where each
+    row's response begins in the student's and the teacher's sequences; `rows` counts the rows
+    with a teacher_prompt."""
+    batch: Batch
+    student_starts: list[int]
+    teacher_starts: list[int]
+    rows: int
+
+
+def privileged_prompt(example: Any) -> Optional[str]:
+    """A row's `teacher_prompt` column (OPSD), or None when it has none or a blank one."""
+    text = example.columns.get("teacher_prompt")
+    return text if isinstance(text, str) and text.strip() else None
+
+
+def teacher_view(tokenizer: Any, examples: list, comps: Completions, data: Any) -> Optional[TeacherView]:
+    """The teacher's sequences of a batch made from `comps` (row i answers examples[i]: one
+    completion per prompt), or None when no row has a teacher_prompt. A teacher prompt
+    is the row's conversation with its last user turn replaced by the teacher_prompt, rendered as
+    the student's prompt is (`data`: data.chat, data.enable_thinking); the response's token ids
+    are the student's own, never decoded and encoded again."""
+    if len(comps) != len(examples):
+        raise ValueError(f"{len(comps)} completions for {len(examples)} prompts: GKD samples one per prompt")
+    privileged = [privileged_prompt(ex) for ex in examples]
+    if not any(privileged):
+        return None
+    template = template_on(tokenizer, data.chat)
+    prompts = []
+    for ex, own, text in zip(examples, comps.prompt_ids, privileged):
+        if text is None or not own:  # (no prompt of its own: a reply the template does not extend)
+            prompts.append(list(own))
+            continue
+        messages = ex.prompt_messages()
+        last = max(j for j, m in enumerate(messages) if m["role"] == "user")
+        messages[last] = {**messages[last], "content": text}
+        prompts.append(prompt_token_ids(tokenizer, prompt_text(tokenizer, messages, template, data.enable_thinking),
+                                        template))
+    view = Completions(comps.prompt_index, prompts, comps.completion_ids, comps.texts, [], comps.finish_reasons)
+    return TeacherView(batch_of(tokenizer, view), [len(p) for p in comps.prompt_ids], [len(p) for p in prompts],
+                       sum(text is not None for text in privileged))
+
+
+def to_student_frame(answer: Any, view: Optional[TeacherView], batch: Batch) -> Any:
+    """The teacher's answer on its own sequences (top-k (values, indices), or full-vocabulary
+    logprobs; aligned with view.batch) moved onto the student's positions of `batch`: row i's
+    response positions, [teacher_starts[i], + its length) there, become [student_starts[i], ...)
+    here; everything else holds 0. Without a view the answer as it is."""
+    if view is None:
+        return answer
+    lengths = batch.attention_mask.sum(1).tolist()
+    moved = []
+    for part in (answer if isinstance(answer, tuple) else (answer,)):
+        out = part.new_zeros((len(batch), batch.input_ids.shape[1], *part.shape[2:]))
+        for i, (s, t) in enumerate(zip(view.student_starts, view.teacher_starts)):
+            n = lengths[i] - s
+            out[i, s:s + n] = part[i, t:t + n]
+        moved.append(out)
+    return tuple(moved) if isinstance(answer, tuple) else moved[0]
+
+
 def _off_policy(examples: list, tokenizer: Any, teacher_writer: Any, sampling: SamplingParams, log: RunLog,
-                chat: Any) -> Any:
-    """Completions of an off-policy step: the dataset's responses (prompts rendered as data.chat
-    says: `chat`), or with a teacher writer (sequence-level KD) the teacher's own samples."""
+                data: Any) -> Any:
+    """Completions of an off-policy step: the dataset's responses (prompts rendered as `data`,
+    the data section, says), or with a teacher writer (sequence-level KD) the teacher's own samples."""
     if teacher_writer is None:
-        return encode_examples(tokenizer, examples, pretrain=False, chat=chat)
+        return encode_examples(tokenizer, examples, pretrain=False, chat=data.chat,
+                               enable_thinking=data.enable_thinking)
     with log.phase("generate", "teacher_writer"):
         comps = teacher_writer.call("generate", [ex.prompt_messages() for ex in examples], sampling,
                                     dispatch="slice", collect="flatten")
@@ -326,7 +416,8 @@ def run(cfg: GKDConfig, plan: Plan, out_dir: Path) -> dict:
     if own_base:
         logger.info("gkd: the teacher is the student's base model: the trainer scores with its LoRA adapter off "
                     "(no teacher role started)")
-    teacher_accuracy = accuracy(judge, eval_set, cfg.run.eval_max_new_tokens, cfg.data)
+    # None held out (data.val_split=0): not measured.
+    teacher_accuracy = accuracy(judge, eval_set, cfg.run.eval_max_new_tokens, cfg.data) if eval_set else math.nan
     if not cfg.algorithm.seq_kd:  # with seq_kd it writes the off-policy completions
         judge.shutdown()
     roles = start_roles(cfg, plan, {
@@ -383,13 +474,7 @@ def validate(cfg: GKDConfig, plan: Plan) -> None:
         vocab = min(vocab_size(cfg.model), vocab_size(teacher_model))
         require(topk <= vocab, "algorithm.logits_topk", topk, f"exceeds the {vocab}-token vocabulary",
                 f"set it to at most {vocab}, or null for the full vocabulary")
-    if cfg.backend.teacher == "vllm":
-        require(topk is not None, "backend.teacher", "vllm", "serves top-k logprobs only, but "
-                "algorithm.logits_topk is unset (full vocabulary)",
-                "set algorithm.logits_topk (e.g. 64), or use backend.teacher=torch")
-        require(topk <= cfg.vllm.max_logprobs, "algorithm.logits_topk", topk,
-                f"exceeds vllm.max_logprobs={cfg.vllm.max_logprobs}",
-                f"raise vllm.max_logprobs to at least {topk} or lower algorithm.logits_topk")
+    if cfg.backend.teacher == "vllm":  # top-k and max_logprobs: checks.check_vllm_teacher
         sleeps = plan["rollout"].sleep_level or plan["teacher"].offload_model
         require(not (cfg.backend.workers == "local" and cfg.backend.rollout == "vllm" and sleeps
                      and torch.cuda.is_available()), "backend.rollout", "vllm",

@@ -23,6 +23,17 @@ and GRPO starts from that checkpoint. eval/accuracy (greedy, held-out) is logged
 move/<role>_<op>_{bytes,s} (offload, onload, sleep, wake_up) and mem/<role>_* (host RSS,
 peak device memory); timeline.jsonl holds when each role was busy. Rewards run in this
 process, or on the planned `orm`/`prm` roles.
+
+On-policy distillation as RL (ms-swift's OPD-RL): with `teacher_kl_coef` > 0 a teacher (a
+role: placement.teacher_model colocated with the trainer, or placement.teacher.{gpus,model};
+with `trainer.lora` and the policy's own model as the teacher, the trainer's base with the
+adapter off) scores each sampled token, and each completion token's advantage gains
+teacher_kl_coef * (teacher logprob - the rollout's sampling logprob) of that token, after the
+rewards' group normalisation (grpo/teacher_log_ratio and grpo/teacher_kl are logged). With
+`num_generations` 1 and no `reward_funcs` it is pure distillation: the teacher's signal alone.
+
+    python -m algorithms.grpo +experiment=grpo_quickstart algorithm.teacher_kl_coef=1.0 \
+        placement.teacher_model=small_qwen2 algorithm.warmup_sft_steps=0
 """
 from __future__ import annotations
 
@@ -37,16 +48,17 @@ from typing import Any, ClassVar, List, Optional
 import torch
 
 from algorithms import sft
-from algorithms.config.checks import (AT_LEAST_1, NON_NEGATIVE, POSITIVE, check_importable, check_run,
-                                      check_staleness, check_trainer, require, require_all, require_roles,
+from algorithms.config.checks import (AT_LEAST_1, NON_NEGATIVE, POSITIVE, check_importable, check_opd_teacher,
+                                      check_run, check_staleness, check_trainer, require, require_all, require_roles,
                                       validate_check)
-from algorithms.config.schema import (DriverConfig, as_dict, engine_args, fit_epochs, phase_run, rollout_section,
-                                      warmup_steps)
+from algorithms.config.schema import (DriverConfig, as_dict, engine_args, fit_epochs, local_model_path, phase_run,
+                                      rollout_section, warmup_steps)
 from algorithms.data.answers import checker, correct, reference
 from algorithms.data.loading import load_task, row_limits
 from algorithms.data.prompts import PromptStream, batch_of
-from algorithms.objectives.advantages import SCALE_REWARDS, group_advantages, zero_variance_groups
-from algorithms.objectives.losses import LOSS_TYPES, make_loss
+from algorithms.objectives.advantages import (SCALE_REWARDS, group_advantages, teacher_token_advantages,
+                                              zero_variance_groups)
+from algorithms.objectives.losses import LOSS_TYPES, k3_kl, make_loss
 from algorithms.objectives.rewards import Rewards, planned_reward_configs, reward_specs
 from algorithms.records.runlog import RunLog, record_data_stats
 from algorithms.runtime.ahead import Prefetch, staleness
@@ -56,12 +68,13 @@ from algorithms.runtime.turns import first
 from orchestration.cluster import init_cluster, set_log_level
 from orchestration.dispatch import flatten, slice_bounds
 from orchestration.launch import start_roles
-from orchestration.planner import Plan, make_plan, with_colocated_role
+from orchestration.planner import Plan, as_started, make_plan, with_colocated_role
 from roles.batch import Completions, SamplingParams, slice_batch
-from roles.models import load_tokenizer
+from roles.models import load_tokenizer, resolve_config
 from roles.orm import ANSWER_KINDS, ORM
 from roles.prm import AGGREGATES, PRM
 from roles.rollout import Rollout
+from roles.teacher import Teacher, TeacherConfig
 from roles.trainer import Trainer
 from roles.trainer_config import every_weight
 
@@ -98,11 +111,25 @@ class GRPOAlgorithm:
     max_staleness: int = 0
     # Sampling temperature; the trainer's logprobs use it too, so ratios compare like with like.
     temperature: float = 1.0
+    # Sample among the top_k most likely tokens only (ms-swift's top_k); 0 or -1: no cut. The
+    # behaviour logprob stays that of the temperature-scaled distribution before the cut, as
+    # the trainer computes it (docs/engines.md).
+    top_k: int = 0
+    # Sample from the smallest set of tokens holding top_p of the mass (nucleus); 1.0: no cut.
+    # Its logprobs as top_k's.
+    top_p: float = 1.0
     # Longest completion in tokens.
     max_new_tokens: int = 48
     # Completions cut at max_new_tokens (finish_reason "length") take no part in the loss
     # (ms-swift's overlong_filter); they still count in their group's advantages.
     overlong_filter: bool = False
+    # Weight of a teacher's per-token signal (on-policy distillation as RL; ms-swift's
+    # teacher_kl_coef): each completion token's advantage gains teacher_kl_coef * (the
+    # teacher's logprob - the rollout's sampling logprob) of that token, at `temperature`, added
+    # after the rewards' normalisation. 0: off; > 0 needs a teacher model in the placement
+    # (placement.teacher_model, or placement.teacher.gpus with placement.teacher.model), and
+    # then allows num_generations 1 and empty reward_funcs (pure distillation).
+    teacher_kl_coef: float = 0.0
     # Reward functions: accuracy (data.check against the reference), an answer check named by
     # its kind (numeric, exact, last_number, regex with data.check_pattern, boxed: see
     # data.check), format (regex format_pattern), prm (rule-based arithmetic step verifier, the
@@ -136,10 +163,19 @@ class GRPOAlgorithm:
 
 
 @dataclass
+class GRPOTeacher:
+    # Engine settings of the teacher role (algorithm.teacher_kl_coef > 0); its model comes from
+    # the placement (placement.teacher_model or placement.teacher.model).
+    engine: TeacherConfig = field(default_factory=TeacherConfig)
+
+
+@dataclass
 class GRPOConfig(DriverConfig):
     DRIVER: ClassVar[str] = "grpo"
     # GRPO options.
     algorithm: GRPOAlgorithm = field(default_factory=GRPOAlgorithm)
+    # The teacher of algorithm.teacher_kl_coef.
+    teacher: GRPOTeacher = field(default_factory=GRPOTeacher)
 
     def updates(self, steps: int) -> int:
         """steps_per_generation optimizer updates a step."""
@@ -149,16 +185,20 @@ class GRPOConfig(DriverConfig):
 # ----------------------------------------------------------------------------- the loop
 
 def train(cfg: GRPOConfig, plan: Plan, trainer: Any, rollout: Any, reference: Any, rewards: Rewards,
-          train_set: list, eval_set: list, tokenizer: Any, log: RunLog) -> dict:
+          train_set: list, eval_set: list, tokenizer: Any, log: RunLog, teacher: Any = None) -> dict:
     """The GRPO loop; roles are worker groups (or fakes in tests), `reference` is None when
-    beta = 0 or with LoRA (the trainer's base with the adapter off is the reference then).
-    Returns the last record."""
+    beta = 0 or with LoRA (the trainer's base with the adapter off is the reference then);
+    `teacher` scores the sampled tokens when algorithm.teacher_kl_coef > 0 (None then: the
+    trainer's base with the adapter off, under LoRA). Returns the last record."""
     algo, G = cfg.algorithm, cfg.algorithm.num_generations
     base_reference = {"reference": True} if algo.beta and cfg.trainer.lora.rank else {}
-    sampling = SamplingParams(temperature=algo.temperature, max_new_tokens=algo.max_new_tokens, n=G)
+    # The teacher's scores come from the trainer's own base (adapter off) in its train turn.
+    base_teacher = bool(algo.teacher_kl_coef) and teacher is None
+    sampling = SamplingParams(temperature=algo.temperature, top_k=max(algo.top_k, 0), top_p=algo.top_p,
+                              max_new_tokens=algo.max_new_tokens, n=G)
     check = checker(cfg.data)
-    with Steps(plan, {"train": trainer, "rollout": rollout, "reference": reference}, cfg.run, cfg.weight_sync,
-                      log, eval_set, data=cfg.data,
+    with Steps(plan, {"train": trainer, "rollout": rollout, "reference": reference, "teacher": teacher}, cfg.run,
+                      cfg.weight_sync, log, eval_set, data=cfg.data,
                       adapter=bool(cfg.trainer.lora.rank)) as steps:
         turns = steps.turns
         # Prompts continue where a resumed run's checkpoint left them; step k's generation starts
@@ -185,18 +225,28 @@ def train(cfg: GRPOConfig, plan: Plan, trainer: Any, rollout: Any, reference: An
                 batch.advantages = group_advantages(scores, G, algo.scale_rewards, algo.leave_one_out)
                 if algo.overlong_filter:
                     metrics["grpo/overlong_filtered"] = filter_overlong(batch, comps.finish_reasons)
-                metrics.update({f"advantages/{k}": float(getattr(batch.advantages, k)())
-                                for k in ("mean", "std", "min", "max")})
                 # Reference logprobs: the initial policy's, for the KL penalty (with LoRA, the
                 # trainer's own base with the adapter off, inside its train call).
                 if reference is not None:
                     batch.ref_logprobs = turns.call("reference", "logprobs", batch, algo.temperature, dispatch="slice",
                                                     collect="flatten", phase="ref_logprobs")
+                # Teacher: its logprob of each sampled token joins that token's advantage.
+                if teacher is not None and algo.teacher_kl_coef:
+                    scored = turns.call("teacher", "token_logprobs", batch, algo.temperature, dispatch="slice",
+                                        collect="flatten", phase="teacher")
+                    metrics.update(add_teacher_signal(batch, scored, algo.teacher_kl_coef))
                 # Train: steps_per_generation updates, each on its part of the batch; then the weights
                 # go to the rollout (once generations started ahead finish). With one update, the
-                # trainer's onload, the weights' send and its offload ride on its call.
+                # trainer's onload, the weights' send and its offload ride on its call (the base
+                # as teacher adds a call before it).
                 with turns.train_turn(step, prefetch, algo.max_staleness, metrics,
-                                      one_call=algo.steps_per_generation == 1):
+                                      one_call=algo.steps_per_generation == 1 and not base_teacher):
+                    if base_teacher:
+                        with log.phase("teacher", "train"):
+                            scored = trainer.call("base_logprobs", batch, algo.temperature, dispatch="slice",
+                                                  collect="flatten")
+                        metrics.update(add_teacher_signal(batch, scored, algo.teacher_kl_coef))
+                    metrics.update(advantage_metrics(batch))
                     with log.phase("train", "train"):
                         results = [trainer.call("train_step", part, algo.temperature, dispatch="slice",
                                                 collect=first, **base_reference)
@@ -205,6 +255,29 @@ def train(cfg: GRPOConfig, plan: Plan, trainer: Any, rollout: Any, reference: An
                         metrics["train/step"] = results[-1]["step"]
             steps.end_step(step, metrics, {"stream": prefetch.position()})
         return steps.finish({"stream": prefetch.position()})
+
+
+def add_teacher_signal(batch: Any, teacher_logprobs: torch.Tensor, coef: float) -> dict:
+    """`batch.advantages` made per token with the teacher's signal (`teacher_token_advantages`,
+    against the rollout's sampling logprobs, over the loss tokens); returns the mean log-ratio
+    teacher - student (k1) and the mean k3 estimate of KL(student || teacher) over those tokens."""
+    mask = batch.loss_mask
+    batch.advantages = teacher_token_advantages(batch.advantages, teacher_logprobs, batch.old_logprobs, mask, coef)
+    tokens = mask.sum().clamp(min=1)
+    ratio = torch.where(mask > 0, teacher_logprobs - batch.old_logprobs, 0.0)
+    kl = torch.where(mask > 0, k3_kl(batch.old_logprobs, teacher_logprobs), 0.0)
+    return {"grpo/teacher_log_ratio": float(ratio.sum() / tokens), "grpo/teacher_kl": float(kl.sum() / tokens)}
+
+
+def advantage_metrics(batch: Any) -> dict:
+    """mean, std, min and max of the advantages: per sequence, or per loss token when they
+    are per token (the teacher's signal)."""
+    adv = batch.advantages
+    values = adv[batch.loss_mask > 0] if adv.ndim == 2 else adv
+    if not len(values):
+        return {}
+    return {"advantages/mean": float(values.mean()), "advantages/std": float(values.std()) if len(values) > 1 else 0.0,
+            "advantages/min": float(values.min()), "advantages/max": float(values.max())}
 
 
 def _generate_and_score(algo: GRPOAlgorithm, want: int, prefetch: Any, rewards: Rewards, check: ORM, step: int,
@@ -218,7 +291,8 @@ def _generate_and_score(algo: GRPOAlgorithm, want: int, prefetch: Any, rewards: 
             examples, comps = prefetch.take(step) if r == 0 else prefetch.extra(step)
         with log.phase("score", "reward"):
             scores, means = rewards.score([ex.prompt for ex in examples for _ in range(G)], comps.texts,
-                                          [reference(ex) for ex in examples for _ in range(G)])
+                                          [reference(ex) for ex in examples for _ in range(G)],
+                                          rows=[ex.columns for ex in examples for _ in range(G)])
         zero = zero_variance_groups(scores, G)
         rounds.append((comps, scores, zero))
         varied += int((~zero).sum())
@@ -308,10 +382,24 @@ def warm_start(cfg: GRPOConfig, train_ranks: int, out_dir: Path) -> str:
     return record["checkpoint"]
 
 
+def base_teaches(cfg: GRPOConfig, plan: Plan) -> bool:
+    """Whether the teacher of algorithm.teacher_kl_coef is the policy's own base model under
+    LoRA (the same model, no warm start): the trainer then scores with its adapter off, and no
+    teacher role (no second copy of the weights) is started."""
+    if not (cfg.algorithm.teacher_kl_coef and cfg.trainer.lora.rank) or cfg.algorithm.warmup_sft_steps:
+        return False
+    teacher, student = resolve_config(plan["teacher"].model), resolve_config(as_dict(cfg.model))
+    return (teacher.path or teacher.name) == (student.path or student.name)
+
+
 def run(cfg: GRPOConfig, plan: Plan, out_dir: Path) -> dict:
     """Warm start (optional), start the roles of `plan`, train, shut down. Returns the last record."""
     set_log_level(cfg.run.log_level)
     out_dir = Path(out_dir)
+    if "teacher" in plan.roles:  # a teacher planned in the trainer's processes runs there on torch only
+        plan, notes = as_started(plan, {"teacher": cfg.backend.teacher})
+        for note in notes:
+            logger.warning(note)
     train_set, eval_set, stats = load_task(cfg.data, row_limits(cfg, cfg.algorithm.max_new_tokens))
     cfg = fit_epochs(cfg, len(train_set))
     if cfg.backend.workers == "ray":  # sized for this plan before the warm start uses it
@@ -329,11 +417,19 @@ def run(cfg: GRPOConfig, plan: Plan, out_dir: Path) -> dict:
         # with its engine (with LoRA it is the trainer's base: the adapter off, no second copy)
         plan = with_colocated_role(plan, "reference", "train", offload_model=plan["train"].offload_model)
     policy = {"model": model, "config": trainer_cfg, **engine_args(cfg, "train")}
+    own_base = base_teaches(cfg, plan)
+    if own_base:
+        logger.info("grpo: the teacher is the policy's base model: the trainer scores with its LoRA adapter off "
+                    "(no teacher role started)")
+    teaches = bool(a.teacher_kl_coef) and not own_base
     roles = start_roles(cfg, plan, {
         "train": (Trainer, {**policy, "loss_fn": loss, "loss_inputs": ("entropy",)}),
         "rollout": (Rollout, {"model": model, "config": rollout_section(cfg, trained=True),
                               **engine_args(cfg, "rollout")}),
         **({"reference": (Trainer, policy)} if "reference" in plan.roles else {}),
+        **({"teacher": (Teacher, {"model": local_model_path(plan["teacher"].model),
+                                  "config": as_dict(cfg.teacher.engine), **engine_args(cfg, "teacher")})}
+           if teaches else {}),
         **{role: ({"orm": ORM, "prm": PRM}[role], {"config": c}) for role, c in planned.items()}},
         restarts=cfg.run.max_restarts)
     if warm and a.warmup_keep_optimizer and not cfg.trainer.lora.rank:  # (a new adapter: its own moments)
@@ -348,7 +444,7 @@ def run(cfg: GRPOConfig, plan: Plan, out_dir: Path) -> dict:
                 f"rewards {[(label, w) for label, w, _ in rewards.parts]}; output {log.dir}")
     try:
         return train(cfg, plan, roles["train"], roles["rollout"], reference, rewards, train_set, eval_set,
-                     load_tokenizer(model), log)
+                     load_tokenizer(model), log, teacher=roles["teacher"] if teaches else None)
     finally:
         log.close()
         rewards.shutdown()
@@ -360,12 +456,22 @@ def validate(cfg: GRPOConfig, plan: Plan) -> None:
     a = cfg.algorithm
     require_roles(plan, ("train", "rollout"), "GRPO", "add them, e.g. placement.train.gpus=1 placement.rollout.gpus=1, "
                   "or placement=colocate")
-    check_run(cfg, plan, updates=cfg.updates(cfg.run.steps), classes={"train": Trainer, "rollout": Rollout})
+    check_run(cfg, plan, updates=cfg.updates(cfg.run.steps),
+              classes={"train": Trainer, "rollout": Rollout, **({"teacher": Teacher} if a.teacher_kl_coef else {})})
+    check_opd_teacher(cfg, plan)
+    # The teacher's signal needs no group: one completion per prompt is pure distillation.
+    groups = (lambda v: v >= 1, ">= 1") if a.teacher_kl_coef else (
+        lambda v: v >= 2, ">= 2 (a group compares its completions; 1 only with algorithm.teacher_kl_coef > 0)")
     require_all(a, "algorithm", {"epsilon": POSITIVE, "beta": NON_NEGATIVE, "temperature": POSITIVE,
                                  "max_new_tokens": AT_LEAST_1, "warmup_sft_steps": NON_NEGATIVE,
                                  "warmup_sft_lr": POSITIVE, "warmup_sft_batch": AT_LEAST_1,
                                  "warmup_sft_examples": NON_NEGATIVE, "max_resample_times": NON_NEGATIVE,
-                                 "num_generations": (lambda v: v >= 2, ">= 2 (a group compares its completions)")})
+                                 "top_k": (lambda v: v >= -1, ">= 1, or 0 or -1 for no cut"),
+                                 "top_p": (lambda v: 0.0 < v <= 1.0, "in (0, 1] (1.0: no cut)"),
+                                 "num_generations": groups})
+    require(not a.leave_one_out or a.num_generations >= 2, "algorithm.leave_one_out", True,
+            f"needs num_generations >= 2 (the baseline is the mean of the others; it is {a.num_generations})",
+            "set algorithm.leave_one_out=false, or algorithm.num_generations >= 2")
     require(a.epsilon_high is None or a.epsilon_high >= a.epsilon, "algorithm.epsilon_high", a.epsilon_high,
             f"is below algorithm.epsilon={a.epsilon}", "set it >= epsilon, or null to use epsilon")
     if a.warmup_sft_steps:
@@ -376,8 +482,8 @@ def validate(cfg: GRPOConfig, plan: Plan) -> None:
             f"use one of {list(LOSS_TYPES)}")
     require(a.prm_aggregate in AGGREGATES, "algorithm.prm_aggregate", a.prm_aggregate, "is not an aggregate",
             f"use one of {list(AGGREGATES)}")
-    require(bool(a.reward_funcs), "algorithm.reward_funcs", list(a.reward_funcs), "is empty",
-            "e.g. algorithm.reward_funcs=[accuracy]")
+    require(bool(a.reward_funcs) or bool(a.teacher_kl_coef), "algorithm.reward_funcs", list(a.reward_funcs),
+            "is empty", "e.g. algorithm.reward_funcs=[accuracy] (empty only with algorithm.teacher_kl_coef > 0)")
     require(all(math.isfinite(w) for w in a.reward_weights), "algorithm.reward_weights", list(a.reward_weights),
             "holds a weight that is not a finite number", "give finite weights, or [] for 1.0 each")
     require(not a.reward_weights or len(a.reward_weights) == len(a.reward_funcs), "algorithm.reward_weights",

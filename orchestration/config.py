@@ -344,7 +344,8 @@ def split_config_file(data: Mapping) -> tuple[dict, list[tuple[str, str, Any]]]:
     """(placement keys, [(where, key, value)] training keys) of a config_file's keys. The
     Megatron form's role sections (train:, rollout:, teacher:) hold a role's devices (gpus,
     model, vllm_tensor_parallel_size: placement) and that role's training keys (where:
-    'train.lr'); the drivers translate the training keys (algorithms/config/swift_keys.py)."""
+    'train.lr'); the drivers translate the training keys (algorithms/config/swift_keys.py: the
+    vLLM keys of a rollout or teacher section set that role's engine alone)."""
     placement, items = {}, []
     for key, value in data.items():
         if key in MEGATRON_ROLES and isinstance(value, Mapping):

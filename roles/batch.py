@@ -52,6 +52,12 @@ class Completions:
     logprobs: list[list[float]]  # sampling-distribution logprob of each completion token
     finish_reasons: list[str]  # "stop" (a stop token) or "length" (max_new_tokens)
     weight_version: list[int] = field(default_factory=list)  # version of the weights that generated it
+    # Multi-turn trajectories (roles/multi_turn.py): 1 on the model's tokens, 0 on the environment's
+    # and tools' tokens appended between turns (their logprobs are 0). Empty: every token is the model's.
+    completion_mask: list[list[int]] = field(default_factory=list)
+    # Multi-turn: per trajectory what the environment reported (num_turns, total_reward,
+    # step_rewards, tool_calls, tool_errors, error); empty for single-turn generation.
+    rollout_infos: list[dict] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.completion_ids)
@@ -91,14 +97,17 @@ def pad_sequences(seqs: list[list[int]], pad_id: int) -> tuple[torch.Tensor, tor
 
 
 def batch_from_completions(c: Completions, pad_id: int) -> Batch:
-    """Prompt + completion as one sequence; the loss counts completion tokens, and the
-    sampling logprobs become `old_logprobs` at their aligned positions."""
+    """Prompt + completion as one sequence; the loss counts completion tokens (of a multi-turn
+    trajectory, the model's: `completion_mask`), and the sampling logprobs become
+    `old_logprobs` at their aligned positions."""
     seqs = [p + r for p, r in zip(c.prompt_ids, c.completion_ids)]
     ids, mask = pad_sequences(seqs, pad_id)
     loss_mask = torch.zeros(ids.shape, dtype=torch.float32)
     old = torch.zeros(ids.shape, dtype=torch.float32)
     for i, (p, r) in enumerate(zip(c.prompt_ids, c.completion_ids)):
         loss_mask[i, len(p):len(p) + len(r)] = 1.0
+        if c.completion_mask:  # multi-turn: the model's own tokens only
+            loss_mask[i, len(p):len(p) + len(r)] = torch.tensor(c.completion_mask[i], dtype=torch.float32)
         if c.logprobs and c.logprobs[i]:
             old[i, len(p):len(p) + len(r)] = torch.tensor(c.logprobs[i], dtype=torch.float32)
     return Batch(input_ids=ids, attention_mask=mask, loss_mask=loss_mask, old_logprobs=old)

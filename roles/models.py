@@ -4,8 +4,8 @@
 
 * a local directory with `config.json` + safetensors (any Qwen2/Llama-family checkpoint
   saved by plain `transformers`), loaded with `local_files_only=True`;
-* a preset name, i.e. a file `conf/model/<name>.yaml` (tiny Qwen2/Llama models whose
-  weights are initialised from a seed, so CPU training takes seconds);
+* a preset name, i.e. a file `conf/model/<name>.yaml` (tiny Qwen2/Llama/Qwen3/Qwen3.5 models
+  whose weights are initialised from a seed, so CPU training takes seconds);
 * a `ModelConfig` (what Hydra composes under `model:`), or a mapping of its fields.
 
 Everything written with `save_checkpoint` loads back with `AutoModelForCausalLM` and
@@ -14,20 +14,24 @@ models through this module.
 """
 from __future__ import annotations
 
+import inspect
 import json
 import math
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, List, Mapping, Optional, Union
+from typing import Any, Dict, List, Mapping, Optional, Union
 
 import torch
 from omegaconf import OmegaConf
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, LlamaConfig,
-                          PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config)
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoTokenizer, DynamicCache, GenerationConfig,
+                          LlamaConfig, PreTrainedModel, PreTrainedTokenizerFast, Qwen2Config, Qwen3_5TextConfig,
+                          Qwen3Config)
+from transformers.cache_utils import LinearAttentionCacheLayerMixin
 from transformers.utils import logging as hf_logging
 
+from roles.hub import find_model, hf_hub_cache, is_repo_id, missing_model
 from roles.tokenizers import BUILDERS, build_tokenizer, save_tokenizer
 
 # transformers draws a bar for every shard it loads or writes ("Loading weights", "Writing
@@ -36,7 +40,9 @@ hf_logging.disable_progress_bar()
 
 # Smallest head size vLLM's CPU attention kernels accept.
 MIN_HEAD_DIM = 32
-ARCHS = {"qwen2": Qwen2Config, "llama": LlamaConfig}
+# A preset's arch -> its transformers config; qwen3_5 is Qwen3.5's text model (Qwen3_5ForCausalLM:
+# Gated DeltaNet linear-attention blocks between full-attention ones).
+ARCHS = {"qwen2": Qwen2Config, "llama": LlamaConfig, "qwen3": Qwen3Config, "qwen3_5": Qwen3_5TextConfig}
 # Files of which a saved tokenizer has at least one.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -57,7 +63,7 @@ class ModelConfig:
     # Tokenizer of a preset, and of a checkpoint without tokenizer files of its own:
     # "char", "gpt2", or a directory saved with save_pretrained; None: "char".
     tokenizer: Optional[str] = None
-    # Architecture of a preset: "qwen2" or "llama".
+    # Architecture of a preset: "qwen2", "llama", "qwen3" or "qwen3_5" (Qwen3.5's text model).
     arch: str = "qwen2"
     # Width of the residual stream.
     hidden_size: int = 128
@@ -85,6 +91,11 @@ class ModelConfig:
     dtype: str = "float32"
     # Attention kernel passed to transformers: "sdpa" or "eager".
     attn_implementation: str = "sdpa"
+    # Further fields of a preset's transformers config, passed as they are: e.g. qwen3_5's
+    # layer_types (which blocks are linear_attention, which full_attention; unset: every fourth
+    # full) and linear_num_key_heads, linear_num_value_heads, linear_key_head_dim,
+    # linear_value_head_dim (its defaults are sized for billions of parameters).
+    arch_fields: Dict[str, Any] = field(default_factory=dict)
 
 
 ModelSpec = Union[str, os.PathLike, ModelConfig, Mapping[str, Any]]
@@ -125,33 +136,17 @@ def resolve_config(spec: ModelSpec) -> ModelConfig:
             return ModelConfig(name=text, path=cached)
         if not preset.is_file():
             raise ValueError(f"model '{text}' is neither a local directory, a preset ({preset_names()}, files in "
-                             f"{preset_dir()}), nor a model in the local Hugging Face cache "
-                             f"({hub_cache_root()}); nothing is downloaded here. Fix: give a folder written by "
-                             "save_pretrained, or put the model in that cache first (`huggingface-cli download "
-                             f"{text}` where a network is)")
+                             f"{preset_dir()}), nor a model in the local Hugging Face cache ({hub_cache_root()}) "
+                             "or ModelScope cache: " + (missing_model(text) if is_repo_id(text) else
+                                                        "Fix: give a folder written by save_pretrained, or a preset"))
         return OmegaConf.to_object(OmegaConf.merge(schema, OmegaConf.load(preset)))
     # A mapping or DictConfig; unknown keys and wrong types fail here with the key's name.
     return OmegaConf.to_object(OmegaConf.merge(schema, spec))
 
 
-def hub_cache_root() -> str:
-    """The local Hugging Face hub cache (HF_HUB_CACHE / HF_HOME aware)."""
-    from huggingface_hub import constants
-
-    return constants.HF_HUB_CACHE
-
-
-def hub_cache_dir(repo_id: str) -> Optional[str]:
-    """The cached snapshot folder of a hub repo id ("Qwen/Qwen2.5-0.5B"), read offline; None
-    when the cache does not hold it (or `repo_id` is no repo id)."""
-    if repo_id.count("/") != 1 or repo_id.startswith((".", "/", "~")):
-        return None
-    from huggingface_hub import snapshot_download
-
-    try:
-        return snapshot_download(repo_id, local_files_only=True)
-    except Exception:  # not cached, or not a valid repo id: the caller names the fix
-        return None
+# A hub id's folder is found by roles/hub.py; the checks and the schema name these two.
+hub_cache_root = hf_hub_cache
+hub_cache_dir = find_model
 
 
 def has_tokenizer_files(directory: str) -> bool:
@@ -185,6 +180,10 @@ def check_config(cfg: ModelConfig) -> None:
     if cfg.num_attention_heads % cfg.num_key_value_heads:
         raise ModelFieldError("num_key_value_heads", cfg.num_key_value_heads, "must divide "
                               f"model.num_attention_heads={cfg.num_attention_heads}", "use a divisor of it")
+    unknown = sorted(set(cfg.arch_fields) - set(ARCHS[cfg.arch]().to_dict()))
+    if unknown:
+        raise ModelFieldError("arch_fields", dict(cfg.arch_fields), f"names {unknown}, which a {cfg.arch} config "
+                              f"({ARCHS[cfg.arch].__name__}) does not have", "remove them or correct their names")
     check_load_options(cfg)
 
 
@@ -244,7 +243,11 @@ def preset_config(cfg: ModelConfig) -> Any:
     """The transformers config of a preset (its shape, and its tokenizer's size and ids)."""
     check_config(cfg)
     tokenizer = load_tokenizer(cfg)
-    hf_config = ARCHS[cfg.arch](
+    cls = ARCHS[cfg.arch]
+    # Configs whose head size is a field of its own (qwen3's default is 128) get the preset's.
+    head_dim = {"head_dim": cfg.hidden_size // cfg.num_attention_heads} \
+        if "head_dim" in inspect.signature(cls.__init__).parameters else {}
+    fields = dict(
         vocab_size=cfg.vocab_size or len(tokenizer),
         hidden_size=cfg.hidden_size,
         intermediate_size=cfg.intermediate_size,
@@ -252,24 +255,43 @@ def preset_config(cfg: ModelConfig) -> Any:
         num_attention_heads=cfg.num_attention_heads,
         num_key_value_heads=cfg.num_key_value_heads,
         max_position_embeddings=cfg.max_position_embeddings,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        # The arch's own RoPE settings (qwen3_5 rotates a quarter of each head) with the preset's base.
+        rope_parameters={**(cls().rope_parameters or {}), "rope_type": "default", "rope_theta": cfg.rope_theta},
         rms_norm_eps=cfg.rms_norm_eps,
         tie_word_embeddings=cfg.tie_word_embeddings,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
+        **head_dim,
     )
+    try:
+        hf_config = cls(**{**fields, **cfg.arch_fields})
+    except Exception as err:  # transformers' own checks (e.g. layer_types of another length) raise assorted types
+        cause = str(err).strip().splitlines()[-1].strip() if str(err).strip() else type(err).__name__
+        raise ModelFieldError("arch_fields", dict(cfg.arch_fields), f"does not build a {cfg.arch} config ({cause})",
+                              "correct the values") from err
     hf_config._attn_implementation = cfg.attn_implementation
     return hf_config
+
+
+def model_config(spec: ModelSpec) -> Any:
+    """The transformers config of a model spec: a checkpoint's config.json, or a preset's."""
+    cfg = resolve_config(spec)
+    return AutoConfig.from_pretrained(cfg.path, local_files_only=True) if cfg.path else preset_config(cfg)
+
+
+def recurrent_blocks(hf_config: Any) -> List[int]:
+    """Blocks whose cache is a recurrent state instead of every position's keys and values
+    (Qwen3.5's Gated DeltaNet linear attention), as transformers builds the model's cache."""
+    layers = DynamicCache(config=hf_config).layers
+    return [i for i, layer in enumerate(layers) if isinstance(layer, LinearAttentionCacheLayerMixin)]
 
 
 def model_skeleton(spec: ModelSpec) -> PreTrainedModel:
     """The model's modules on the meta device (no weights, nothing read but its config): what
     checks of module names need, at no cost for a large model."""
-    cfg = resolve_config(spec)
-    hf_config = AutoConfig.from_pretrained(cfg.path, local_files_only=True) if cfg.path else preset_config(cfg)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(hf_config)
+        return AutoModelForCausalLM.from_config(model_config(spec))
 
 
 def build_model(spec: ModelSpec) -> PreTrainedModel:
@@ -301,9 +323,9 @@ def save_checkpoint(model: PreTrainedModel, tokenizer, out_dir: Union[str, os.Pa
     out.mkdir(parents=True, exist_ok=True)
     gen = model.generation_config or GenerationConfig.from_model_config(model.config)
     # Fill only what is missing: a checkpoint's own (e.g. several eos ids) stays as it is.
-    for field in ("bos_token_id", "eos_token_id", "pad_token_id"):
-        if getattr(gen, field) is None and getattr(tokenizer, field) is not None:
-            setattr(gen, field, getattr(tokenizer, field))
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if getattr(gen, key) is None and getattr(tokenizer, key) is not None:
+            setattr(gen, key, getattr(tokenizer, key))
     model.generation_config = gen
     model.save_pretrained(out)
     gen.save_pretrained(out)

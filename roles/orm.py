@@ -15,15 +15,24 @@ Kinds, chosen by `ORMConfig.kind`:
   whole match) equals the reference.
 * 'boxed': the content of the completion's last \\boxed{...} equals the reference.
   'regex' and 'boxed' compare numerically when both sides are numbers, else as 'exact' does.
+* 'math': ms-swift's `math` ORM (its sampler's orm_model): the completion's and the reference's
+  first \\boxed{...} (the text after '# Answer' when present; a side without one counts whole),
+  LaTeX delimiters and braces dropped, equal as text or as numbers. No symbolic equivalence
+  (ms-swift's sympy LaTeX parse needs antlr4, not installed here).
 * 'format': 1.0 when `format_pattern` matches the completion (`re.search`), else 0.0.
 * 'custom': `reward_fn`, a dotted path 'pkg.mod.fn' to a function
   fn(prompts, completions, references) -> list[float].
+* 'plugin': `plugin`, '<plugin file>.py:<name>': the reward class a plugin file registers in
+  `orms` (roles/plugins.py; ms-swift's external_plugins), imported in this process and called as
+  ms-swift calls it, `instance(completions, **columns)`: the rows' dataset columns (`rows`
+  of `score`) as lists, and `solution` (the reference) unless the rows carry one.
 * 'model': a causal LM with a scalar head read at the last token of prompt + completion
   (+ eos); trained with a pairwise Bradley-Terry loss by `train_pairwise`.
 * 'combined': the weighted sum over `weights` ({kind: weight}) of the kinds above.
 
 Prompts, completions and references are lists of strings, one entry per completion (repeat
-a prompt for its n samples), so `dispatch='slice'` splits them consistently.
+a prompt for its n samples), so `dispatch='slice'` splits them consistently; so are `rows`,
+the dataset columns of each completion's row (dicts), read by the plugin kind only.
 
 The scalar-head model (`roles/scorer_model.py`) is shared with the PRM, which reads it at the
 end of every step. No Ray here; model training is single-process (call it on one rank).
@@ -39,12 +48,13 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
+from roles.plugins import PluginError, plugin_reward
 from roles.scorer_model import ScalarHeadModel, ScorerModelConfig, typed_config
 
 # Kinds that judge a completion right or wrong against its reference (data.check offers them).
 ANSWER_KINDS = ("numeric", "exact", "last_number", "regex", "boxed")
-RULE_KINDS = ANSWER_KINDS + ("format",)
-COMPONENT_KINDS = RULE_KINDS + ("custom", "model")
+RULE_KINDS = ANSWER_KINDS + ("math", "format")
+COMPONENT_KINDS = RULE_KINDS + ("custom", "plugin", "model")
 KINDS = COMPONENT_KINDS + ("combined",)
 # A number as written in answers: optional sign and '$', thousands commas, decimals.
 NUMBER_RE = re.compile(r"[-+]?\$?\d{1,3}(?:,\d{3})+(?:\.\d+)?|[-+]?\$?\d+(?:\.\d+)?|[-+]?\$?\.\d+")
@@ -52,8 +62,8 @@ NUMBER_RE = re.compile(r"[-+]?\$?\d{1,3}(?:,\d{3})+(?:\.\d+)?|[-+]?\$?\d+(?:\.\d
 
 @dataclass
 class ORMConfig(ScorerModelConfig):
-    # What scores a completion: exact | numeric | last_number | regex | boxed | format | custom |
-    # model | combined.
+    # What scores a completion: exact | numeric | last_number | regex | boxed | math | format | custom |
+    # plugin | model | combined.
     kind: str = "numeric"
     # Weight of each kind when kind=combined, e.g. {numeric: 1.0, format: 0.1}; the score
     # is the weighted sum (not normalised).
@@ -72,6 +82,8 @@ class ORMConfig(ScorerModelConfig):
     format_pattern: str = r"(?m)^#### [-+]?\$?[\d,]*\.?\d+\.?\s*\Z"
     # custom: dotted path of fn(prompts, completions, references) -> list[float].
     reward_fn: Optional[str] = None
+    # plugin: '<plugin file>.py:<name>', a reward class the file registers in orms.
+    plugin: Optional[str] = None
 
 
 def load_reward_fn(path: Optional[str], key: str) -> Callable:
@@ -145,6 +157,16 @@ def reference_number(reference: str) -> Optional[float]:
     return _to_number(reference.strip().rstrip("."))
 
 
+def math_answer(text: str) -> str:
+    """The answer of ms-swift's math ORM: the text after '# Answer' (if any), its first
+    \\boxed{...} without nested braces (else the whole text), LaTeX \\( \\) \\[ \\] and braces dropped."""
+    text = text.split("# Answer")[1] if "# Answer" in text else text
+    boxed = re.search(r"\\boxed{([^}]*)}", text.strip())
+    text = boxed.group(1).strip() if boxed else text.strip()
+    text = re.sub(r"\\\(|\\\)|\\\[|\\]", "", text)
+    return text.replace("}}", "}").replace("{", "").replace("}", "").strip()
+
+
 def normalize_text(text: str, ignore_case: bool = True) -> str:
     text = " ".join(text.split())
     return text.casefold() if ignore_case else text
@@ -175,6 +197,12 @@ class ORM:
         else:
             self.weights = {cfg.kind: 1.0}
         self.reward_fn = load_reward_fn(cfg.reward_fn, "orm.reward_fn") if "custom" in self.weights else None
+        self.plugin = None
+        if "plugin" in self.weights:
+            try:
+                self.plugin = plugin_reward(cfg.plugin or "")
+            except PluginError as e:
+                raise ValueError(f"orm.plugin={cfg.plugin!r}: {e}") from None
         if "format" in self.weights:
             self.format_re = compile_pattern(cfg.format_pattern, "orm.format_pattern")
         if "regex" in self.weights:
@@ -187,21 +215,25 @@ class ORM:
     # ------------------------------------------------------------------------- scoring
 
     def score(self, prompts: Sequence[str], completions: Sequence[str],
-              references: Optional[Sequence[Optional[str]]] = None) -> List[float]:
-        """One score per completion: the weighted sum of the configured kinds."""
+              references: Optional[Sequence[Optional[str]]] = None,
+              rows: Optional[Sequence[Mapping[str, Any]]] = None) -> List[float]:
+        """One score per completion: the weighted sum of the configured kinds. `rows`: each
+        completion's dataset columns (the plugin kind passes them on; None: no columns)."""
         n = len(completions)
         references = list(references) if references is not None else [None] * n
-        if len(prompts) != n or len(references) != n:
-            raise ValueError(f"orm.score needs one prompt and one reference per completion; got "
-                             f"{len(prompts)} prompts, {n} completions, {len(references)} references")
+        rows = list(rows) if rows is not None else [{}] * n
+        if len(prompts) != n or len(references) != n or len(rows) != n:
+            raise ValueError(f"orm.score needs one prompt, reference and row per completion; got "
+                             f"{len(prompts)} prompts, {n} completions, {len(references)} references, {len(rows)} rows")
         total = [0.0] * n
         for kind, weight in self.weights.items():
-            scores = self._score_kind(kind, list(prompts), list(completions), references)
+            scores = self._score_kind(kind, list(prompts), list(completions), references, rows)
             total = [t + weight * s for t, s in zip(total, scores)]
         return total
 
-    def _score_kind(self, kind: str, prompts: List[str], completions: List[str], references: list) -> List[float]:
-        if kind in ANSWER_KINDS and any(r is None for r in references):
+    def _score_kind(self, kind: str, prompts: List[str], completions: List[str], references: list,
+                    rows: list) -> List[float]:
+        if kind in ANSWER_KINDS + ("math",) and any(r is None for r in references):
             raise ValueError(f"orm kind '{kind}' needs a reference for every completion")
         if kind == "exact":
             ic = self.config.exact_ignore_case
@@ -216,6 +248,8 @@ class ORM:
             return [self._same_answer(self._regex_answer(c), r) for c, r in zip(completions, references)]
         if kind == "boxed":
             return [self._same_answer(last_boxed(c), r) for c, r in zip(completions, references)]
+        if kind == "math":
+            return [self._same_number_or_text(math_answer(c), math_answer(r)) for c, r in zip(completions, references)]
         if kind == "format":
             return [float(self.format_re.search(c) is not None) for c in completions]
         if kind == "custom":
@@ -224,7 +258,22 @@ class ORM:
                 raise ValueError(f"orm.reward_fn='{self.config.reward_fn}' returned {len(out)} scores "
                                  f"for {len(completions)} completions")
             return out
+        if kind == "plugin":
+            return self._plugin_scores(completions, references, rows)
         return self._model_scores(prompts, completions)
+
+    def _plugin_scores(self, completions: List[str], references: list, rows: list) -> List[float]:
+        """The plugin's scores: ms-swift's call, the rows' columns batched into lists (None where
+        a row lacks a column), `solution` the reference when no row carries one."""
+        names = list(dict.fromkeys(k for row in rows for k in row))
+        columns = {k: [row.get(k) for row in rows] for k in names}
+        columns.setdefault("solution", references)
+        out = self.plugin(completions, **columns)
+        if out is None or len(out) != len(completions):
+            raise ValueError(f"orm.plugin={self.config.plugin!r} returned {None if out is None else len(out)} "
+                             f"scores for {len(completions)} completions")
+        # ms-swift reads None as 'no score' (NaN); one sum of weighted scores has no such value.
+        return [0.0 if x is None else float(x) for x in out]
 
     def _same_number(self, got: Optional[float], want: Optional[float]) -> float:
         if got is None or want is None:
@@ -242,6 +291,10 @@ class ORM:
             return self._same_number(*numbers)
         ic = self.config.exact_ignore_case
         return float(normalize_text(got, ic) == normalize_text(want, ic))
+
+    def _same_number_or_text(self, got: str, want: str) -> float:
+        numbers = _to_number(got), _to_number(want)
+        return self._same_number(*numbers) if None not in numbers else float(got == want)
 
     def _regex_answer(self, completion: str) -> Optional[str]:
         matches = list(self.answer_re.finditer(completion))

@@ -19,7 +19,8 @@ Kinds, chosen by `PRMConfig.kind`:
   answer equals the last result.
 * 'model': a causal LM with a scalar head (roles.scorer_model.ScalarHeadModel) read at the last
   separator token after each step; the score is sigmoid(scalar), trained with binary
-  cross-entropy on 0/1 step labels by `train_steps`.
+  cross-entropy on 0/1 step labels by `train_steps` (a folder written by `save` as `model`
+  brings its trained head).
 * 'custom': `reward_fn`, a dotted path to fn(prompts, completions, references) ->
   list[list[float]].
 
@@ -39,7 +40,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from roles.orm import load_reward_fn
-from roles.scorer_model import ScalarHeadModel, ScorerModelConfig, typed_config
+from roles.scorer_model import HEAD_FILE, ScalarHeadModel, ScorerModelConfig, typed_config
 
 KINDS = ("arithmetic", "model", "custom")
 AGGREGATES = ("min", "product", "last", "mean")
@@ -171,6 +172,10 @@ class PRM:
         if cfg.kind == "model":
             self.model = ScalarHeadModel(cfg.model, cfg.device, cfg.seed, cfg.use_chat_template, cfg.lr,
                                          cfg.weight_decay, cfg.max_grad_norm, cfg.micro_batch)
+            # A folder written by PRM.save (HEAD_FILE beside the weights) brings its trained head.
+            folder = cfg.model if isinstance(cfg.model, (str, os.PathLike)) else None
+            if folder is not None and os.path.isfile(os.path.join(folder, HEAD_FILE)):
+                self.model.load(folder)
             self.separator_ids = self.model.text_ids(cfg.step_separator)
             if not self.separator_ids:
                 raise ValueError(f"prm.step_separator={cfg.step_separator!r} encodes to no tokens")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -35,11 +36,13 @@ from roles.engines import torch_decode
 from roles.engines.options import ROLLOUT_ENGINES, check_engine
 from roles.batch import Completions, SamplingParams
 from roles.engines.torch_engine import pick_device, process_memory
-from roles.engines.torch_generate import generate_batch
+from roles.engines.torch_generate import decode_path, generate_batch
 from roles.engines.vllm_engine import VLLMEngine
 from roles.lora import PARTS, merge_into
 from roles.models import DTYPES, ModelSpec, build_model, load_tokenizer
 from roles.weight_transfer import WeightReceiver
+
+log = logging.getLogger(__name__)
 
 # A prompt: text, a chat conversation (list of {"role", "content"} dicts) or token ids.
 Prompt = Union[str, Sequence[Mapping[str, str]], Sequence[int]]
@@ -65,6 +68,10 @@ class RolloutConfig:
     # joined by newlines); null: the template when the tokenizer has one. The drivers set it
     # from data.chat.
     chat: Optional[bool] = None
+    # The chat template's thinking switch (passed to apply_chat_template as enable_thinking, as
+    # Qwen3's templates read it); null: the template's own default. The drivers set it from
+    # data.enable_thinking.
+    enable_thinking: Optional[bool] = None
     # Rank and alpha of a trainer's LoRA adapter that each weight sync sends alone
     # (weight_sync.lora=adapter; the drivers set both from trainer.lora). vLLM then serves the
     # base with enable_lora and the adapter as a LoRARequest; the torch engine merges it onto
@@ -92,12 +99,21 @@ def uses_template(tokenizer: Any, chat: Optional[bool], key: str = "rollout.chat
     return has if chat is None else bool(chat)
 
 
-def prompt_text(tokenizer: Any, prompt: Union[str, Sequence[Mapping[str, str]]], template: bool) -> str:
+def template_switches(enable_thinking: Optional[bool]) -> dict[str, bool]:
+    """Keyword arguments of apply_chat_template for the template's switches: enable_thinking
+    only when set (a template that tests `enable_thinking is defined` keeps its default)."""
+    return {} if enable_thinking is None else {"enable_thinking": bool(enable_thinking)}
+
+
+def prompt_text(tokenizer: Any, prompt: Union[str, Sequence[Mapping[str, str]]], template: bool,
+                enable_thinking: Optional[bool] = None) -> str:
     """A text or conversation as the text a reply follows: chat-rendered with the generation
-    prompt, or plain (a text as is, a conversation's contents joined by newlines)."""
+    prompt (and the template's thinking switch), or plain (a text as is, a conversation's
+    contents joined by newlines)."""
     if template:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False,
+                                             **template_switches(enable_thinking))
     return prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
 
 
@@ -207,6 +223,10 @@ class Rollout(WeightReceiver):
         self._lora_base: dict[str, torch.Tensor] = {}
         # The static decode path's KV cache and CUDA graph, kept across calls until sleep (CUDA only).
         self._decoder = torch_decode.StaticDecoder(compile=self.config.compile_decode)
+        blocker = torch_decode.unsupported(self.model)
+        if blocker is not None and self.device.type in torch_decode.STATIC_DEVICES:
+            log.info(f"rollout: {type(self.model).__name__} decodes with plain generation, not the static KV "
+                     f"cache: {blocker}")
 
     # ---- generation -------------------------------------------------------------------
 
@@ -258,7 +278,8 @@ class Rollout(WeightReceiver):
     def _encode(self, prompt: Prompt, chat: Optional[bool]) -> list[int]:
         if isinstance(prompt, str) or (len(prompt) and isinstance(prompt[0], Mapping)):
             template = uses_template(self.tokenizer, chat)
-            ids = prompt_token_ids(self.tokenizer, prompt_text(self.tokenizer, prompt, template), template)
+            text = prompt_text(self.tokenizer, prompt, template, self.config.enable_thinking)
+            ids = prompt_token_ids(self.tokenizer, text, template)
         else:
             ids = [int(t) for t in prompt]
         if not ids:
@@ -428,7 +449,9 @@ class Rollout(WeightReceiver):
         """Engine name, this rank's place in a tensor-parallel engine, weight bytes it holds."""
         if self._vllm:
             return self._vllm.info()
-        return {"engine": "torch", "tensor_parallel_size": 1, "tensor_parallel_rank": 0,
+        # decode: "static" (torch_decode's KV cache, CUDA graph) or "dynamic" (plain generation).
+        return {"engine": "torch", "decode": decode_path(self.model), "tensor_parallel_size": 1,
+                "tensor_parallel_rank": 0,
                 "weight_bytes": sum(p.numel() * p.element_size() for p in self.model.parameters())}
 
     def memory(self) -> dict[str, int]:

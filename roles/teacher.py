@@ -5,6 +5,7 @@ full vocabulary), moved off the device and back (`offload`/`onload`) when it sha
     values, indices = teacher.logits(batch, topk=64)            # [B, T, k] logprobs, token ids
     values, indices, tail = teacher.logits(batch, topk=64, tail=True)
     full = teacher.logits(batch, topk=None)                     # [B, T, V] logprobs
+    sampled = teacher.token_logprobs(batch, temperature=1.0)     # [B, T] logprob of each token
 
 Outputs are aligned with `batch.input_ids` like every per-token field: position t is the
 distribution of token t given tokens < t; position 0 and padding hold 0. Values are
@@ -24,16 +25,17 @@ from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
 import torch
+import torch.nn.functional as F
 from omegaconf import OmegaConf
 
 from roles.batch import Batch, fitting_rows, token_bytes
 from roles.engines import megatron_trainer as mt
 from roles.engines.host_copies import host_bytes, module_tensors, to_device, to_host
 from roles.engines.options import TEACHER_ENGINES, MegatronOptions, check_engine
-from roles.engines.torch_engine import process_memory
+from roles.engines.torch_engine import process_memory, token_logprobs as engine_token_logprobs
 from roles.engines.torch_trainer import rank_device
-from roles.engines.train_kernels import (check_plain_head, chunked_vocab_logprobs, next_token_vocab_logprobs, pack,
-                                        packed_forward, use_packing, vocab_logprobs)
+from roles.engines.train_kernels import (check_plain_head, chunked_token_logprobs, chunked_vocab_logprobs,
+                                        next_token_vocab_logprobs, pack, packed_forward, use_packing, vocab_logprobs)
 from roles.engines.vllm_engine import VLLMEngine
 from roles.models import DTYPES, ModelSpec, build_model, load_tokenizer, resolve_config
 from roles.weight_transfer import WeightReceiver, load_named_weights
@@ -226,6 +228,40 @@ class Teacher(WeightReceiver):
         if topk is None:
             return values[own]
         return (values[own], indices[own], tails[own]) if tail else (values[own], indices[own])
+
+    @torch.no_grad()
+    def token_logprobs(self, batch: Batch, temperature: float) -> torch.Tensor:
+        """The logprob of each of the batch's own tokens [B, T] at `temperature`: position t holds
+        log p(input_ids[t] | tokens < t), 0 at position 0 and on padding (GRPO's teacher signal:
+        the teacher's view of each sampled token). Keeps one value a position, never a [B, T, k]
+        or [B, T, V] output. Torch engine only (vLLM serves top-k; Megatron's TP ranks meet in
+        `logits`)."""
+        if self._host is not None:
+            raise RuntimeError("teacher is offloaded; call onload() before token_logprobs()")
+        if self.engine != "torch":
+            raise ValueError(f"teacher token_logprobs needs the torch engine, not {self.engine}")
+        if temperature <= 0:
+            raise ValueError(f"temperature={temperature} must be > 0")
+        B, T = batch.input_ids.shape
+        out = torch.zeros(B, T)
+        per_token = token_bytes(self.model, backward=False, logits=not self.config.chunked_logprobs)
+        size = self.config.micro_batch_per_device or fitting_rows(B, T, per_token, self.config.micro_batch_memory_mb)
+        for start in range(0, B, size):
+            rows = slice(start, min(start + size, B))
+            ids = batch.input_ids[rows].to(self.device)
+            mask = batch.attention_mask[rows].to(self.device)
+            if not bool(mask.any()):
+                continue  # padding only: every output stays 0
+            if self.config.chunked_logprobs:
+                got = chunked_token_logprobs(self._torch_forward(ids, mask), self.model.get_output_embeddings(), ids,
+                                             mask, temperature)
+            elif self.config.fused_logprobs:  # the compiled log-softmax [b, T, V], picked here
+                full = self._fused_forward(ids, mask, None, False, temperature)[0]
+                got = F.pad(full[:, :-1].gather(-1, ids[:, 1:, None])[..., 0], (1, 0))
+            else:
+                got = engine_token_logprobs(self._torch_forward(ids, mask), ids, temperature)
+            out[rows] = torch.where(mask.bool(), got.float(), 0.0).cpu()
+        return out
 
     def update_weights(self, buckets: Any, version: int) -> None:
         """Load a trainer's weights (self-distillation: the teacher follows the student);

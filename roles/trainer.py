@@ -116,13 +116,12 @@ class Trainer(WeightSender):
         # engines see a model whose trainable parameters are the adapters'.
         self.peft = None
         if c.lora.rank:
-            if engine == "megatron":
-                raise ValueError("trainer.lora: the megatron engine trains full parameters only; LoRA trains on "
-                                 "backend.train=torch or deepspeed (with tensor_parallel_size 1)")
             with torch.random.fork_rng(devices=[]):  # the adapter's initial A: the same for every seed-equal run
                 torch.manual_seed(c.seed)
                 self.peft = add_adapter(model, c.lora)
         self._lora_scale, self._lora_aliases = scalings(model), tied_aliases(model)
+        # The adapted HF model's parameter names and vocabulary (the Megatron engine's model has its own).
+        self._hf_params, self._vocab_size = {n for n, _ in model.named_parameters()}, model.config.vocab_size
         if engine == "megatron":
             self.engine = MegatronTrainEngine(model, options=engine_options or {}, **optim)
         elif engine == "deepspeed":
@@ -288,12 +287,18 @@ class Trainer(WeightSender):
             raise ValueError(f"trainer.{what}: the base model with the adapter off needs trainer.lora.rank >= 1; "
                              "without LoRA the reference or teacher is a role of its own")
 
+    def _adapter_off(self):
+        """A context in which the model computes as its base: the engine's own adapters off
+        (Megatron's, which sit on its parallel linears) or peft's."""
+        own = getattr(self.engine, "adapter_off", None)
+        return own() if own is not None else adapter_off(self.peft)
+
     @torch.no_grad()
     def base_logprobs(self, batch: Batch, temperature: float = 1.0) -> torch.Tensor:
         """`logprobs` of the base model: the same weights with the LoRA adapter off (its initial
         policy, as a separately loaded base model gives them)."""
         self._require_adapter("base_logprobs")
-        with adapter_off(self.peft):
+        with self._adapter_off():
             return self.logprobs(batch, temperature)
 
     @torch.no_grad()
@@ -305,10 +310,10 @@ class Trainer(WeightSender):
         self.engine.check_live("base_teacher", optimizer=False)
         self._train_mode(False)
         B, T = batch.input_ids.shape
-        width = topk or self.model.config.vocab_size  # (the head's weight: a shard under ZeRO-3)
+        width = topk or self._vocab_size  # (the head's weight: a shard under ZeRO-3)
         values, indices = torch.zeros(B, T, width), torch.zeros(B, T, width, dtype=torch.long) if topk else None
         idle = self._idle_passes(-(-B // self._micro_size(batch, backward=False)), backward=False)
-        with adapter_off(self.peft):
+        with self._adapter_off():
             for start, stop, mb in self._micro_batches(batch, backward=False):
                 logits = self.engine.forward(mb.input_ids, mb.attention_mask)
                 keep = mb.attention_mask[:, 1:].bool().unsqueeze(-1).to(logits.device)
@@ -399,8 +404,8 @@ class Trainer(WeightSender):
         if self.peft is not None:  # the base stays as built; the adapter comes back exactly
             from safetensors.torch import load_file
 
-            own = dict(self.model.named_parameters())  # (a trained copy that tied modules share: once)
             state = adapter_state(load_file(str(src / ADAPTER_DIR / "adapter_model.safetensors")))
+            own = self._hf_params  # (a trained copy that tied modules share: once)
             self.engine.load_params({n: t for n, t in state.items() if n in own})
             self.engine.load_state_dict(torch.load(src / STATE_FILE, map_location="cpu", weights_only=True))
             self._load_rng(src)

@@ -54,11 +54,14 @@ EXCEPTIONS = {
     # A request that sets nothing samples the model's distribution unchanged, as in vLLM.
     ("roles/batch.py", "SamplingParams", "temperature"): "untempered",
     ("roles/batch.py", "SamplingParams", "top_p"): "no nucleus cut",
+    ("roles/batch.py", "SamplingParams", "top_k"): "no top-k cut",
     # The role contract's offload(model: bool, optimizer: bool): flags, not the model setting.
     ("roles/trainer.py", "Trainer.offload", "model"): "a flag",
     # The tensor-parallel group's rendezvous address from the worker's environment, not the
     # Ray cluster's address.
     ("roles/engines/vllm_build.py", "EngineGroup", "address"): "another address",
+    # The teacher's Megatron forward keeps every position: sequence parallelism is the trainer's.
+    ("roles/engines/megatron_trainer.py", "to_megatron", "sequence_parallel"): "the teacher's: off",
     # The device kind of a Swift-Ray device group (GPU/CPU), which no dataclass types.
     ("orchestration/device_groups.py", "plan_device_groups", "device"): "device kind of a group",
     # The torch engine's plain forward when nobody asks for more (benchmarks and tests build the

@@ -218,10 +218,9 @@ def test_ms_swift_sampling_yaml_loads_through_config_file_and_plans(tmp_path):
             algo.max_new_tokens, algo.output_file) == (4, 2, 0.8, 0.7, 0.9, 32, "sampling.jsonl")
     assert plan["sampler"].ranks == (0, 1) and plan["sampler"].device == "GPU"
     assert plan["prm"].device == plan["orm"].device == "CPU" and plan["prm"].colocated_with == ("orm",)
-    # ms-swift keys without a true counterpart here are refused together, by name.
+    # orm_model: math is ms-swift's math ORM; a PRM id that is neither local nor cached is refused by name.
     path.write_text(SWIFT_SAMPLING + "sampler_engine: vllm\nprm_model: Qwen/Qwen2.5-Math-PRM-7B\norm_model: math\n")
-    with pytest.raises(ConfigError, match=r"2 key\(s\) .*prm_model: not supported: set prm.kind.*"
-                                          r"orm_model: not supported: set orm.kind"):
+    with pytest.raises(ConfigError, match=r"1 key\(s\) .*prm_model='Qwen/Qwen2.5-Math-PRM-7B'"):
         prepare({"config_file": str(path)}, DistillConfig)
     path.write_text(SWIFT_SAMPLING.replace("n_best_to_keep: 2", "n_best_to_keep: 4"))
     typed, plan = prepare({"config_file": str(path)}, DistillConfig)

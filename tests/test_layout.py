@@ -7,6 +7,7 @@ The rooms, lowest first (docs/ARCHITECTURE.md draws them):
 
     roles | orchestration            never each other, never algorithms or benchmarks
     algorithms.data                  tasks, user files, prompt rendering, answer checking
+    algorithms.plugins               what an ms-swift plugin file imports (registries: roles/plugins.py)
     algorithms.objectives            losses, advantages, rewards
     algorithms.records               run log, trackers, plots, checkpoints
     algorithms.config                schema, ms-swift key tables, checks
@@ -32,7 +33,7 @@ DRIVERS = ("grpo", "gkd", "sft", "distill")
 # Room of a module -> its height; an import may only go to a room of the same height or lower.
 ROOMS = [
     ("roles", 0), ("orchestration", 0), ("conf", 0),
-    ("algorithms.data", 1), ("algorithms.objectives", 2), ("algorithms.records", 3), ("algorithms.config", 4),
+    ("algorithms.data", 1), ("algorithms.plugins", 1), ("algorithms.objectives", 2), ("algorithms.records", 3), ("algorithms.config", 4),
     ("algorithms.runtime", 5), *[(f"algorithms.{d}", 6) for d in DRIVERS], ("algorithms.cli", 7),
     ("benchmarks", 8),
 ]

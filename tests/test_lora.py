@@ -219,9 +219,10 @@ def test_unknown_target_module_is_named():
         _trainer(target_modules=["c_attn"])
 
 
-def test_megatron_lora_is_refused_naming_the_engines_that_serve():
-    with pytest.raises(ValueError, match="backend.train=torch or deepspeed"):
-        Trainer(MODEL, {"device": "cpu", "lora": LORA}, engine="megatron")
+def test_megatron_lora_refuses_what_it_does_not_map_naming_the_engines_that_serve():
+    # (LoRA on the Megatron engine itself: tests/test_megatron_lora.py)
+    with pytest.raises(ValueError, match=r"cannot map modules_to_save.*backend.train=torch or deepspeed"):
+        Trainer(MODEL, {"device": "cpu", "lora": {**LORA, "modules_to_save": ["lm_head"]}}, engine="megatron")
 
 
 def test_the_frozen_base_is_kept_in_the_compute_dtype():

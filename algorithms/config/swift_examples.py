@@ -25,6 +25,7 @@ from typing import Callable
 
 from algorithms.data.tasks import Example, arithmetic_examples
 from roles.models import build_model, load_tokenizer, save_checkpoint
+from roles.prm import PRM
 
 # ms-swift's 11 Ray example files (paths in its repository and under DIR).
 EXAMPLE_FILES = (
@@ -50,8 +51,14 @@ STAND_IN_MODELS = {
     "Qwen/Qwen3.5-9B": "small_qwen2",
     "Qwen/Qwen2.5-VL-3B-Instruct": "tiny_qwen2",
     "Qwen/Qwen2.5-7B-Instruct": "tiny_qwen2",
-    "Qwen/Qwen2.5-Math-PRM-7B": "tiny_qwen2",
 }
+# Hub PRM id -> the preset of its stand-in: a process reward model in this project's form (a causal
+# LM with a step head, saved by PRM.save; a hub PRM's own head class is not read here).
+STAND_IN_PRMS = {"Qwen/Qwen2.5-Math-PRM-7B": "tiny_qwen2"}
+
+# The stand-ins' context: the checkpoints the files name read 32k tokens (the files ask for up to
+# 8192 prompt and 8192 completion tokens), so do their stand-ins (rotary positions cost no weights).
+CONTEXT = 32768
 
 # Rows per stand-in dataset (the files sample up to 2000 of them: '#N' over the rows repeats them).
 ROWS = 64
@@ -153,8 +160,12 @@ def write_hub(hub: Path) -> None:
         if preset in built:  # one build per preset, copied
             shutil.copytree(built[preset], folder, dirs_exist_ok=True)
         else:
-            save_checkpoint(build_model(preset), load_tokenizer(preset), folder)
+            model = build_model(preset)
+            model.config.max_position_embeddings = CONTEXT
+            save_checkpoint(model, load_tokenizer(preset), folder)
             built[preset] = folder
+    for repo_id, preset in STAND_IN_PRMS.items():
+        PRM(kind="model", model=preset, device="cpu").save(snapshot(hub, "models", repo_id))
     examples = arithmetic_examples(ROWS, seed=0, split="train")
     for repo_id, row in STAND_IN_DATA.items():
         folder = snapshot(hub, "datasets", repo_id)
@@ -171,7 +182,9 @@ def write_frozen_lake(path: Path) -> None:
 
 
 def stand_ins_text() -> str:
-    models = "\n".join(f"- `{k}`: the `{v}` preset, random weights" for k, v in STAND_IN_MODELS.items())
+    models = "\n".join([f"- `{k}`: the `{v}` preset, random weights" for k, v in STAND_IN_MODELS.items()]
+                       + [f"- `{k}`: a PRM of this project (the `{v}` preset, random step head)"
+                          for k, v in STAND_IN_PRMS.items()])
     data = "\n".join(f"- `{k}`: {ROWS} arithmetic rows in its columns" for k in STAND_IN_DATA)
     return (f"# Stand-ins of the hub ids these ms-swift files name\n\nModels (hub/models--*):\n\n{models}\n\n"
             f"Datasets (hub/datasets--*):\n\n{data}\n\nRun a file from this folder with the hub cache here:\n\n"

@@ -22,6 +22,7 @@ import yaml
 
 from algorithms.config import swift_values as conv
 from orchestration.config import PLACEMENT_KEYS, ConfigError, split_config_file
+from roles.engines.options import VLLM_ROLE_SECTIONS
 
 # Keys every driver reads (the ms-swift name, and its Megatron or Hugging Face alias).
 MAPPED: dict[str, conv.Mapper] = {
@@ -32,6 +33,7 @@ MAPPED: dict[str, conv.Mapper] = {
     "columns": conv.to("data.columns", convert=conv.columns),
     "max_length": conv.to("data.max_length", convert=conv.integer),
     "system": conv.to("data.system", convert=lambda s: conv.path(s) if conv.text(s).endswith(".txt") else conv.text(s)),
+    "enable_thinking": conv.to("data.enable_thinking", convert=conv.optional(conv.flag)),
     "seed": conv.to("run.seed", "data.seed", "trainer.seed", convert=conv.integer),
     "data_seed": conv.to("data.seed", convert=conv.integer),
     "lr": conv.to("trainer.lr", convert=conv.number),
@@ -63,7 +65,8 @@ MAPPED: dict[str, conv.Mapper] = {
     "eval_steps": conv.to("run.eval_every", convert=conv.integer),
     "log_interval": conv.to("run.log_every", convert=conv.integer),
     "logging_steps": conv.to("run.log_every", convert=conv.integer),
-    "report_to": conv.loggers,
+    "report_to": conv.loggers_swanlab,
+    "external_plugins": conv.external_plugins,
     "torch_dtype": conv.to("model.dtype", convert=conv.dtype),
     "bf16": conv.flag_dtype("bfloat16"),
     "fp16": conv.flag_dtype("float16"),
@@ -88,7 +91,7 @@ MAPPED: dict[str, conv.Mapper] = {
     "pipeline_model_parallel_size": conv.neutral((1,), "there is no pipeline parallelism here"),
     "context_parallel_size": conv.neutral((1,), "there is no context parallelism here"),
     "expert_model_parallel_size": conv.neutral((1,), "there is no expert parallelism here"),
-    "sequence_parallel": conv.neutral((False,), "there is no sequence parallelism here"),
+    "sequence_parallel": conv.to("megatron.sequence_parallel", convert=conv.flag),
     "use_vllm": conv.use_vllm,
     "vllm_mode": conv.vllm_mode,
     "vllm_gpu_memory_utilization": conv.to("vllm.gpu_memory_utilization", convert=conv.number),
@@ -106,8 +109,8 @@ DRIVER_KEYS: dict[str, dict[str, conv.Mapper]] = {
         "rlhf_type": conv.rlhf_type("grpo"),
         "num_generations": conv.to("algorithm.num_generations", convert=conv.integer),
         "temperature": conv.to("algorithm.temperature", convert=conv.number),
-        "top_k": conv.neutral((-1, 0, None), "GRPO samples the full distribution (temperature only) here"),
-        "top_p": conv.neutral((1.0, 1, None), "GRPO samples the full distribution (temperature only) here"),
+        "top_k": conv.to("algorithm.top_k", convert=conv.integer),
+        "top_p": conv.to("algorithm.top_p", convert=conv.number),
         "repetition_penalty": conv.neutral((1.0, 1, None), "no repetition penalty in generation here"),
         "max_completion_length": conv.to("algorithm.max_new_tokens", convert=conv.integer),
         # Batches and updates.
@@ -129,8 +132,13 @@ DRIVER_KEYS: dict[str, dict[str, conv.Mapper]] = {
         "dynamic_sample": conv.to("algorithm.dynamic_sample", convert=conv.flag),
         "max_resample_times": conv.to("algorithm.max_resample_times", convert=conv.integer),
         # Rewards.
-        "reward_funcs": conv.to("algorithm.reward_funcs", convert=conv.texts),
+        "reward_funcs": conv.reward_funcs,
         "reward_weights": conv.to("algorithm.reward_weights", convert=conv.numbers),
+        # On-policy distillation as RL (a teacher_model in the placement); as in ms-swift, a file
+        # without reward_funcs then trains on the teacher's signal alone.
+        "teacher_kl_coef": lambda value, file, cfg: {
+            "algorithm.teacher_kl_coef": conv.number(value),
+            **({"algorithm.reward_funcs": []} if conv.number(value) > 0 and "reward_funcs" not in file else {})},
     },
     "gkd": {
         "rlhf_type": conv.rlhf_type("gkd"),
@@ -145,6 +153,9 @@ DRIVER_KEYS: dict[str, dict[str, conv.Mapper]] = {
     },
     "sft": {
         "global_batch_size": conv.global_batch("sft"),
+        "gradient_accumulation_steps": conv.accumulation,
+        "model_name": conv.to("algorithm.model_name", convert=conv.texts),
+        "model_author": conv.to("algorithm.model_author", convert=conv.texts),
     },
     "distill": {
         **{k: conv.to(f"algorithm.{k}", convert=conv.integer) for k in ("num_return_sequences", "n_best_to_keep")},
@@ -153,7 +164,11 @@ DRIVER_KEYS: dict[str, dict[str, conv.Mapper]] = {
         "easy_query_threshold": conv.to("algorithm.easy_query_threshold", convert=conv.optional(conv.number)),
         "max_new_tokens": conv.to("algorithm.max_new_tokens", convert=conv.integer),
         "max_completion_length": conv.to("algorithm.max_new_tokens", convert=conv.integer),
-        "sampler_engine": conv.sampler_engine,
+        "sampler_engine": conv.local_sampler,
+        "engine_kwargs": conv.engine_kwargs,
+        "stream": conv.stream,
+        "orm_model": conv.orm_model,
+        "prm_model": conv.prm_model,
         "num_sampling_batch_size": conv.to("run.prompts_per_step", convert=conv.integer),
         "num_sampling_per_gpu_batch_size": conv.to("run.prompts_per_step", convert=conv.integer),
         "num_sampling_batches": conv.to("run.steps", convert=conv.integer),
@@ -189,6 +204,8 @@ NO_EFFECT: dict[str, str] = {
     "gc_collect_after_offload": "memory is freed after every offload here",
     "load_args": "arguments are never read from a checkpoint folder here",
     "override_exist_file": "the sampled rows go to a new file in the run directory",
+    "per_device_eval_batch_size": "eval here is greedy generation on held-out prompts (rollout.max_batch_size "
+                                  "rows at a time), no eval-loss batches",
 }
 
 # Keys with a reason why they cannot be honoured (and what to use instead).
@@ -196,20 +213,14 @@ REFUSED: dict[str, str] = {
     "model_type": "the architecture comes from the model folder's config.json, remove it",
     "template": "prompts use the tokenizer's own chat template (data.chat=false: plain text)",
     "gradient_accumulation_steps": "set global_batch_size (sequences per update), accumulation follows from "
-                                   "micro_batch_size",
+                                   "micro_batch_size (the sft driver reads it)",
     "streaming": "user files are read whole (data.max_rows caps them)",
     "truncation_strategy": "too-long prompts are skipped and too-long replies cut (data.max_length), always",
     "reward_model": "set GRPO's reward model as an orm role (reward_funcs with a planned orm)",
     "teacher_model_server": "the teacher is a role on planned devices, never an external server",
     "vllm_server_host": "the rollout is a role on planned devices, never an external vLLM server",
     "vllm_server_port": "the rollout is a role on planned devices, never an external vLLM server",
-    "sampler_engine": "the sampler runs backend.rollout's engine (torch or vllm)",
-    "prm_model": "set prm.kind / prm.model (a local folder) on the command line",
-    "orm_model": "set orm.kind / orm.model (a local folder) on the command line",
     "resume_from_checkpoint": "use run.resume=<checkpoints/step_N folder> (or auto)",
-    "external_plugins": "rewards are named by dotted path in reward_funcs (pkg.mod.fn) here",
-    "teacher_kl_coef": "on-policy distillation inside GRPO is not implemented, use the gkd driver",
-    "enable_thinking": "templates get no thinking switch here, use a tokenizer whose template does what you want",
     "multi_turn_scheduler": "multi-turn rollouts are not implemented",
     "max_turns": "multi-turn rollouts are not implemented",
     "gym_env": "multi-turn rollouts are not implemented",
@@ -241,6 +252,7 @@ def translate(file: Mapping, driver: str, cfg: Any) -> tuple[dict, dict, list[st
                 problems.append(f"{where}={value!r}: {e}")
                 continue
             for ours, v in mapped.items():
+                ours = role_key(where, ours)
                 if ours in out and out[ours] != v:
                     problems.append(f"{where}={value!r}: {source[ours]} already set {ours}={out[ours]!r}, and one "
                                     f"value serves every role here, give them the same one")
@@ -251,8 +263,11 @@ def translate(file: Mapping, driver: str, cfg: Any) -> tuple[dict, dict, list[st
             problems.append(f"{where}: not supported: {REFUSED[key]}")
         else:
             problems.append(f"{where}: unknown to the {driver} driver{nearest(key, driver)}")
+    if driver == "grpo" and "rlhf_type" in flat and "reward_funcs" not in flat:
+        out["algorithm.reward_funcs"] = []  # a GRPO run file without reward_funcs: ms-swift's default, none
     if "run.steps" in out:  # ms-swift: train_iters / max_steps win over num_train_epochs
         out.pop("run.epochs", None)
+    out.update(teacher_engine(placement, out))
     if problems:
         path = getattr(cfg, "config_file", None)
         raise ConfigError(f"config key 'config_file'{'' if path is None else f'={path!r}'} has {len(problems)} key(s) "
@@ -260,6 +275,29 @@ def translate(file: Mapping, driver: str, cfg: Any) -> tuple[dict, dict, list[st
                           + "; ".join(problems) + ". Fix: change or remove them (docs/ms_swift.md lists every "
                           "key read), nothing has started")
     return placement, out, no_effect
+
+
+def role_key(where: str, ours: str) -> str:
+    """Our key for a value read at `where`: a vLLM setting inside a rollout: or teacher: section
+    (`teacher.vllm_gpu_memory_utilization`) is that role's own, `vllm.roles.<role>.*`; any other
+    key, and one at the top level, serves every role."""
+    role = where.split(".", 1)[0] if "." in where else None
+    if role in VLLM_ROLE_SECTIONS and ours.startswith("vllm."):
+        return f"vllm.roles.{role}.{ours[len('vllm.'):]}"
+    return ours
+
+
+def teacher_engine(placement: Mapping, out: Mapping) -> dict:
+    """A teacher group on devices of its own (`teacher: {gpus: N}`) in a file with use_vllm: true
+    is ms-swift's teacher replicas, vLLM engines serving prompt top-k logprobs: backend.teacher=vllm,
+    its max_logprobs the file's (vllm_engine_kwargs) else gkd_logits_topk. A colocated
+    teacher_model stays on the torch engine, as in ms-swift (full-vocabulary logits need it)."""
+    group = placement.get("teacher")
+    if out.get("backend.rollout") != "vllm" or not isinstance(group, Mapping) or not group.get("gpus"):
+        return {}
+    topk = out.get("algorithm.logits_topk")
+    given = {"vllm.max_logprobs", "vllm.roles.teacher.max_logprobs"} & set(out)
+    return {"backend.teacher": "vllm", **({"vllm.roles.teacher.max_logprobs": topk} if topk and not given else {})}
 
 
 def output_run_dir(argv: list[str]) -> list[str]:

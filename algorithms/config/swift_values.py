@@ -10,6 +10,12 @@ import math
 import os
 from typing import Any, Callable, Mapping, Optional
 
+from roles.hub import HubError, find_model, is_repo_id, missing_model, parse_dataset
+from roles.models import hub_cache_dir
+from roles.orm import ANSWER_KINDS
+from roles.plugins import PluginError, load_plugin
+from roles.scorer_model import HEAD_FILE
+
 # (the key's value, the whole file, the composed config) -> {our dotted key: value}
 Mapper = Callable[[Any, Mapping, Any], dict]
 # The drivers that read a config_file.
@@ -97,49 +103,43 @@ def path(value: Any) -> str:
 
 
 def split_count(item: str) -> tuple[str, Optional[int]]:
-    """'path#N' -> (path, N): ms-swift's row count after a dataset path. A '#' suffix of an
-    existing path that is no count (#abc, #-3, #0) is refused."""
-    head, sep, count = str(item).rpartition("#")
-    if not sep or os.path.exists(str(item)):
-        return str(item), None
-    if count.isdigit() and int(count) >= 1:
-        return head, int(count)
-    if os.path.exists(os.path.expanduser(head)):
-        raise Unsupported(f"'#{count}' after {head!r} is no row count: write path#N with N a whole number >= 1 "
-                          "(the first N rows), or the path alone for every row")
-    return str(item), None
+    """'entry#N' -> (entry with any local path made absolute, N): ms-swift's row count after a
+    dataset (roles/hub.py parse_dataset reads the whole syntax). A count that is no whole
+    number >= 1 is refused."""
+    try:
+        entry = parse_dataset(item)
+    except HubError as e:
+        raise Unsupported(str(e)) from None
+    source = path(entry.source)  # a local path made absolute; a hub id as it is
+    prefix = f"{entry.hub}::" if entry.hub else ""
+    subsets = f":{'/'.join(entry.subsets)}" if entry.subsets else ""
+    return f"{prefix}{source}{subsets}", entry.count
 
 
 def paths(value: Any) -> list[str]:
+    """A dataset list as data.paths holds it: each entry's path absolute, its '#N' kept (the
+    loader draws N rows from that entry alone)."""
     items = value if isinstance(value, list) else [value]
     if not items or not all(isinstance(v, str) and v.strip() for v in items):
-        raise Unsupported("must be a file path or a list of file paths")
-    if any(split_count(v)[1] is not None for v in items):
-        raise Unsupported("a '#N' row count is read only on `dataset` here")
-    return [path(v) for v in items]
+        raise Unsupported("must be a file path, a folder or a hub id in a local cache, or a list of them (JSONL, "
+                          "JSON, CSV, Parquet files; each optionally #N)")
+    return [name + ("" if n is None else f"#{n}") for name, n in map(split_count, items)]
 
 
 def dataset(value: Any, file: Mapping, cfg: Any) -> dict:
-    items = value if isinstance(value, list) else [value]
-    if not items or not all(isinstance(v, str) and v.strip() for v in items):
-        raise Unsupported("must be a file path or a list of file paths (local JSONL, JSON, CSV, Parquet files or "
-                          "save_to_disk folders)")
-    split = [split_count(v) for v in items]
-    counts = {n for _, n in split}
-    out = {"data.task": "files", "data.paths": [path(p) for p, _ in split]}
-    if counts != {None}:
-        if len(counts) != 1 or None in counts:
-            raise Unsupported("'#N' row counts must be the same on every file here (one data.max_rows cap)")
-        out["data.max_rows"] = counts.pop()  # the first N rows
+    out = {"data.task": "files", "data.paths": paths(value)}
+    if "split_dataset_ratio" not in file and not file.get("val_dataset"):
+        out["data.val_split"] = 0.0  # ms-swift's split_dataset_ratio default: nothing held out, no evaluation
     return out
 
 
 def split_ratio(value: Any, file: Mapping, cfg: Any) -> dict:
-    # 0 (ms-swift's default: no split) keeps this project's default held-out rows.
     ratio = number(value)
     if not 0.0 <= ratio < 1.0:
-        raise Unsupported("must be a fraction in [0, 1): the share of rows held out (0: the last data.eval_size rows)")
-    return {"data.val_split": ratio} if ratio > 0 else {}
+        raise Unsupported("must be a fraction in [0, 1): the share of each dataset's rows held out (0: none, no "
+                          "evaluation)")
+    # With val_dataset ms-swift sets the ratio to 0: val_dataset's rows are the held-out ones.
+    return {} if file.get("val_dataset") else {"data.val_split": ratio}
 
 
 def columns(value: Any) -> dict:
@@ -154,9 +154,11 @@ def columns(value: Any) -> dict:
 
 
 def model(value: Any, file: Mapping, cfg: Any) -> dict:
-    # The folder (or hub id in the local cache) itself; the drivers resolve and check it.
+    # The folder (or hub id in a local cache) itself; the drivers resolve and check it.
     if not isinstance(value, str) or not value.strip():
-        raise Unsupported("must be the path of a local model folder (or a hub id in the local cache)")
+        raise Unsupported("must be the path of a local model folder (or a hub id in a local cache)")
+    if is_repo_id(value) and find_model(value) is None:
+        raise Unsupported(f"is no local folder, and {missing_model(value)}")
     return {"model.path": path(value), "model.name": os.path.basename(os.path.normpath(value))}
 
 
@@ -410,3 +412,147 @@ def warmup_fraction(value: Any, file: Mapping, cfg: Any) -> dict:
     if not 0.0 <= ratio < 1.0:
         raise Unsupported("must be a fraction in [0, 1) of the run's updates")
     return {"trainer.warmup_ratio": ratio}
+
+
+# ms-swift's built-in `format` reward (swift/rewards/orm.py): the whole completion is
+# <think>...</think> then <answer>...</answer>; `\A` with re.search is its re.match.
+SWIFT_FORMAT = r"(?s)\A<think>.*?</think>\s*<answer>.*?</answer>(?![\s\S])"
+# ms-swift's other built-in rewards, and why they are not offered here.
+SWIFT_ONLY_REWARDS = {
+    "react_format": "ms-swift's ReAct format check is not implemented here (a plugin ORM can be)",
+    "cosine": "the length-scaled cosine reward is not implemented here",
+    "repetition": "the n-gram repetition penalty is not implemented here",
+    "soft_overlong": "the soft overlong penalty is not implemented here (overlong_filter drops cut completions)",
+    "toolbench": "the ToolBench ReAct reward is not implemented here",
+    "math": "ms-swift's math ORM scores its sampler's requests, not GRPO completions (orm_model: math in distill)",
+}
+# This project's reward names a config_file may also use (algorithm.reward_funcs).
+OWN_REWARDS = ("accuracy", "format", "prm", *ANSWER_KINDS)
+
+
+def plugin_paths(file: Mapping) -> list[str]:
+    """The file's external_plugins as absolute paths (one path or a list)."""
+    value = file.get("external_plugins") or []
+    items = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, str) and v.strip() for v in items):
+        raise Unsupported("must be the path of a plugin .py file or a list of them")
+    return [os.path.abspath(os.path.expanduser(v)) for v in items]
+
+
+def plugin_rewards(file: Mapping) -> dict[str, str]:
+    """{reward name: '<plugin file>:<name>'} of every class the file's external_plugins register
+    in orms, imported in order (a later file's registration of a name wins, as in ms-swift)."""
+    out = {}
+    for path in plugin_paths(file):
+        try:
+            out.update({name: f"{path}:{name}" for name in load_plugin(path)})
+        except PluginError as e:
+            raise Unsupported(f"plugin file {e}") from None
+    return out
+
+
+def external_plugins(value: Any, file: Mapping, cfg: Any) -> dict:
+    # Imported now, before anything starts; their rewards travel as '<file>:<name>' names
+    # (reward_funcs, orm_model), and each role scoring with one imports the file itself.
+    plugin_rewards(file)
+    return {}
+
+
+def reward_funcs(value: Any, file: Mapping, cfg: Any) -> dict:
+    """ms-swift's reward names: a plugin's registration first, then its built-ins as they mean
+    there (format: <think>/<answer> tags), then this project's names and pkg.mod.fn paths."""
+    try:
+        plugins = plugin_rewards(file)
+    except Unsupported:
+        plugins = {}  # external_plugins reports the file
+    out: dict = {"algorithm.reward_funcs": []}
+    for name in texts(value):
+        if name in plugins:
+            out["algorithm.reward_funcs"].append(plugins[name])
+        elif name in SWIFT_ONLY_REWARDS:
+            raise Unsupported(f"{name!r}: {SWIFT_ONLY_REWARDS[name]}")
+        elif name in OWN_REWARDS or "." in name:
+            out["algorithm.reward_funcs"].append(name)
+            if name == "format":
+                out["algorithm.format_pattern"] = SWIFT_FORMAT
+        else:
+            raise Unsupported(f"{name!r} is registered by no file of external_plugins "
+                              f"({len(plugin_paths(file))} given) and is no reward here: use {list(OWN_REWARDS)}, "
+                              "a class a plugin file registers in orms, or pkg.mod.fn")
+    return out
+
+
+def orm_model(value: Any, file: Mapping, cfg: Any) -> dict:
+    """distill's ORM: ms-swift's built-in `math`, or a reward class of an external_plugins file."""
+    name = text(value)
+    try:
+        plugins = plugin_rewards(file)
+    except Unsupported:
+        plugins = {}  # external_plugins reports the file
+    if name in plugins:
+        return {"orm.kind": "plugin", "orm.plugin": plugins[name]}
+    if name == "math":
+        return {"orm.kind": "math"}
+    raise Unsupported(f"{name!r}: the ORMs here are ms-swift's math, or a class an external_plugins file "
+                      "registers in orms (orm.kind: see docs/ms_swift.md)")
+
+
+def prm_model(value: Any, file: Mapping, cfg: Any) -> dict:
+    """distill's PRM: a local folder (or a hub id in the local cache, as `model`) holding a PRM
+    saved here (PRM.save: a causal LM and its scalar step head)."""
+    name = os.path.expanduser(text(value))
+    folder = os.path.abspath(name) if os.path.isdir(name) else hub_cache_dir(name)
+    if folder is None:
+        raise Unsupported("is neither a local folder nor a model in the local Hugging Face cache: give the folder "
+                          "of a PRM saved here (PRM.save)")
+    if not os.path.isfile(os.path.join(folder, HEAD_FILE)):
+        raise Unsupported(f"{folder} holds no {HEAD_FILE}: the model PRM here is a causal LM with this project's "
+                          "step head, saved by PRM.save; a hub PRM with its own head class (e.g. "
+                          "Qwen2.5-Math-PRM-7B) is not read. Use a PRM saved here, or leave prm_model out "
+                          "(prm.kind=arithmetic)")
+    return {"prm.kind": "model", "prm.model": folder}
+
+
+CLIENT = ("calls an OpenAI-compatible API model; nothing here calls an external API: use sampler_engine: vllm "
+          "or pt with a local model folder as `model`")
+
+
+def local_sampler(value: Any, file: Mapping, cfg: Any) -> dict:
+    """sampler_engine: a local engine; ms-swift's `client` (an API model such as qwen-max) is refused."""
+    if value == "client":
+        raise Unsupported(f"'client' {CLIENT}")
+    return sampler_engine(value, file, cfg)
+
+
+def engine_kwargs(value: Any, file: Mapping, cfg: Any) -> dict:
+    """The sampler engine's own arguments: vLLM's (as vllm_engine_kwargs) for sampler_engine: vllm."""
+    engine = file.get("sampler_engine", "transformers")
+    if engine == "client":
+        raise Unsupported("configure the API client of sampler_engine: client, refused there")
+    if engine != "vllm":
+        raise Unsupported(f"no {engine!r} engine arguments are read here (the torch sampler takes rollout.*): "
+                          "remove it, or use sampler_engine: vllm with vLLM arguments")
+    return vllm_engine_kwargs(value, file, cfg)
+
+
+def stream(value: Any, file: Mapping, cfg: Any) -> dict:
+    if flag(value) and file.get("sampler_engine") == "client":
+        raise Unsupported("streams the answers of sampler_engine: client, refused there")
+    if flag(value):
+        raise Unsupported("a local sampler returns whole candidates, remove it or set false")
+    return {}
+
+
+def accumulation(value: Any, file: Mapping, cfg: Any) -> dict:
+    # Sequences per update = per_device_train_batch_size * this * data-parallel ranks; the SFT
+    # driver sets run.prompts_per_step from it once its plan (the ranks) is known.
+    return {"algorithm.gradient_accumulation_steps": positive(value)}
+
+
+def loggers_swanlab(value: Any, file: Mapping, cfg: Any) -> dict:
+    """report_to, with swanlab (a tracker here when its package is installed)."""
+    names = texts(value) if isinstance(value, list) else [v.strip() for v in text(value).split(",")]
+    if "swanlab" not in names:
+        return loggers(value, file, cfg)
+    rest = [n for n in names if n != "swanlab"] or ["none"]
+    return {"run.loggers": loggers(rest, file, cfg)["run.loggers"] + ["swanlab"]}

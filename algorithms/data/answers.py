@@ -8,6 +8,7 @@ from algorithms.data.loading import DataConfig
 from algorithms.data.tasks import Example
 from roles.batch import SamplingParams
 from roles.orm import ANSWER_KINDS, ORM
+from roles.plugins import is_plugin_spec
 
 
 def check_orm_config(data: Any = None, check: Optional[str] = None) -> dict:
@@ -21,6 +22,8 @@ def check_orm_config(data: Any = None, check: Optional[str] = None) -> dict:
         return {"kind": "regex", "answer_pattern": data.check_pattern}
     if check in ANSWER_KINDS:
         return {"kind": check}
+    if is_plugin_spec(check):
+        return {"kind": "plugin", "plugin": check}
     return {"kind": "custom", "reward_fn": check}
 
 

@@ -1,10 +1,14 @@
 """Task selection for the drivers: `data:` config -> training and held-out examples.
 
 A generated task (arithmetic, gsm) draws data.train_size training and data.eval_size held-out
-examples. A user's data (task=files, read by algorithms/data/user_data.py) is used whole unless
-data.max_rows caps it; its held-out rows are data.val_paths' rows, a seeded data.val_split
-share of its rows, or else its last data.eval_size rows; never a training row. data.eval_size
-caps the held-out prompts evaluated. `check_data_files` checks the paths before anything starts.
+examples. A user's data (task=files, read by algorithms/data/user_data.py) is a list of entries
+as ms-swift's `dataset` takes them: a file, a folder, or a hub id in a local cache (roles/hub.py),
+each optionally `#N`: N rows drawn from that entry alone, seeded by data.seed (ms-swift's
+dataset_sample: past its size every row repeats, then the rest are drawn). Without `#N` an entry
+is used whole; data.max_rows caps the rows read. Held-out rows are data.val_paths' rows, a
+seeded data.val_split share of each entry's rows (0: none, and no evaluation), or else the last
+data.eval_size rows; never a training row. data.eval_size caps the held-out prompts evaluated.
+`check_data_files` checks the entries (a missing hub id included) before anything starts.
 
 Bad rows never stop a run. Rows a user file cannot give (algorithms/data/user_data.py SKIP_REASONS) are
 skipped, and, given the run's `RowLimits`, so are rows longer than the run's models take:
@@ -23,7 +27,6 @@ them as the stats the drivers write into their step-0 metrics record.
 from __future__ import annotations
 
 import json
-import random
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -31,8 +34,10 @@ from typing import Any, Dict, List, Optional
 
 from algorithms.data.prompts import chat_prompt, chat_texts
 from algorithms.data.tasks import ArithmeticConfig, Example, arithmetic_examples, gsm_examples
-from algorithms.data.user_data import KNOWN_COLUMNS, SKIP_REASONS, UnreadableData, file_format, load_user_data
+from algorithms.data.entries import draw, entry_files, entry_rng, hold_out
+from algorithms.data.user_data import KNOWN_COLUMNS, SKIP_REASONS, UnreadableData, load_user_data
 from orchestration.config import ConfigError
+from roles.engines.vllm_build import vllm_options
 from roles.models import load_tokenizer, resolve_config
 
 
@@ -43,15 +48,19 @@ class DataConfig:
     task: str = "arithmetic"
     # Difficulty of the arithmetic task.
     arithmetic: ArithmeticConfig = field(default_factory=ArithmeticConfig)
-    # task=files: .jsonl, .json (array or lines), .csv, .parquet files or save_to_disk folders
-    # (a DatasetDict's "train" split), read whole unless max_rows caps them.
+    # task=files: .jsonl, .json (array or lines), .csv, .parquet, .arrow files, save_to_disk
+    # folders (a DatasetDict's "train" split), folders of such files or hub ids in a local
+    # cache (their train split's files), each optionally '#N' (N rows drawn from it, with
+    # repeats past its size), ms-swift's `dataset` syntax: [hf::|ms::]org/name[:subset][#N].
     paths: List[str] = field(default_factory=list)
-    # task=files: files of held-out rows (ms-swift's val_dataset); none of them is trained on.
+    # task=files: entries of held-out rows, as data.paths (ms-swift's val_dataset); none is trained on.
     val_paths: List[str] = field(default_factory=list)
-    # task=files: share of data.paths' rows held out, drawn by a shuffle seeded with data.seed
-    # (ms-swift's split_dataset_ratio). Null, and no val_paths: the last eval_size rows.
+    # task=files: share of each data.paths entry's rows held out (at least one row), drawn by a
+    # shuffle seeded with data.seed (ms-swift's split_dataset_ratio); 0: none held out and no
+    # evaluation. Null, and no val_paths: the last eval_size rows.
     val_split: Optional[float] = None
-    # task=files: read at most this many usable rows of data.paths, first rows first; null: all.
+    # task=files: read at most this many usable rows of data.paths, first rows first (before
+    # any '#N' draw); null: all.
     max_rows: Optional[int] = None
     # Renames of a user's columns, applied to every row first (ms-swift's --columns); on the
     # command line Hydra adds keys with '+': +data.columns={question:query,answer_text:response}.
@@ -85,6 +94,11 @@ class DataConfig:
     # text (the user text, a conversation's contents joined by newlines; training text is
     # prompt + reply + eos); null: the template when the run's tokenizer has one, else plain.
     chat: Optional[bool] = None
+    # The chat template's thinking switch (ms-swift's enable_thinking), passed to every
+    # rendering as apply_chat_template(..., enable_thinking=...): Qwen3's templates then open
+    # (true) or close (false: an empty think block) the reply's reasoning. null: the
+    # template's default. Needs a chat template (data.chat not false).
+    enable_thinking: Optional[bool] = None
     # A system turn put before every row that has none (ms-swift's `system`): the text itself,
     # or the path of a .txt file holding it. null: rows as they are.
     system: Optional[str] = None
@@ -109,6 +123,8 @@ class RowLimits:
     replies: bool = False
     # data.chat: how prompts are rendered, so lengths are counted on the text the models read.
     chat: Optional[bool] = None
+    # data.enable_thinking: the template's thinking switch, for the same reason.
+    enable_thinking: Optional[bool] = None
 
 
 def model_context(spec: Any) -> Optional[int]:
@@ -136,9 +152,10 @@ def row_limits(cfg: Any, new_tokens: Optional[int] = None, replies: bool = False
     the same sequences (its context counts too)."""
     contexts = [model_context(cfg.model)] + ([model_context(teacher)] if teacher is not None else [])
     if new_tokens is not None and cfg.backend.rollout == "vllm":
-        contexts.append(cfg.vllm.max_model_len)  # the vLLM rollout's own limit, when lower
+        contexts.append(vllm_options(cfg.vllm, "rollout").max_model_len)  # the vLLM rollout's own limit
     if teacher is not None and cfg.backend.teacher == "vllm":
-        contexts.append(cfg.vllm.max_model_len - 1)  # it needs one position past the sequence
+        # It needs one position past the sequence.
+        contexts.append(vllm_options(cfg.vllm, "teacher").max_model_len - 1)
     known = [c for c in contexts if c is not None]
     context = min(known) if known else None
     max_length = None
@@ -150,7 +167,7 @@ def row_limits(cfg: Any, new_tokens: Optional[int] = None, replies: bool = False
         bounds = [x for x in (cfg.data.max_length, context) if x]
         max_length = min(bounds) if bounds else None
     return RowLimits(load_tokenizer(cfg.model), context, new_tokens, cfg.run.eval_max_new_tokens, max_length,
-                     replies, cfg.data.chat)
+                     replies, cfg.data.chat, cfg.data.enable_thinking)
 
 
 class _Tally:
@@ -176,10 +193,11 @@ def _prompt_limit(limits: Optional[RowLimits], held_out: bool) -> Optional[int]:
     return None if budget is None or limits.context is None else limits.context - budget
 
 
-def _lengths(tokenizer: Any, examples: list[Example], whole: bool,
-             chat: Optional[bool] = None) -> tuple[list[int], list[int]]:
+def _lengths(tokenizer: Any, examples: list[Example], whole: bool, chat: Optional[bool] = None,
+             enable_thinking: Optional[bool] = None) -> tuple[list[int], list[int]]:
     """Token counts of each example's rendered prompt and (whole=True, else zeros) whole conversation."""
-    texts = [chat_texts(tokenizer, ex, chat) if whole else (chat_prompt(tokenizer, ex, chat), "") for ex in examples]
+    texts = [chat_texts(tokenizer, ex, chat, enable_thinking) if whole
+             else (chat_prompt(tokenizer, ex, chat, enable_thinking), "") for ex in examples]
 
     def count(strings: list[str]) -> list[int]:
         return [len(ids) for ids in tokenizer(strings, add_special_tokens=False)["input_ids"]] if strings else []
@@ -201,7 +219,7 @@ def _fit(examples: list[Example], limits: Optional[RowLimits], held_out: bool, t
     chunk = max(want or 0, 256)
     for start in range(0, len(examples), chunk):
         prompts, fulls = _lengths(limits.tokenizer, examples[start:start + chunk], max_length is not None,
-                                 limits.chat)
+                                 limits.chat, limits.enable_thinking)
         for i, p, f in zip(range(start, start + chunk), prompts, fulls):
             if want is not None and len(kept) == want:
                 return kept
@@ -223,9 +241,10 @@ def _fit(examples: list[Example], limits: Optional[RowLimits], held_out: bool, t
 
 
 def check_data_files(cfg: DataConfig) -> None:
-    """The checks of the user-data keys that need no reading: task=files has paths, every path
-    of data.paths and data.val_paths exists with a known format, val_split, max_rows and columns
-    are sound, and no user-data key is set for a generated task. Raises ConfigError."""
+    """The checks of the user-data keys that need no reading: task=files has paths, every entry
+    of data.paths and data.val_paths is a file of a known format, a folder with a train split or
+    a hub id in a local cache (algorithms/data/entries.py), val_split, max_rows and columns are
+    sound, and no user-data key is set for a generated task. Raises ConfigError."""
     files = cfg.task == "files"
     for key, value in (("paths", list(cfg.paths)), ("val_paths", list(cfg.val_paths)), ("val_split", cfg.val_split),
                        ("max_rows", cfg.max_rows)):
@@ -238,15 +257,13 @@ def check_data_files(cfg: DataConfig) -> None:
     if not cfg.paths:
         raise ConfigError("config key 'data.paths'=[] is empty with data.task=files. Fix: data.paths=[/path/train.jsonl]")
     for key in ("paths", "val_paths"):
-        for path in getattr(cfg, key):
-            try:
-                file_format(str(path))
-            except UnreadableData as err:
-                raise _unreadable(key, err) from None
-    if cfg.val_split is not None and not 0.0 < cfg.val_split < 1.0:
-        raise ConfigError(f"config key 'data.val_split'={cfg.val_split} is not a fraction in (0, 1). "
-                          "Fix: e.g. data.val_split=0.05, or null to hold out the last data.eval_size rows")
-    if cfg.val_split is not None and cfg.val_paths:
+        for item in getattr(cfg, key):
+            entry_files(key, item)
+    if cfg.val_split is not None and not 0.0 <= cfg.val_split < 1.0:
+        raise ConfigError(f"config key 'data.val_split'={cfg.val_split} is not a fraction in [0, 1). "
+                          "Fix: e.g. data.val_split=0.05, 0 to hold out nothing (no evaluation), or null to hold out "
+                          "the last data.eval_size rows")
+    if cfg.val_split and cfg.val_paths:
         raise ConfigError(f"config key 'data.val_split'={cfg.val_split} is set together with data.val_paths; only "
                           "one can choose the held-out rows. Fix: drop one of them")
     if cfg.max_rows is not None and cfg.max_rows < 1:
@@ -324,11 +341,30 @@ def _load_task(cfg: DataConfig, limits: Optional[RowLimits]) -> tuple[list[Examp
     raise ConfigError(f"config key 'data.task'={cfg.task!r} is not a task. Fix: use arithmetic, gsm or files")
 
 
-def _read(cfg: DataConfig, key: str, tally: _Tally, max_rows: Optional[int] = None) -> list[Example]:
-    """The examples of data.<key>'s paths, their bad rows counted into `tally`."""
+def _read(cfg: DataConfig, key: str, tally: _Tally, max_rows: Optional[int] = None) -> list[tuple[Any, list]]:
+    """(entry, its examples) of each of data.<key>'s entries, their bad rows counted into
+    `tally`; `max_rows`: at most that many examples in all, first entries first."""
     paths = list(getattr(cfg, key))
+    out, skipped = [], 0
+    for item in paths:
+        entry, files = entry_files(key, item)
+        left = None if max_rows is None else max_rows - sum(len(rows) for _, rows in out)
+        data = _read_files(cfg, key, files, left)
+        skipped += data.skipped
+        for reason, n in data.skip_reasons.items():
+            tally.reasons[reason] += n
+            tally.first.setdefault(reason, data.first_bad[reason])
+        out.append((entry, with_system(data.examples, cfg.system)))
+    if not any(rows for _, rows in out) and not skipped:
+        raise ConfigError(f"config key 'data.{key}'={paths} holds no rows (an empty file, blank lines only, or a "
+                          "header only). Fix: give files with rows")
+    return out
+
+
+def _read_files(cfg: DataConfig, key: str, paths: list[str], max_rows: Optional[int]) -> Any:
+    """load_user_data of one entry's files, its errors as ConfigErrors naming data.<key>."""
     try:
-        data = load_user_data(paths, max_examples=max_rows, cache_dir=cfg.cache_dir, columns=dict(cfg.columns))
+        return load_user_data(paths, max_examples=max_rows, cache_dir=cfg.cache_dir, columns=dict(cfg.columns))
     except UnreadableData as err:
         raise _unreadable(key, err) from None
     except OSError as err:  # the loader's lock file (data.cache_dir), or a file the process may not read
@@ -339,13 +375,6 @@ def _read(cfg: DataConfig, key: str, tally: _Tally, max_rows: Optional[int] = No
                               "datasets default") from None
         raise ConfigError(f"config key 'data.{key}'={paths} cannot be read ({err.strerror or err}: {where}). "
                           "Fix: give files this process may read") from None
-    if not data.examples and not data.skipped:
-        raise ConfigError(f"config key 'data.{key}'={paths} holds no rows (an empty file, blank lines only, or a "
-                          "header only). Fix: give files with rows")
-    for reason, n in data.skip_reasons.items():
-        tally.reasons[reason] += n
-        tally.first.setdefault(reason, data.first_bad[reason])
-    return with_system(data.examples, cfg.system)
 
 
 def system_text(system: Optional[str]) -> Optional[str]:
@@ -371,33 +400,43 @@ def with_system(examples: list[Example], system: Optional[str]) -> list[Example]
 
 
 def _load_files(cfg: DataConfig, limits: Optional[RowLimits]) -> tuple[list[Example], list[Example], _Tally, str]:
-    """A user's rows: held-out ones from val_paths, a seeded val_split draw, or else the last
-    eval_size usable rows; training rows never include a held-out row (nor rows passed over)."""
+    """A user's rows, each entry's '#N' drawn from it alone: held-out ones from val_paths, a
+    seeded val_split share of each entry (0: none), or else the last eval_size usable rows;
+    training rows never include a held-out row (nor rows passed over)."""
     check_data_files(cfg)
     tally = _Tally()
-    rows = _read(cfg, "paths", tally, cfg.max_rows)
-    origin = f"{len(rows)} usable rows of data.paths" + (f" (data.max_rows={cfg.max_rows})" if cfg.max_rows else "")
-    if cfg.val_paths:
-        pool = _read(cfg, "val_paths", tally)
+    read = _read(cfg, "paths", tally, cfg.max_rows)
+    origin = (f"{sum(len(rows) for _, rows in read)} usable rows of data.paths"
+              + (f" (data.max_rows={cfg.max_rows})" if cfg.max_rows else "")
+              + ("".join(f", {e.count} drawn from {e.source}" for e, _ in read if e.count is not None)))
+    if cfg.val_split:
+        parts = [hold_out(rows, e.count, cfg.val_split, entry_rng("val_split", cfg.seed, i))
+                 for i, (e, rows) in enumerate(read)]
+        train = [ex for part, _ in parts for ex in part]
+        pool = [ex for _, part in parts for ex in part]
         held = [ex for _, ex in _fit(pool, limits, True, tally, want=cfg.eval_size)]
-        train = rows
-        origin += f", held out: {len(pool)} rows of data.val_paths"
-    elif cfg.val_split is not None:
-        order = list(range(len(rows)))
-        random.Random(f"val_split/{cfg.seed}").shuffle(order)
-        held_out = set(order[:max(1, round(cfg.val_split * len(rows)))])
-        pool = [ex for i, ex in enumerate(rows) if i in held_out]
-        held = [ex for _, ex in _fit(pool, limits, True, tally, want=cfg.eval_size)]
-        train = [ex for i, ex in enumerate(rows) if i not in held_out]
-        origin += f", held out: {len(pool)} drawn by data.val_split={cfg.val_split} (seed data.seed={cfg.seed})"
+        origin += (f", held out: {len(pool)} drawn by data.val_split={cfg.val_split} (seed data.seed={cfg.seed}; "
+                   "from each entry)")
     else:
-        # The last eval_size rows that fit the eval budget; the ones passed over are skipped,
-        # those before them are the training rows.
-        picked = _fit(rows[::-1], limits, True, tally, want=cfg.eval_size)
-        held = [ex for _, ex in reversed(picked)]
-        train = rows[:len(rows) - 1 - picked[-1][0]] if picked else []
-        origin += (f", held out: the last {len(held)} that fit (neither data.val_paths nor data.val_split set; "
-                   "data.eval_size rows)")
+        rows = [ex for i, (e, part) in enumerate(read) for ex in draw(part, e.count, entry_rng("sample", cfg.seed, i))]
+        if cfg.val_paths:
+            pool = [ex for i, (e, part) in enumerate(_read(cfg, "val_paths", tally))
+                    for ex in draw(part, e.count, entry_rng("sample_val", cfg.seed, i))]
+            held = [ex for _, ex in _fit(pool, limits, True, tally, want=cfg.eval_size)]
+            train = rows
+            origin += f", held out: {len(pool)} rows of data.val_paths"
+        elif cfg.val_split == 0:
+            held, train = [], rows
+            origin += ", none held out (data.val_split=0): no evaluation"
+        else:
+            # The last eval_size rows that fit the eval budget; the ones passed over are skipped,
+            # those before them are the training rows (less a '#N' repeat of a held-out row).
+            picked = _fit(rows[::-1], limits, True, tally, want=cfg.eval_size)
+            held = [ex for _, ex in reversed(picked)]
+            held_ids = {id(ex) for ex in held}
+            train = [ex for ex in (rows[:len(rows) - 1 - picked[-1][0]] if picked else []) if id(ex) not in held_ids]
+            origin += (f", held out: the last {len(held)} that fit (neither data.val_paths nor data.val_split set; "
+                       "data.eval_size rows)")
     if limits is not None and limits.replies:
         for ex in train:
             if not ex.solution:
@@ -409,11 +448,12 @@ def _load_files(cfg: DataConfig, limits: Optional[RowLimits]) -> tuple[list[Exam
     if cfg.val_paths and train and not held:
         _refuse(tally, limits, f"config key 'data.val_paths'={list(cfg.val_paths)} gives no usable held-out row",
                 "add rows to data.val_paths, or drop it to hold out data.paths' last rows")
-    if not train or not held or (not chosen and len(held) < cfg.eval_size):
+    no_eval = cfg.val_split == 0 and not cfg.val_paths  # nothing held out: the run evaluates nothing
+    if not train or (not held and not no_eval) or (not chosen and len(held) < cfg.eval_size):
         _refuse(tally, limits, f"config key 'data.paths'={list(cfg.paths)} gives only {len(train)} training and "
                 f"{len(held)} held-out rows usable ({tally.stats()['data/skipped_rows']} skipped); need at least one "
-                "training row and "
-                + ("one held-out row" if chosen else f"data.eval_size={cfg.eval_size} held-out rows"),
+                "training row" + ("" if no_eval else " and ")
+                + ("" if no_eval else "one held-out row" if chosen else f"data.eval_size={cfg.eval_size} held-out rows"),
                 "add rows" + ("" if chosen else " or lower data.eval_size"))
     return train, held, tally, origin
 

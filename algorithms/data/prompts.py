@@ -1,5 +1,6 @@
 """How examples become what the roles read: prompts rendered as the rollout renders them
-(data.chat: the tokenizer's chat template or plain text), dataset replies encoded as
+(data.chat: the tokenizer's chat template or plain text; data.enable_thinking: the
+template's thinking switch), dataset replies encoded as
 completions, batches padded from completions, and the endless shuffled prompt stream whose
 position a resumed run continues from."""
 from __future__ import annotations
@@ -10,7 +11,7 @@ from typing import Any, Optional
 from algorithms.data.tasks import Example
 from orchestration.config import ConfigError
 from roles.batch import Batch, Completions, batch_from_completions
-from roles.rollout import prompt_text, prompt_token_ids, uses_template
+from roles.rollout import prompt_text, prompt_token_ids, template_switches, uses_template
 
 
 def template_on(tokenizer: Any, chat: Optional[bool]) -> bool:
@@ -22,35 +23,39 @@ def template_on(tokenizer: Any, chat: Optional[bool]) -> bool:
         raise ConfigError(str(e)) from None
 
 
-def chat_prompt(tokenizer: Any, ex: Example, chat: Optional[bool] = None) -> str:
-    """An example's prompt as the rollout renders it (data.chat): chat template with the
-    generation prompt, or plain text."""
-    return prompt_text(tokenizer, ex.prompt_messages(), template_on(tokenizer, chat))
+def chat_prompt(tokenizer: Any, ex: Example, chat: Optional[bool] = None,
+                enable_thinking: Optional[bool] = None) -> str:
+    """An example's prompt as the rollout renders it (data.chat, data.enable_thinking): chat
+    template with the generation prompt, or plain text."""
+    return prompt_text(tokenizer, ex.prompt_messages(), template_on(tokenizer, chat), enable_thinking)
 
 
-def chat_texts(tokenizer: Any, ex: Example, chat: Optional[bool] = None) -> tuple[str, str]:
+def chat_texts(tokenizer: Any, ex: Example, chat: Optional[bool] = None,
+               enable_thinking: Optional[bool] = None) -> tuple[str, str]:
     """(prompt, whole conversation with the reply) of an example, rendered as training reads
     them; plain text: the prompt followed by the reply (encode_examples adds the eos token)."""
-    prompt = chat_prompt(tokenizer, ex, chat)
+    prompt = chat_prompt(tokenizer, ex, chat, enable_thinking)
     if template_on(tokenizer, chat):
-        return prompt, tokenizer.apply_chat_template(ex.messages(), tokenize=False)
+        return prompt, tokenizer.apply_chat_template(ex.messages(), tokenize=False,
+                                                     **template_switches(enable_thinking))
     return prompt, prompt + ex.solution
 
 
 def encode_examples(tokenizer: Any, examples: list[Example], pretrain: bool,
-                    chat: Optional[bool] = None) -> Completions:
+                    chat: Optional[bool] = None, enable_thinking: Optional[bool] = None) -> Completions:
     """Dataset responses as completions: prompt ids + response ids + eos, the prompt rendered
-    as the rollout renders it (`chat`: data.chat). An example with `max_tokens` (a reply too
+    as the rollout renders it (`chat`: data.chat; `enable_thinking`: data.enable_thinking). An example with `max_tokens` (a reply too
     long for the run) is cut to that many tokens. With `pretrain` every token but the first is
     a completion token (SFT's algorithm.pretrain)."""
     template = template_on(tokenizer, chat)
     eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
     prompt_ids, completion_ids = [], []
     for ex in examples:
-        p = prompt_token_ids(tokenizer, prompt_text(tokenizer, ex.prompt_messages(), template), template)
+        p = prompt_token_ids(tokenizer, prompt_text(tokenizer, ex.prompt_messages(), template, enable_thinking),
+                             template)
         if template:
-            f = tokenizer(tokenizer.apply_chat_template(ex.messages(), tokenize=False),
-                          add_special_tokens=False)["input_ids"]
+            whole = tokenizer.apply_chat_template(ex.messages(), tokenize=False, **template_switches(enable_thinking))
+            f = tokenizer(whole, add_special_tokens=False)["input_ids"]
             if f[:len(p)] != p:  # the template must extend the prompt; else train on the whole text
                 p = []
         else:

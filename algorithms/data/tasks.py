@@ -16,7 +16,7 @@ import random
 import re
 import warnings
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +45,9 @@ class Example:
     # Set when the reply is too long for the run: encode the conversation (prompt + reply)
     # in at most this many tokens, cutting the reply's end. None: the whole conversation.
     max_tokens: Optional[int] = None
+    # The row's own dataset columns (a user file's, after data.columns renames), which plugin
+    # reward functions get as keyword arguments (ms-swift's reward kwargs); generated tasks: none.
+    columns: Dict[str, Any] = field(default_factory=dict)
 
     def prompt_messages(self) -> List[Dict[str, str]]:
         """Chat messages to generate from (for `apply_chat_template(add_generation_prompt)`)."""

@@ -31,13 +31,15 @@ logger = logging.getLogger(__name__)
 SKIP_REASONS = ("undecodable", "not_json", "wrong_type", "bad_turns", "empty", "no_reply", "too_long")
 
 # The columns a row is read from (after data.columns renames), as ms-swift names them; see
-# `_row_example` for which combinations make a row.
+# `_row_example` for which combinations make a row (teacher_prompt: the teacher's last user
+# turn in GKD, read from Example.columns by algorithms/gkd.py).
 KNOWN_COLUMNS = ("messages", "conversations", "system", "query", "response", "history", "instruction", "input",
-                 "output", "prompt", "completion", "solution", "answer")
+                 "output", "prompt", "completion", "solution", "answer", "teacher_prompt")
 # ShareGPT speakers (`conversations` rows' `from`) as chat roles.
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
-# File kinds by extension; a folder must be one written by `datasets.Dataset.save_to_disk`.
-FILE_FORMATS = {".jsonl": "jsonl", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+# File kinds by extension (.arrow: a split as `datasets` caches it); a folder here is one
+# written by `datasets.Dataset.save_to_disk` (other folders are split into files by loading.py).
+FILE_FORMATS = {".jsonl": "jsonl", ".json": "json", ".csv": "csv", ".parquet": "parquet", ".arrow": "arrow"}
 
 
 class BadRow(ValueError):
@@ -68,23 +70,23 @@ class UserData:
     first_bad: Dict[str, str] = field(default_factory=dict)
 
 
+def saved_folder(path: str) -> bool:
+    """Whether `path` is a folder written by save_to_disk (its marker files)."""
+    return any(os.path.isfile(os.path.join(path, marker)) for marker in ("state.json", "dataset_dict.json"))
+
+
 def file_format(path: str) -> str:
-    """The kind of a data path ("jsonl", "json", "csv", "parquet" or "saved" for a
+    """The kind of a data path ("jsonl", "json", "csv", "parquet", "arrow" or "saved" for a
     save_to_disk folder), from its name and, for a folder, its marker files; nothing is read.
     Raises UnreadableData for a missing path, an unknown extension or another folder."""
     if os.path.isdir(path):
-        if os.path.isfile(os.path.join(path, "state.json")) or os.path.isfile(os.path.join(path, "dataset_dict.json")):
+        if saved_folder(path):
             return "saved"
         raise UnreadableData(path, "is a folder not written by datasets' save_to_disk (no state.json or "
                                    "dataset_dict.json in it)", "give the data files themselves, or a folder "
                                    "written by Dataset.save_to_disk / DatasetDict.save_to_disk")
-    if not os.path.exists(path):
-        hub = path.count("/") == 1 and not path.startswith((".", "/", "~")) and not os.path.splitext(path)[1]
-        raise UnreadableData(path, "does not exist" + (" (a hub dataset id? datasets are never downloaded here)"
-                                                       if hub else ""),
-                             "give an existing file or save_to_disk folder" + (
-                                 f" (where a network is: datasets.load_dataset({path!r}).save_to_disk(DIR), then "
-                                 "copy DIR here)" if hub else ""))
+    if not os.path.exists(path):  # a hub id was looked up before (algorithms/data/loading.py)
+        raise UnreadableData(path, "does not exist", "give an existing file or folder")
     ext = os.path.splitext(path)[1].lower()
     if ext not in FILE_FORMATS:
         raise UnreadableData(path, f"has an unknown extension {ext or '(none)'!r}",
@@ -201,7 +203,7 @@ def _row_example(row, source: str, columns: Optional[Dict[str, str]] = None) -> 
     else:
         answer = after or (reply or "").strip()
     return Example(prompt=prompt, solution=reply or "", answer=answer, steps=steps,
-                   context=turns if len(turns) > 1 else [], source=source)
+                   context=turns if len(turns) > 1 else [], source=source, columns=dict(row))
 
 
 def _lines(path: str, cache_dir: Optional[str]):
@@ -271,7 +273,7 @@ def _csv_rows(path: str):
 
 
 def _table_rows(path: str, kind: str):
-    """Rows of a Parquet file or a save_to_disk folder (a DatasetDict's "train" split)."""
+    """Rows of a Parquet or arrow file or a save_to_disk folder (a DatasetDict's "train" split)."""
     if kind == "parquet":
         import pyarrow.parquet as pq
 
@@ -282,10 +284,10 @@ def _table_rows(path: str, kind: str):
             raise UnreadableData(path, f"is not readable Parquet ({type(err).__name__}: {err})",
                                  "write it again, e.g. with pandas.DataFrame.to_parquet") from None
         return
-    from datasets import DatasetDict, load_from_disk
+    from datasets import Dataset, DatasetDict, load_from_disk
 
     try:
-        data = load_from_disk(path)
+        data = Dataset.from_file(path) if kind == "arrow" else load_from_disk(path)
     except Exception as err:  # datasets' errors for a damaged folder vary by cause
         raise UnreadableData(path, f"is not a readable save_to_disk folder ({type(err).__name__}: {err})",
                              "save it again with Dataset.save_to_disk") from None
@@ -306,7 +308,7 @@ def _rows(paths: Sequence[str], cache_dir: Optional[str]):
         rows = _json_array(path) if kind == "json" else None
         if kind == "csv":
             yield from ((path, number, row, None) for number, row in _csv_rows(path))
-        elif kind in ("parquet", "saved"):
+        elif kind in ("parquet", "arrow", "saved"):
             yield from ((path, number, row, None) for number, row in enumerate(_table_rows(path, kind), 1))
         elif rows is not None:
             yield from ((path, number, row, None) for number, row in enumerate(rows, 1))

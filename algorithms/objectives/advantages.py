@@ -64,3 +64,27 @@ def zero_variance_groups(rewards: torch.Tensor, num_generations: int, atol: floa
     """
     grouped = _grouped(rewards, num_generations)
     return (grouped.max(dim=1).values - grouped.min(dim=1).values) <= atol
+
+
+def teacher_token_advantages(advantages: torch.Tensor, teacher_logprobs: torch.Tensor, logprobs: torch.Tensor,
+                             mask: torch.Tensor, coef: float) -> torch.Tensor:
+    """[B, T] per-token advantages with a teacher's signal (on-policy distillation as RL, as
+    ms-swift's GRPO with a teacher computes them).
+
+    A_t = A + coef * (teacher_logprobs_t - logprobs_t) where `mask` > 0 (the completion tokens),
+    A alone elsewhere. `advantages` is [B] (a sequence's, broadcast over its tokens) or [B, T];
+    the others are [B, T], aligned like every per-token field. The log-ratio is the single-sample
+    (k1) estimate of -KL(student || teacher) at each sampled token: positive where the teacher
+    likes the token more than the student that sampled it. It is added after the rewards'
+    group normalisation, itself never normalised; the inputs are plain numbers (no gradient).
+    """
+    if teacher_logprobs.shape != logprobs.shape or mask.shape != logprobs.shape:
+        raise ValueError(f"teacher_logprobs {tuple(teacher_logprobs.shape)}, logprobs {tuple(logprobs.shape)} and "
+                         f"mask {tuple(mask.shape)} must all be [B, T]")
+    if advantages.shape not in (logprobs.shape[:1], logprobs.shape):
+        raise ValueError(f"advantages {tuple(advantages.shape)} must be [B] or [B, T] for logprobs "
+                         f"{tuple(logprobs.shape)}")
+    base = advantages.float()
+    base = base[:, None].expand(logprobs.shape) if base.ndim == 1 else base
+    ratio = (teacher_logprobs.float() - logprobs.float()).detach()
+    return base + coef * torch.where(mask > 0, ratio, torch.zeros((), dtype=ratio.dtype))

@@ -6,6 +6,7 @@ end (torchtune's metric loggers); RunLog (algorithms/records/runlog.py) opens an
     tensorboard  event files in <run dir>/tensorboard/<name> (tensorboard --logdir <run dir>)
     wandb        an offline W&B run in <run dir>/wandb/offline-run-*; `wandb sync` uploads it
     mlflow       an MLflow run in the SQLite store <run dir>/mlflow.db (MLFLOW_TRACKING_URI wins)
+    swanlab      an offline SwanLab run in <run dir>/swanlab; `swanlab sync` uploads it
 
 Only numbers go to TensorBoard, W&B and MLflow (a checkpoint path stays in metrics.jsonl).
 """
@@ -24,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 # Logger name -> the pip packages it needs beyond the core install.
 LOGGERS = {"jsonl": (), "tensorboard": ("tensorboard",), "wandb": ("wandb",),
-           "mlflow": ("mlflow-skinny", "sqlalchemy", "alembic")}
+           "mlflow": ("mlflow-skinny", "sqlalchemy", "alembic"), "swanlab": ("swanlab",)}
 # Pip packages whose module has another name.
 MODULES = {"mlflow-skinny": "mlflow"}
 
@@ -162,6 +163,29 @@ class MlflowTracker:
         logger.info("mlflow: run %s in %s", self.run_id, self.uri)
 
 
+class SwanlabTracker:
+    """An offline SwanLab run: its files in <run dir>/swanlab, nothing sent until the user runs
+    `swanlab sync`. A resumed run starts a new SwanLab run (its steps continue the old numbering)."""
+
+    def __init__(self, run_dir: Path, name: str, config: dict, tags: list[str], first_step: int):
+        import swanlab  # optional tracker: installed with `pip install swanlab`
+
+        folder = run_dir / "swanlab"
+        folder.mkdir(parents=True, exist_ok=True)
+        self.swanlab = swanlab
+        swanlab.init(project="rayroles", experiment_name=name, config=config, tags=list(tags), logdir=str(folder),
+                     mode="offline")
+        self.dir = folder
+
+    def log(self, step: int, record: dict) -> None:
+        values = {k: v for k, v in numeric(record).items() if math.isfinite(v)}
+        self.swanlab.log(values, step=step)
+
+    def close(self) -> None:
+        self.swanlab.finish()
+        logger.info("swanlab: offline run in %s; upload it with: swanlab sync %s", self.dir, self.dir)
+
+
 def flatten(config: dict, prefix: str = "") -> dict[str, str]:
     """A nested config as {"trainer.lr": "0.001", ...}; a value longer than MLflow keeps is cut."""
     out: dict[str, str] = {}
@@ -184,7 +208,8 @@ def _outermost_run_dir(run_dir: Path) -> Path:
     return top if run_dir.resolve().is_relative_to(top) else run_dir.resolve()
 
 
-TRACKERS = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker, "mlflow": MlflowTracker}
+TRACKERS = {"tensorboard": TensorBoardTracker, "wandb": WandbTracker, "mlflow": MlflowTracker,
+            "swanlab": SwanlabTracker}
 
 
 def open_trackers(loggers: list[str], run_dir: Path, name: str, config: dict, tags: list[str],

@@ -81,8 +81,8 @@ class Steps:
         """Eval (step 0, every run.eval_every steps, the last step), the periodic save (with the
         driver's `state`, what a resumed run needs besides the trainer's), each role's memory
         (all idle here), then the step's metrics record, which is returned."""
-        if step == 0 or step == self.run.steps or due(step, self.run.eval_every):
-            # Eval: greedy accuracy of the current weights on held-out prompts.
+        if self.eval_set and (step == 0 or step == self.run.steps or due(step, self.run.eval_every)):
+            # Eval: greedy accuracy of the current weights on held-out prompts (none held out: no eval).
             with self.turns.rollout_turn(step, metrics), self.log.phase("eval", "rollout"):
                 metrics["eval/accuracy"] = accuracy(self.turns.rollout, self.eval_set, self.run.eval_max_new_tokens,
                                                     self.data)

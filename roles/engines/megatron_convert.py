@@ -1,4 +1,4 @@
-"""HF Qwen2/Llama <-> Megatron-core GPTModel: model config, layer spec and weights.
+"""HF Qwen2/Qwen3/Llama <-> Megatron-core GPTModel: model config, layer spec and weights.
 
     shards = hf_to_megatron(hf_model.state_dict(), hf_model.config, tp=2)   # one dict per TP rank
     hf_state = megatron_to_hf(shards, hf_model.config)                       # exact inverse
@@ -11,6 +11,8 @@ Megatron layouts the conversion follows (local, non-TransformerEngine spec):
 * `linear_proj` and `linear_fc2` are row-parallel (split along the input dimension).
 * Embedding and output layer are vocab-parallel; the vocabulary is padded with zero rows
   to a multiple of the TP size, and the padding is dropped again on the way back.
+* Qwen3's per-head q_norm/k_norm are Megatron's `qk_layernorm` (q_layernorm/k_layernorm),
+  replicated on every TP rank like the other norms.
 RoPE follows HF's rotate-half convention, so q/k rows need no permutation.
 """
 from __future__ import annotations
@@ -20,7 +22,11 @@ from typing import Any, Mapping
 import torch
 import torch.nn.functional as F
 
-ARCHS = ("qwen2", "llama")
+ARCHS = ("qwen2", "qwen3", "llama")
+# Replicated norm weights whose gradient on a TP rank is a part of the whole (the engine sums
+# them over the TP group): q/k norms see only their rank's heads. (With sequence parallelism
+# every norm sees only its rank's positions: `sequence_parallel` on the weight marks those.)
+QK_NORMS = ("self_attention.q_layernorm.weight", "self_attention.k_layernorm.weight")
 
 
 def _head_dim(c: Any) -> int:
@@ -35,15 +41,16 @@ def _rope_theta(c: Any) -> float:
     return float(params.get("rope_theta", getattr(c, "rope_theta", 10000.0)))
 
 
-def check_hf_config(c: Any, tp: int) -> None:
-    """Refuse what the conversion does not map, naming the setting and the fix."""
-    problems = []
+def megatron_problems(c: Any, tp: int) -> list[str]:
+    """What of HF config `c` the conversion does not map at tensor-parallel size `tp` (empty:
+    the model runs on the Megatron engines)."""
     if c.model_type not in ARCHS:
-        problems.append(f"model type '{c.model_type}' (supported: {list(ARCHS)})")
+        return [f"model type '{c.model_type}' (the converter maps {list(ARCHS)})"]
+    problems = []
     if getattr(c, "hidden_act", "silu") != "silu":
         problems.append(f"hidden_act='{c.hidden_act}' (SwiGLU with silu only)")
-    if c.model_type == "llama" and (getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False)):
-        problems.append("Llama attention_bias/mlp_bias")
+    if c.model_type in ("llama", "qwen3") and (getattr(c, "attention_bias", False) or getattr(c, "mlp_bias", False)):
+        problems.append(f"{c.model_type} attention_bias/mlp_bias")
     if getattr(c, "use_sliding_window", False):
         problems.append("sliding-window attention")
     if c.num_key_value_heads % tp:
@@ -52,6 +59,12 @@ def check_hf_config(c: Any, tp: int) -> None:
     if c.intermediate_size % tp:
         problems.append(f"intermediate_size={c.intermediate_size} not divisible by "
                         f"megatron.tensor_parallel_size={tp}")
+    return problems
+
+
+def check_hf_config(c: Any, tp: int) -> None:
+    """Refuse what the conversion does not map, naming the setting and the fix."""
+    problems = megatron_problems(c, tp)
     if problems:
         raise ValueError("Megatron engine cannot run this model: " + "; ".join(problems)
                          + ". Fix: change megatron.tensor_parallel_size or use backend.train=torch")
@@ -62,8 +75,9 @@ def padded_vocab(vocab_size: int, tp: int) -> int:
     return -(-vocab_size // tp) * tp
 
 
-def transformer_config(c: Any, tp: int, cpu: bool, params_dtype: torch.dtype = torch.float32):
-    """Megatron TransformerConfig equal to HF config `c`; fusions that need CUDA kernels off."""
+def transformer_config(c: Any, tp: int, cpu: bool, sequence_parallel: bool, params_dtype: torch.dtype = torch.float32):
+    """Megatron TransformerConfig equal to HF config `c`; fusions that need CUDA kernels off.
+    `sequence_parallel` (TP > 1 only) splits the positions of norms and residuals over the TP ranks."""
     # megatron-core is optional (the megatron engines): imported on use
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -71,7 +85,8 @@ def transformer_config(c: Any, tp: int, cpu: bool, params_dtype: torch.dtype = t
     return TransformerConfig(
         num_layers=c.num_hidden_layers, hidden_size=c.hidden_size, ffn_hidden_size=c.intermediate_size,
         num_attention_heads=c.num_attention_heads, num_query_groups=c.num_key_value_heads,
-        kv_channels=_head_dim(c), tensor_model_parallel_size=tp,
+        kv_channels=_head_dim(c), tensor_model_parallel_size=tp, sequence_parallel=sequence_parallel and tp > 1,
+        qk_layernorm=c.model_type == "qwen3",
         normalization="RMSNorm", layernorm_epsilon=c.rms_norm_eps,
         gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, add_qkv_bias=c.model_type == "qwen2",
@@ -81,14 +96,31 @@ def transformer_config(c: Any, tp: int, cpu: bool, params_dtype: torch.dtype = t
         use_cpu_initialization=cpu, params_dtype=params_dtype)
 
 
-def build_gpt_model(c: Any, tp: int, cpu: bool):
+class _RMSNorm:
+    """Megatron's norm slot filled with torch's RMSNorm, its weight marked `sequence_parallel`
+    as the config says (Megatron's own torch norm refuses sequence parallelism)."""
+
+    def __new__(cls, config: Any, hidden_size: int, eps: float = 1e-5, **_):
+        norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        norm.weight.sequence_parallel = config.sequence_parallel
+        return norm
+
+
+def build_gpt_model(c: Any, tp: int, cpu: bool, sequence_parallel: bool):
     """An uninitialised-weights GPTModel shaped like HF config `c` (parallel state must exist)."""
     # megatron-core is optional (the megatron engines): imported on use
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
+    config = transformer_config(c, tp, cpu, sequence_parallel=sequence_parallel)
+    layer = get_gpt_layer_local_spec(normalization="RMSNorm", qk_layernorm=config.qk_layernorm)
+    parts, attention = layer.submodules, layer.submodules.self_attention.submodules
+    parts.input_layernorm = parts.pre_mlp_layernorm = _RMSNorm
+    if config.qk_layernorm:
+        attention.q_layernorm = attention.k_layernorm = _RMSNorm
     return GPTModel(
-        transformer_config(c, tp, cpu), get_gpt_layer_local_spec(normalization="RMSNorm"),
+        config, TransformerBlockSubmodules(layer_specs=[layer] * c.num_hidden_layers, layer_norm=_RMSNorm),
         vocab_size=padded_vocab(c.vocab_size, tp), max_sequence_length=c.max_position_embeddings,
         share_embeddings_and_output_weights=bool(c.tie_word_embeddings), position_embedding_type="rope",
         rotary_base=_rope_theta(c), parallel_output=True)
@@ -137,6 +169,9 @@ def hf_to_megatron(hf: Mapping[str, torch.Tensor], c: Any, tp: int = 1) -> list[
             put(m + "self_attention.linear_qkv.bias",
                 _qkv_split(hf[a + "q_proj.bias"], hf[a + "k_proj.bias"], hf[a + "v_proj.bias"], c, tp))
         put(m + "self_attention.linear_proj.weight", list(hf[a + "o_proj.weight"].chunk(tp, dim=1)))
+        if a + "q_norm.weight" in hf:
+            put(m + "self_attention.q_layernorm.weight", [hf[a + "q_norm.weight"]] * tp)
+            put(m + "self_attention.k_layernorm.weight", [hf[a + "k_norm.weight"]] * tp)
         put(m + "pre_mlp_layernorm.weight", [hf[h + "post_attention_layernorm.weight"]] * tp)
         gate, up = hf[h + "mlp.gate_proj.weight"].chunk(tp), hf[h + "mlp.up_proj.weight"].chunk(tp)
         put(m + "mlp.linear_fc1.weight", [torch.cat([g, u]) for g, u in zip(gate, up)])
@@ -163,6 +198,9 @@ def megatron_to_hf(shards: list[Mapping[str, torch.Tensor]], c: Any) -> dict[str
             if b is not None:
                 hf[f"{h}self_attn.{proj}_proj.bias"] = b
         hf[h + "self_attn.o_proj.weight"] = cat(m + "self_attention.linear_proj.weight", dim=1)
+        if m + "self_attention.q_layernorm.weight" in shards[0]:
+            hf[h + "self_attn.q_norm.weight"] = shards[0][m + "self_attention.q_layernorm.weight"].clone()
+            hf[h + "self_attn.k_norm.weight"] = shards[0][m + "self_attention.k_layernorm.weight"].clone()
         fc1 = [s[m + "mlp.linear_fc1.weight"].chunk(2) for s in shards]
         hf[h + "mlp.gate_proj.weight"] = torch.cat([g for g, _ in fc1])
         hf[h + "mlp.up_proj.weight"] = torch.cat([u for _, u in fc1])

@@ -8,20 +8,29 @@ HF model the Trainer builds (same initial weights); outside the engine everythin
 
 Ranks: WORLD_SIZE = data-parallel size x `megatron.tensor_parallel_size`; Megatron puts
 tensor-parallel (TP) peers on consecutive ranks. Gradients are summed across the
-data-parallel group only. Data: drivers hand every rank its own slice of a batch
+data-parallel group (and a replicated weight's parts across its TP group: q/k norms, and
+with sequence parallelism what sees only its rank's positions). Data: drivers hand every rank its own slice of a batch
 (dispatch='slice'); TP peers must compute on the same rows, so `join_rows` concatenates
 the slices of a TP group (in rank order) and tells each rank which rows are its own. A
 TP group thus forms one data-parallel rank whose share is its members' slices together.
 
 Full HF weights of a TP>1 model live on its TP ranks in pieces; a weight sync asks rank 0
 alone (execute='first'), so each TP group's first rank keeps a host copy of all its TP
-shards, refreshed after every update (one gather per step; it costs one fp32 model of
-host memory). On CPU, Megatron's CUDA-only pieces are swapped for host ones: its attention
-scratch buffer (`_ScratchBuffer`), the rotary table (`_host_rope_emb`) and the RNG tracker
-(an inference tracker instead of the CUDA one).
+shards, refreshed after every update (one gather per step of what trains; it costs one fp32
+model of host memory). On CPU, Megatron's CUDA-only pieces are swapped for host ones
+(megatron_host) and its RNG tracker for an inference tracker.
+
+`megatron.sequence_parallel` (TP > 1; ignored at TP 1, as Megatron-SWIFT does) splits the
+positions between the tensor-parallel linears (norms, residuals, dropout) over the TP ranks;
+a forward pads its rows to a multiple of the TP size (right padding: causal positions never
+see it). With LoRA (the Trainer puts peft's adapters into the HF model first) the base is
+frozen and the adapters are megatron_lora's, initialised with peft's values; `named_weights`
+then yields the peft-adapted model's names (`X.base_layer.weight`, `X.lora_A.default.weight`,
+...) in its order, which roles.lora merges and exports as it does for the torch engine.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import types
@@ -29,11 +38,15 @@ from typing import Any, Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from roles.engines.collectives import DIST_TIMEOUT, all_reduce_gradients, init_data_parallel
-from roles.engines.megatron_convert import build_gpt_model, hf_to_megatron, megatron_to_hf
+from roles.engines.megatron_convert import QK_NORMS, build_gpt_model, hf_to_megatron, megatron_to_hf
+from roles.engines.megatron_host import ScratchBuffer, host_rope_emb, host_sequence_parallel
+from roles.engines.megatron_lora import MegatronLora, hf_adapters
 from roles.engines.options import MegatronOptions
 from roles.engines.torch_trainer import AUTOCAST_DTYPES, TorchTrainEngine, adamw, lr_schedule
+from roles.lora import base_name
 
 
 # ---------------------------------------------------------------------- process groups
@@ -64,25 +77,9 @@ def setup_parallel(tp: int, device: torch.device, seed: int) -> tuple[int, int]:
         mrandom.model_parallel_cuda_manual_seed(seed)
     else:  # CUDA RNG states do not exist on a CPU host
         mrandom.initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
-    ps._GLOBAL_MEMORY_BUFFER = _ScratchBuffer(device)
+        host_sequence_parallel()
+    ps._GLOBAL_MEMORY_BUFFER = ScratchBuffer(device)
     return rank, world
-
-
-class _ScratchBuffer:
-    """Megatron's attention scratch buffer (only an input shape for baddbmm with beta=0) on
-    the role's device: Megatron's own allocates on CUDA only."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-
-    def get_tensor(self, tensor_shape, dtype, name, mem_alloc_context=None):
-        return torch.empty(tensor_shape, dtype=dtype, device=self.device)
-
-
-def _host_rope_emb(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
-    # Megatron's get_emb moves inv_freq to CUDA; this is the same table, left on the host.
-    freqs = self.get_freqs_non_repeated(max_seq_len, offset)
-    return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
 
 
 def tp_info() -> tuple[int, int, Any]:
@@ -95,20 +92,22 @@ def tp_info() -> tuple[int, int, Any]:
 
 
 # ---------------------------------------------------------------------- model
-def to_megatron(hf_model: torch.nn.Module, tp: int, device: torch.device,
-                dtype: torch.dtype = torch.float32) -> torch.nn.Module:
-    """This TP rank's GPTModel holding `hf_model`'s weights (parallel state must exist)."""
+def to_megatron(hf_model: torch.nn.Module, tp: int, device: torch.device, dtype: torch.dtype = torch.float32,
+                sequence_parallel: bool = False) -> torch.nn.Module:
+    """This TP rank's GPTModel holding `hf_model`'s weights (parallel state must exist); of a
+    peft-adapted model, its base weights."""
     tp_rank = tp_info()[0]
     cfg = hf_model.config
-    model = build_gpt_model(cfg, tp, cpu=device.type == "cpu")
+    model = build_gpt_model(cfg, tp, cpu=device.type == "cpu", sequence_parallel=sequence_parallel)
     if device.type == "cpu":
-        model.rotary_pos_emb.get_emb = types.MethodType(_host_rope_emb, model.rotary_pos_emb)
-    load_shard(model, hf_to_megatron(hf_model.state_dict(), cfg, tp)[tp_rank])
+        model.rotary_pos_emb.get_emb = types.MethodType(host_rope_emb, model.rotary_pos_emb)
+    base = {hf: t for hf, t in ((base_name(n), t) for n, t in hf_model.state_dict().items()) if hf is not None}
+    load_shard(dict(model.named_parameters()), hf_to_megatron(base, cfg, tp)[tp_rank])
     return model.to(device=device, dtype=dtype)
 
 
-def load_shard(model: torch.nn.Module, shard: Mapping[str, torch.Tensor]) -> None:
-    params = dict(model.named_parameters())
+def load_shard(params: Mapping[str, torch.Tensor], shard: Mapping[str, torch.Tensor]) -> None:
+    """Copy a converted shard into `params` (a model's base parameters by name): the same names."""
     if set(params) != set(shard):
         raise RuntimeError(f"Megatron weights do not match the model: missing {sorted(set(params) - set(shard))}, "
                            f"unexpected {sorted(set(shard) - set(params))}")
@@ -121,10 +120,13 @@ def local_logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tenso
     """This TP rank's vocabulary shard of the logits [B, T, V_padded / TP] (HF layout).
     Right padding needs no mask: a causal model's real positions never see it."""
     T = input_ids.shape[1]
+    if model.config.sequence_parallel:  # positions split evenly over the TP ranks
+        input_ids = F.pad(input_ids, (0, -T % model.config.tensor_model_parallel_size))
+    width = input_ids.shape[1]
     device = input_ids.device
-    positions = torch.arange(T, device=device).unsqueeze(0).expand_as(input_ids)
-    causal = torch.ones(T, T, dtype=torch.bool, device=device).triu(1)[None, None]  # True = masked
-    return model(input_ids, positions, causal)
+    positions = torch.arange(width, device=device).unsqueeze(0).expand_as(input_ids)
+    causal = torch.ones(width, width, dtype=torch.bool, device=device).triu(1)[None, None]  # True = masked
+    return model(input_ids, positions, causal)[:, :T]
 
 
 def gather_vocab(local: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -224,6 +226,7 @@ class MegatronTrainEngine(TorchTrainEngine):
         from megatron.core import parallel_state as ps
 
         self.tp = int(options.get("tensor_parallel_size", MegatronOptions.tensor_parallel_size))
+        sequence_parallel = bool(options.get("sequence_parallel", MegatronOptions.sequence_parallel)) and self.tp > 1
         self.rank, self.world_size = setup_parallel(self.tp, device, seed)
         self.tp_rank, _, self.tp_group = tp_info()
         self.dp_group = ps.get_data_parallel_group()
@@ -231,17 +234,34 @@ class MegatronTrainEngine(TorchTrainEngine):
         self.device = device
         self.hf_config = hf_model.config
         torch.manual_seed(seed + ps.get_data_parallel_rank())
+        # The HF names `named_weights` yields (with LoRA, the adapted model's): its state_dict order,
+        # a tied weight once.
+        first = {}
+        for name, t in hf_model.state_dict(keep_vars=True).items():
+            first.setdefault(id(t), name)
+        self._hf_names = list(first.values())
         # Master weights stay fp32; a lower `dtype` is the autocast compute precision.
-        self.model = to_megatron(hf_model, self.tp, device).eval()
+        self.model = to_megatron(hf_model, self.tp, device, sequence_parallel=sequence_parallel).eval()
+        self._base = dict(self.model.named_parameters())
+        self.lora: Optional[MegatronLora] = None
+        if hf_adapters(hf_model):  # LoRA: the base frozen, peft's adapters on the parallel linears
+            self.model.requires_grad_(False)
+            self.lora = MegatronLora(self.model, hf_model, self.tp_rank, self.tp, sequence_parallel)
+            self.model.to(device)
+        hf_model.to("meta")  # its weights live on in the Megatron model; its modules stay (peft's config)
         self.autocast_dtype = AUTOCAST_DTYPES[dtype]
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # Trained replicated weights whose gradient on a TP rank is a part: q/k norms (their
+        # rank's heads) and, with sequence parallelism, those marked (their rank's positions).
+        self._tp_partial = [p for n, p in self.model.named_parameters() if p.requires_grad and self.tp > 1
+                            and (n.endswith(QK_NORMS) or getattr(p, "sequence_parallel", False))]
         self.optimizer = adamw(self.params, lr, betas, weight_decay, eps, optimizer)
         self.scheduler = lr_schedule(self.optimizer, warmup_steps, total_steps, schedule, min_lr / lr)
         self.step = 0
         self._host_model: Optional[list] = None
         self._host_optimizer: Optional[list] = None
         self._shards: Optional[list[dict]] = None
-        self._refresh_shards()
+        self._refresh_shards(everything=True)
 
     # ------------------------------------------------------------------ compute
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
@@ -253,9 +273,16 @@ class MegatronTrainEngine(TorchTrainEngine):
         return join_rows(batch)
 
     def reduce_gradients(self) -> None:
-        """Sum gradients over the data-parallel group (TP peers hold different shards)."""
+        """Sum gradients over the data-parallel group (TP peers hold different shards), and
+        the parts of replicated weights' gradients over the TP group."""
+        if self._tp_partial:
+            all_reduce_gradients(self._tp_partial, self.tp_group)
         if self.dp_size > 1:
             all_reduce_gradients(self.params, self.dp_group)
+
+    def adapter_off(self):
+        """A context in which the model computes as its base (the LoRA adapters add nothing)."""
+        return self.lora.off() if self.lora is not None else contextlib.nullcontext()
 
     def grad_norm(self) -> float:
         """Global L2 norm: TP-sharded parameters count on every rank, replicated ones
@@ -287,7 +314,7 @@ class MegatronTrainEngine(TorchTrainEngine):
             self.step += 1
         self.optimizer.zero_grad(set_to_none=True)
         if applied:
-            self._refresh_shards()
+            self._refresh_shards(everything=False)
         return norm, applied
 
     def all_reduce_sum(self, values: list[float]) -> list[float]:
@@ -311,23 +338,29 @@ class MegatronTrainEngine(TorchTrainEngine):
         host = {id(t): h for t, h, _ in self._host_model or []}
         return {n: host.get(id(p), p.detach()) for n, p in self.model.named_parameters()}
 
-    def _refresh_shards(self) -> None:
-        """With TP > 1, copy every TP rank's shard to the host of the TP group's first rank."""
+    def _refresh_shards(self, everything: bool) -> None:
+        """With TP > 1, copy every TP rank's shard of the weights (`everything`) or of the
+        trained ones (after an update: a LoRA base never changes) to the host of the TP group's
+        first rank."""
         if self.tp == 1:
             return
         first = dist.get_global_rank(self.tp_group, 0)
-        shards = [{} for _ in range(self.tp)] if self.tp_rank == 0 else None
+        if self.tp_rank == 0 and self._shards is None:
+            self._shards = [{} for _ in range(self.tp)]
+        trained = {n for n, p in self.model.named_parameters() if p.requires_grad}
         for name, t in self._local_shard().items():
+            if not (everything or name in trained):
+                continue
             parts = [torch.empty_like(t) for _ in range(self.tp)] if self.tp_rank == 0 else None
             dist.gather(t.contiguous(), parts, dst=first, group=self.tp_group)
-            if shards is not None:
-                for shard, part in zip(shards, parts):
+            if parts is not None:
+                for shard, part in zip(self._shards, parts):
                     shard[name] = part.to("cpu")
-        self._shards = shards
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Full HF-named weights in HF state_dict order (no tied lm_head). With TP > 1 only
-        a TP group's first rank holds them (rank 0 serves weight syncs)."""
+        """Full HF-named weights in HF state_dict order (no tied lm_head); with LoRA, the
+        peft-adapted model's names and tensors (base and adapters apart). With TP > 1 only a
+        TP group's first rank holds them (rank 0 serves weight syncs)."""
         if self.tp == 1:
             shards = [self._local_shard()]
         elif self._shards is None:
@@ -335,7 +368,14 @@ class MegatronTrainEngine(TorchTrainEngine):
                                "the first rank of each tensor-parallel group; ask rank 0 (execute='first')")
         else:
             shards = self._shards
-        yield from megatron_to_hf(shards, self.hf_config).items()
+        base = megatron_to_hf(shards, self.hf_config)
+        if self.lora is None:
+            yield from base.items()
+            return
+        adapters = self.lora.hf_tensors(shards)
+        for name in self._hf_names:
+            hf = base_name(name)
+            yield name, adapters[name] if hf is None else base[hf]
 
     def hf_model(self) -> torch.nn.Module:
         """The current weights as an HF model on the host (what Trainer.save writes)."""
@@ -350,9 +390,18 @@ class MegatronTrainEngine(TorchTrainEngine):
         return model.eval()
 
     def load_hf_weights(self, state: Mapping[str, torch.Tensor]) -> None:
-        """Set the weights from an HF state dict (every rank takes its shard; collective)."""
-        load_shard(self.model, hf_to_megatron(state, self.hf_config, self.tp)[self.tp_rank])
-        self._refresh_shards()
+        """Set the (base) weights from an HF state dict (every rank takes its shard; collective)."""
+        shard = hf_to_megatron(state, self.hf_config, self.tp)[self.tp_rank]
+        load_shard(self._base, shard)
+        self._refresh_shards(everything=True)
+
+    def load_params(self, state: Mapping[str, torch.Tensor]) -> None:
+        """Set the LoRA adapters from peft-adapted HF tensors (a saved adapter, on resume; every
+        rank takes its piece; collective)."""
+        if self.lora is None:
+            raise ValueError("load_params: this Megatron model has no LoRA adapters; load_hf_weights sets its weights")
+        self.lora.load(state)
+        self._refresh_shards(everything=False)
 
     # ------------------------------------------------------------------ state
     def state_dict(self) -> dict:

@@ -5,12 +5,15 @@ Megatron-core installed; an engine imports its package only when it is built.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, Optional
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional
 
 TRAIN_ENGINES = ("torch", "deepspeed", "megatron")
 ROLLOUT_ENGINES = ("torch", "vllm")
 TEACHER_ENGINES = ("torch", "vllm", "megatron")
+# The roles a vLLM section of their own may name (vllm.roles.<role>): backend.rollout's engine
+# (the rollout's, which a sampler runs too) and backend.teacher's.
+VLLM_ROLE_SECTIONS = ("rollout", "teacher")
 
 
 @dataclass
@@ -29,6 +32,11 @@ class MegatronOptions:
     # Tensor-parallel ranks per model replica; must divide the size of the trainer (or
     # teacher) group. TP peers share their slices of each batch; the rest is data parallel.
     tensor_parallel_size: int = 1
+    # Sequence parallelism (Megatron's): between the tensor-parallel linears (norms, residuals)
+    # each TP rank holds only its share of the positions, cutting activation memory by the TP
+    # size; results are those without it. Ignored at tensor_parallel_size 1 (as Megatron-SWIFT
+    # does); the trainer's engine only (the teacher's forward keeps every position).
+    sequence_parallel: bool = False
 
 
 @dataclass
@@ -58,6 +66,10 @@ class VLLMOptions:
     max_model_len: int = 1024
     # Most logprobs returned per position; a teacher's top-k needs at least k.
     max_logprobs: int = 64
+    # Settings of one role's engine over the ones above, {role: {key: value}} for a role of
+    # VLLM_ROLE_SECTIONS, e.g. {teacher: {gpu_memory_utilization: 0.9}}; a key a role leaves out
+    # takes the value above (roles.engines.vllm_build.vllm_options resolves them).
+    roles: Dict[str, Dict[str, Any]] = field(default_factory=dict)
 
 
 def check_engine(role: str, engine: str, choices: tuple[str, ...]) -> None:

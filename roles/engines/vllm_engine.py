@@ -19,6 +19,9 @@ model side: a `vllm.LLM` in the role's own process and the conversions around it
   seed, so a sample depends only on its seed.
 * Teacher top-k comes from `prompt_logprobs=k` (one forward per row, `max_tokens=1`);
   full-vocabulary logits are refused (config key algorithm.logits_topk; ms-swift: gkd_logits_topk).
+* Settings: the `vllm` section with the role's own `vllm.roles.<role>` over it
+  (vllm_build.vllm_options), so a teacher on devices of its own may take 0.9 of each while a
+  rollout beside the trainer takes 0.4; messages name the key that set a limit.
 * Weights, loaded in place (the engine's CUDA graphs keep pointing at them): on GPU the
   (name, tensor) pairs go straight into the model's `load_weights` (tensors on the
   trainer's device, CUDA IPC views included, are copied device to device; nothing is
@@ -65,7 +68,7 @@ from transformers import AutoConfig, GenerationConfig
 
 from roles.engines.decoding import Generated
 from roles.engines.vllm_build import (EngineGroup, adapter_problems, checkpoint_shapes, checkpoint_tensors,
-                                      engine_kwargs, joined, resolved_settings, vllm_options)
+                                      engine_kwargs, joined, option_key, resolved_settings, vllm_options)
 from roles.lora import served_config, write_adapter
 from roles.models import DTYPES, ModelSpec, build_model, resolve_config, save_checkpoint
 
@@ -131,7 +134,9 @@ class VLLMEngine:
         from vllm import LLM
         from vllm.platforms import current_platform
 
-        opts = vllm_options(options)
+        opts = vllm_options(options, role)  # the section's settings with vllm.roles.<role>'s over them
+        # The keys that set this engine's limits, for the messages that name them.
+        self._keys = {name: option_key(options, role, name) for name in ("max_logprobs", "max_model_len")}
         self.group = group = EngineGroup.from_env()
         self.device, self.role, self._wake_call = device, role, wake_call
         if (device.type == "cuda") != current_platform.is_cuda():
@@ -372,15 +377,17 @@ class VLLMEngine:
                              "max_logprobs per position); set algorithm.logits_topk (e.g. 64), or use "
                              "backend.teacher=torch for full-vocabulary logits")
         if topk > self.max_logprobs:
-            raise ValueError(f"topk={topk} exceeds vllm.max_logprobs={self.max_logprobs}; raise vllm.max_logprobs "
-                             f"to at least {topk} or lower algorithm.logits_topk")
+            key = self._keys["max_logprobs"]
+            raise ValueError(f"topk={topk} exceeds {key}={self.max_logprobs}; raise {key} to at least {topk} "
+                             "or lower algorithm.logits_topk")
         B, T = input_ids.shape
         lengths = attention_mask.sum(1).tolist()
         if any(not bool(attention_mask[b, :n].all()) for b, n in enumerate(lengths)):
             raise ValueError("the vLLM teacher needs right-padded rows (attention_mask 1...1 0...0)")
         if T + 1 > self.max_model_len:
-            raise ValueError(f"sequences of {T} tokens exceed vllm.max_model_len={self.max_model_len} "
-                             f"(one more token is needed); raise vllm.max_model_len")
+            key = self._keys["max_model_len"]
+            raise ValueError(f"sequences of {T} tokens exceed {key}={self.max_model_len} "
+                             f"(one more token is needed); raise {key}")
         self._use_scale(1.0 / temperature)
         rows = [b for b in range(B) if lengths[b] >= 2]
         params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=topk, flat_logprobs=True,
