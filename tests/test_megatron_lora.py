@@ -88,9 +88,10 @@ def test_one_rank_lora_on_qwen3_equals_the_torch_engine_and_resumes(tmp_path):
     assert (base - megatron.logprobs(batch)).abs().max() > 1e-3  # the adapter is off there, and it matters
     megatron.save(tmp_path / "ckpt")
     torch_.save(tmp_path / "torch_ckpt")
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "ckpt", local_files_only=True).state_dict()
-    for name, t in AutoModelForCausalLM.from_pretrained(tmp_path / "torch_ckpt", local_files_only=True).state_dict().items():
-        torch.testing.assert_close(merged[name], t, atol=1e-5, rtol=0, msg=name)
+    got, want = (AutoModelForCausalLM.from_pretrained(tmp_path / d, local_files_only=True).state_dict()
+                 for d in ("ckpt", "torch_ckpt"))
+    for name, t in want.items():
+        torch.testing.assert_close(got[name], t, atol=1e-5, rtol=0, msg=name)
     next_step = megatron.train_step(batch)
     resumed = Trainer(folder, config(), engine="megatron")
     resumed.load(tmp_path / "ckpt")
@@ -137,7 +138,8 @@ def test_two_tensor_parallel_ranks_with_lora_and_sequence_parallel_equal_the_tor
                 group.call("run", name, "save", str(tmp_path / "ckpt"))
             steps.append(group.call("run", name, "train_step", batch, dispatch="slice"))
             logprobs = group.call("run", name, "logprobs", batch, dispatch="slice", collect="flatten")
-            base = group.call("run", name, "base_logprobs", batch, dispatch="slice", collect="flatten") if lora else None
+            base = (group.call("run", name, "base_logprobs", batch, dispatch="slice", collect="flatten")
+                    if lora else None)
             parts = {part: [p for b in group.call("run", name, "state_dict_buckets", 1024, part=part, execute="first")
                             for p in b] for part in (PARTS if lora else ("full",))}
             got[name] = steps, logprobs, base, parts

