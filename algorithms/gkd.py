@@ -43,7 +43,8 @@ from typing import Any, ClassVar, Optional
 import torch
 
 from algorithms import sft
-from algorithms.config.checks import (AT_LEAST_1, FRACTION, NON_NEGATIVE, POSITIVE, check_model, check_run,
+from algorithms.config.checks import (AT_LEAST_1, FRACTION, NON_NEGATIVE, POSITIVE, check_model, check_multi_turn,
+                                      check_run,
                                       check_staleness, check_trainer, require, require_all, require_roles,
                                       vocab_size)
 from algorithms.config.schema import (DriverConfig, as_dict, engine_args, fit_epochs, local_model_path, phase_run,
@@ -56,6 +57,7 @@ from algorithms.records.runlog import RunLog
 from algorithms.runtime.ahead import Prefetch, staleness
 from algorithms.runtime.entry import driver_main
 from algorithms.runtime.steps import Steps
+from algorithms.runtime.trajectories import TrajectoryPrefetch, failed_rows, multi_turn_metrics
 from algorithms.runtime.turns import first
 from orchestration.base_group import Kept
 from orchestration.cluster import init_cluster, set_log_level
@@ -63,6 +65,7 @@ from orchestration.launch import driver_group, start_roles
 from orchestration.planner import Plan, as_started, make_plan
 from roles.batch import Batch, Completions, SamplingParams
 from roles.models import load_tokenizer, resolve_config
+from roles.multi_turn import MultiTurnConfig
 from roles.rollout import Rollout, prompt_text, prompt_token_ids
 from roles.teacher import KERNEL_OPTIONS as TEACHER_KERNEL_OPTIONS, Teacher, TeacherConfig
 from roles.trainer import BaseTeacher, Trainer, TrainerConfig
@@ -102,6 +105,11 @@ class GKDAlgorithm:
     # logprobs beside the current ones (with full-vocabulary logits, a second batch x length x
     # vocabulary array in the object store). false: they take turns.
     score_ahead: bool = True
+    # Multi-turn on-policy samples (docs/multi_turn.md): the student's turns with an
+    # environment's, tools' or a scheduler's turns between them (ms-swift's multi_turn_scheduler,
+    # e.g. math_tip_trick); max_new_tokens is a trajectory's budget; the teacher's signal counts
+    # on the student's tokens only. Off while scheduler and tools are unset.
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass
@@ -159,8 +167,12 @@ def train(cfg: GKDConfig, plan: Plan, trainer: Any, rollout: Any, teacher: Any, 
         turns = steps.turns
         # Prompts continue where a resumed run's checkpoint left them.
         stream = PromptStream(train_set, cfg.run.prompts_per_step, cfg.run.seed, steps.resumed.get("stream", 0))
-        prefetch = Prefetch(rollout, log, stream, sampling, algo.max_staleness, cfg.run.steps,
-                            generates=lambda s: on_policy[s], seed=cfg.run.seed, first_step=steps.first_step)
+        # Multi-turn: the student's on-policy samples are trajectories (turn loop inside the
+        # rollout role); the loss mask keeps the teacher's signal on the student's own turns.
+        multi = {"multi_turn": algo.multi_turn} if algo.multi_turn.enabled else {}
+        prefetch = (TrajectoryPrefetch if multi else Prefetch)(
+            rollout, log, stream, sampling, algo.max_staleness, cfg.run.steps, generates=lambda s: on_policy[s],
+            seed=cfg.run.seed, first_step=steps.first_step, **multi)
         ahead: dict[int, tuple] = {}  # step -> (its batch, the teacher's answer to come), sent the step before
         for step in range(steps.first_step, cfg.run.steps + 1):
             metrics: dict = dict(step0 or {}) if step == 0 else {}
@@ -182,6 +194,9 @@ def train(cfg: GKDConfig, plan: Plan, trainer: Any, rollout: Any, teacher: Any, 
                             with log.phase("generate"):
                                 examples, comps = prefetch.take(step)
                         metrics.update(staleness(comps, step, algo.max_staleness))
+                        if multi:  # (failed trajectories carry an all-zero loss mask; all failed: stop)
+                            failed_rows(comps, torch.zeros(len(comps)), 1)
+                            metrics.update(multi_turn_metrics(comps))
                     else:
                         with log.phase("generate"):
                             examples, _ = prefetch.take(step)
@@ -452,6 +467,7 @@ def validate(cfg: GKDConfig, plan: Plan) -> None:
                   "placement.teacher_model=NAME; a teacher group: placement.teacher.gpus=N)")
     check_run(cfg, plan, classes={"train": Trainer, "rollout": Rollout, "teacher": Teacher})
     a, t = cfg.algorithm, cfg.teacher
+    check_multi_turn(a.multi_turn)
     require_all(a, "algorithm", {"lmbda": FRACTION, "beta": FRACTION, "temperature": POSITIVE,
                                  "sft_alpha": NON_NEGATIVE, "max_new_tokens": AT_LEAST_1})
     require(a.topk_mode in TOPK_MODES, "algorithm.topk_mode", a.topk_mode, "is not a top-k mode",

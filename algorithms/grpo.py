@@ -48,8 +48,8 @@ from typing import Any, ClassVar, List, Optional
 import torch
 
 from algorithms import sft
-from algorithms.config.checks import (AT_LEAST_1, NON_NEGATIVE, POSITIVE, check_importable, check_opd_teacher,
-                                      check_run, check_staleness, check_trainer, require, require_all, require_roles,
+from algorithms.config.checks import (AT_LEAST_1, NON_NEGATIVE, POSITIVE, check_importable, check_multi_turn,
+                                      check_opd_teacher, check_run, check_staleness, check_trainer, require, require_all, require_roles,
                                       validate_check)
 from algorithms.config.schema import (DriverConfig, as_dict, engine_args, fit_epochs, local_model_path, phase_run,
                                       rollout_section, warmup_steps)
@@ -64,6 +64,7 @@ from algorithms.records.runlog import RunLog, record_data_stats
 from algorithms.runtime.ahead import Prefetch, staleness
 from algorithms.runtime.entry import driver_main
 from algorithms.runtime.steps import Steps
+from algorithms.runtime.trajectories import TrajectoryPrefetch, env_rewards, failed_rows, multi_turn_metrics
 from algorithms.runtime.turns import first
 from orchestration.cluster import init_cluster, set_log_level
 from orchestration.dispatch import flatten, slice_bounds
@@ -71,6 +72,7 @@ from orchestration.launch import start_roles
 from orchestration.planner import Plan, as_started, make_plan, with_colocated_role
 from roles.batch import Completions, SamplingParams, slice_batch
 from roles.models import load_tokenizer, resolve_config
+from roles.multi_turn import MultiTurnConfig
 from roles.orm import ANSWER_KINDS, ORM
 from roles.prm import AGGREGATES, PRM
 from roles.rollout import Rollout
@@ -160,6 +162,11 @@ class GRPOAlgorithm:
     # trainer.lora the warm start trains every weight, standing for the pretrained model a LoRA
     # run starts from, and GRPO's new adapter starts with a fresh optimizer.)
     warmup_keep_optimizer: bool = True
+    # Multi-turn rollouts (docs/multi_turn.md): a scheduler, environment or tools make each
+    # sample a trajectory of model and environment turns; max_new_tokens is then its budget
+    # across turns, the loss counts the model's tokens only, and the environment's reward
+    # (multi_turn.env_reward) joins the reward functions'. Off while scheduler and tools are unset.
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
 
 
 @dataclass
@@ -204,8 +211,10 @@ def train(cfg: GRPOConfig, plan: Plan, trainer: Any, rollout: Any, reference: An
         # Prompts continue where a resumed run's checkpoint left them; step k's generation starts
         # up to max_staleness steps early (0: after step k-1's weight sync).
         stream = PromptStream(train_set, cfg.run.prompts_per_step, cfg.run.seed, steps.resumed.get("stream", 0))
-        prefetch = Prefetch(rollout, log, stream, sampling, algo.max_staleness, cfg.run.steps,
-                                    seed=cfg.run.seed, first_step=steps.first_step)
+        # Multi-turn: each sample is a trajectory, its turn loop run inside the rollout role.
+        ahead, extra = (TrajectoryPrefetch, {"multi_turn": algo.multi_turn}) if algo.multi_turn.enabled else (Prefetch, {})
+        prefetch = ahead(rollout, log, stream, sampling, algo.max_staleness, cfg.run.steps,
+                         seed=cfg.run.seed, first_step=steps.first_step, **extra)
         for step in range(steps.first_step, cfg.run.steps + 1):
             metrics: dict = {}
             if step > 0:
@@ -293,6 +302,11 @@ def _generate_and_score(algo: GRPOAlgorithm, want: int, prefetch: Any, rewards: 
             scores, means = rewards.score([ex.prompt for ex in examples for _ in range(G)], comps.texts,
                                           [reference(ex) for ex in examples for _ in range(G)],
                                           rows=[ex.columns for ex in examples for _ in range(G)])
+        if algo.multi_turn.enabled:  # the environment's reward; failed trajectories leave the statistics
+            env = env_rewards(comps, algo.multi_turn.env_reward)
+            scores, means["env"] = failed_rows(comps, scores + env, G), float(env.mean())
+            if r == 0:
+                metrics.update(multi_turn_metrics(comps))
         zero = zero_variance_groups(scores, G)
         rounds.append((comps, scores, zero))
         varied += int((~zero).sum())
@@ -482,8 +496,11 @@ def validate(cfg: GRPOConfig, plan: Plan) -> None:
             f"use one of {list(LOSS_TYPES)}")
     require(a.prm_aggregate in AGGREGATES, "algorithm.prm_aggregate", a.prm_aggregate, "is not an aggregate",
             f"use one of {list(AGGREGATES)}")
-    require(bool(a.reward_funcs) or bool(a.teacher_kl_coef), "algorithm.reward_funcs", list(a.reward_funcs),
-            "is empty", "e.g. algorithm.reward_funcs=[accuracy] (empty only with algorithm.teacher_kl_coef > 0)")
+    check_multi_turn(a.multi_turn)
+    env_rewarded = a.multi_turn.enabled and a.multi_turn.env_reward != "none"
+    require(bool(a.reward_funcs) or bool(a.teacher_kl_coef) or env_rewarded, "algorithm.reward_funcs",
+            list(a.reward_funcs), "is empty", "e.g. algorithm.reward_funcs=[accuracy] (empty only with "
+            "algorithm.teacher_kl_coef > 0, or an environment's reward: algorithm.multi_turn)")
     require(all(math.isfinite(w) for w in a.reward_weights), "algorithm.reward_weights", list(a.reward_weights),
             "holds a weight that is not a finite number", "give finite weights, or [] for 1.0 each")
     require(not a.reward_weights or len(a.reward_weights) == len(a.reward_funcs), "algorithm.reward_weights",

@@ -25,17 +25,15 @@ reason, naming the environment, the row and the turn, is in rollout_infos). No R
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import dataclasses
-import inspect
 import logging
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+import roles.envs  # noqa: F401  (registers the built-in environments)
 from roles.batch import Completions, SamplingParams
 from roles.plugins import load_plugin, multi_turns
-from roles.schedulers import TOOLS, scheduler_label
+from roles.schedulers import call_hook, scheduler_label
 
 log = logging.getLogger(__name__)
 
@@ -149,26 +147,6 @@ class StepError(Exception):
     """An environment or scheduler call that failed for one trajectory."""
 
 
-def _in_thread(fn: Callable, *args: Any) -> concurrent.futures.Future:
-    """`fn(*args)` on a daemon thread: one that never returns is abandoned, not joined at exit."""
-    future: concurrent.futures.Future = concurrent.futures.Future()
-
-    def work() -> None:
-        try:
-            future.set_result(fn(*args))
-        except BaseException as e:  # re-raised where the result is read
-            future.set_exception(e)
-    threading.Thread(target=work, daemon=True).start()
-    return future
-
-
-async def call_hook(fn: Callable, *args: Any, timeout: float) -> Any:
-    """`fn(*args)` whether `fn` is async or plain, within `timeout` seconds."""
-    if inspect.iscoroutinefunction(fn):
-        return await asyncio.wait_for(fn(*args), timeout)
-    return await asyncio.wait_for(asyncio.wrap_future(_in_thread(fn, *args)), timeout)
-
-
 def make_scheduler(cfg: MultiTurnConfig, tokenizer: Any) -> Any:
     """The configured scheduler, after importing cfg.plugins (for their registrations)."""
     for path in cfg.plugins:
@@ -184,13 +162,14 @@ def make_scheduler(cfg: MultiTurnConfig, tokenizer: Any) -> Any:
 def run_trajectories(generate: Callable[[List[List[int]], SamplingParams], Completions],
                      encode: Callable[[List[Dict[str, str]]], List[int]], delta: Delta, scheduler: Any,
                      cfg: MultiTurnConfig, prompts: Sequence[Sequence[Dict[str, str]]], rows: Sequence[Dict],
-                     sampling: SamplingParams, seeds: List[int]) -> Completions:
+                     sampling: SamplingParams, seed: int) -> Completions:
     """n trajectories per prompt (consecutive), as Completions with completion_mask and
     rollout_infos. `generate(ids, sampling)`: one model turn of every row in `ids`; `encode`: a
-    conversation's token ids with the generation prompt; `seeds`: one per trajectory."""
+    conversation's token ids with the generation prompt; `seed`: the request's (each turn's
+    sampling and each trajectory's Request.seed derive from it)."""
     n, budget, label = sampling.n, sampling.max_new_tokens, scheduler_label(scheduler)
     trajs = [Trajectory(Request([dict(m) for m in prompts[i // n]], dict(rows[i // n]), f"{i // n}-{i % n}",
-                                seeds[i])) for i in range(len(prompts) * n)]
+                                (seed * 1_000_003 + i) % 2**62)) for i in range(len(prompts) * n)]
     loop = asyncio.new_event_loop()
     try:
         def guarded(what: str, turn: int, items: List[Trajectory], fn: Callable, *args: Callable) -> list:
@@ -212,16 +191,19 @@ def run_trajectories(generate: Callable[[List[List[int]], SamplingParams], Compl
             log.warning(reason)
             t.finish, t.infos["error"] = "error", reason
 
-        # Start: schedulers may rewrite the first messages (an environment's observation).
-        try:
-            loop.run_until_complete(call_hook(scheduler.on_trajectory_start, [t.request for t in trajs],
-                                              timeout=cfg.env_timeout_s))
-        except BaseException as e:  # every trajectory shares this call
-            for t in trajs:
-                drop(t, f"{label} failed at on_trajectory_start (turn 0): {type(e).__name__}: {e}")
-        for t in trajs:
-            if t.finish is None:
-                t.prompt_ids = encode(t.request.messages)
+        # Start: schedulers may rewrite the first messages (an environment's observation); one
+        # with a per-request start_one (gym_scheduler) fails per trajectory.
+        if hasattr(scheduler, "start_one"):
+            guarded("reset", 0, trajs, scheduler.start_one, lambda t: t.request)
+        else:
+            try:
+                loop.run_until_complete(call_hook(scheduler.on_trajectory_start, [t.request for t in trajs],
+                                                  timeout=cfg.env_timeout_s))
+            except BaseException as e:  # every trajectory shares this call
+                for t in trajs:
+                    drop(t, f"{label} failed at on_trajectory_start (turn 0): {type(e).__name__}: {e}")
+        for t in trajs:  # (one whose start failed keeps its row's prompt: a real, masked-out sequence)
+            t.prompt_ids = encode(t.request.messages)
         for turn in range(1, cfg.max_turns + 1):
             live = [t for t in trajs if t.finish is None]
             if not live:
@@ -230,11 +212,11 @@ def run_trajectories(generate: Callable[[List[List[int]], SamplingParams], Compl
             room = [budget - len(t.ids) for t in live]
             out = generate([t.prompt_ids + t.ids for t in live],
                            dataclasses.replace(sampling, n=1, max_new_tokens=max(room),
-                                               seed=seeds[trajs.index(live[0])] + turn))
+                                               seed=(seed * 1_009 + turn) % 2**62))
             choices = []
             for t, r, toks, lps, why in zip(live, room, out.completion_ids, out.logprobs, out.finish_reasons):
+                why = "length" if len(toks) > r else why  # cut here at its own budget
                 toks, lps = list(toks[:r]), list(lps[:r])
-                why = "length" if len(toks) == r and (why == "length" or len(out.completion_ids) > 1) else why
                 text = delta.tokenizer.decode(toks, skip_special_tokens=True)
                 t.ids += toks
                 t.mask += [1] * len(toks)
@@ -270,16 +252,21 @@ def run_trajectories(generate: Callable[[List[List[int]], SamplingParams], Compl
                     going.append((t, choice))
             # The next messages (observations, tool results) and their tokens.
             counts = {id(t): len(t.request.messages) for t, _ in going}
+            choice_of = {id(t): c for t, c in going}
             steps = guarded("step", turn, [t for t, _ in going], scheduler.step, lambda t: t.request,
-                            lambda t: dict(going)[t] if False else next(c for u, c in going if u is t),
-                            lambda t: turn)
+                            lambda t: choice_of[id(t)], lambda t: turn)
             for (t, choice), ret in zip(going, steps):
                 if t.finish is not None:
                     continue
                 ret = ret if isinstance(ret, dict) else {}
                 if isinstance(ret.get("infer_request"), Request):
                     t.request = ret["infer_request"]
-                _replace_turn(t, choice, ret)
+                t.infos.update(ret.get("rollout_infos") or {})
+                try:
+                    _replace_turn(t, choice, ret)
+                except ValueError as e:
+                    drop(t, f"{label} failed at step (row {t.request.uuid}, turn {turn}): {e}")
+                    continue
                 new = t.request.messages[counts[id(t)]:]
                 if new:
                     try:
@@ -299,9 +286,8 @@ def run_trajectories(generate: Callable[[List[List[int]], SamplingParams], Compl
         for t in trajs:
             t.finish = t.finish or "length"
     finally:
-        for close in [getattr(scheduler, "close_all", None)]:
-            if close is not None:
-                loop.run_until_complete(close())
+        if hasattr(scheduler, "close_all"):  # environments of trajectories that ended early
+            loop.run_until_complete(scheduler.close_all())
         loop.close()
     out = Completions([i // n for i in range(len(trajs))], [t.prompt_ids for t in trajs], [t.ids for t in trajs],
                       [t.text for t in trajs], [t.logprobs for t in trajs], [t.finish for t in trajs])
@@ -328,4 +314,4 @@ def _replace_turn(t: Trajectory, choice: Choice, ret: Dict[str, Any]) -> None:
 
 
 __all__ = ["MultiTurnConfig", "Request", "Choice", "Message", "Delta", "run_trajectories", "make_scheduler",
-           "ENV_REWARDS", "TOOLS"]
+           "ENV_REWARDS"]

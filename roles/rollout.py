@@ -40,6 +40,7 @@ from roles.engines.torch_generate import decode_path, generate_batch
 from roles.engines.vllm_engine import VLLMEngine
 from roles.lora import PARTS, merge_into
 from roles.models import DTYPES, ModelSpec, build_model, load_tokenizer
+from roles.multi_turn import Delta, MultiTurnConfig, make_scheduler, run_trajectories
 from roles.weight_transfer import WeightReceiver
 
 log = logging.getLogger(__name__)
@@ -273,6 +274,28 @@ class Rollout(WeightReceiver):
             out.finish_reasons.extend(result.finish_reasons)
         out.texts = self.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True) if rows else []
         out.weight_version = [self.weight_version] * len(rows)
+        return out
+
+    def generate_trajectories(self, prompts: Sequence[Sequence[Mapping[str, str]]],
+                              sampling: Union[SamplingParams, Mapping[str, Any]],
+                              multi_turn: Union[MultiTurnConfig, Mapping[str, Any]], rows: Sequence[Mapping],
+                              chat: Optional[bool] = None) -> Completions:
+        """n multi-turn trajectories per conversation (roles.multi_turn): model turns generated
+        together from token ids, environment/tool turns appended as the chat template's tokens;
+        `rows`: each prompt's dataset columns (env_config, solution, ...); sampling.max_new_tokens
+        is a trajectory's budget across turns. The loop runs here, next to the engine, so a turn
+        waits only on this rank's own environments."""
+        self._check_ready()
+        sampling = as_sampling_params(sampling)
+        cfg = multi_turn if isinstance(multi_turn, MultiTurnConfig) else OmegaConf.to_object(
+            OmegaConf.merge(OmegaConf.structured(MultiTurnConfig), multi_turn))
+        chat = self.config.chat if chat is None else chat
+        template = uses_template(self.tokenizer, chat)
+        seed = sampling.seed if sampling.seed is not None else int(torch.randint(0, 2**62, (1,), generator=self._rng))
+        out = run_trajectories(lambda ids, s: self.generate(ids, s), lambda messages: self._encode(messages, chat),
+                               Delta(self.tokenizer, template, template_switches(self.config.enable_thinking)),
+                               make_scheduler(cfg, self.tokenizer), cfg, prompts, rows, sampling, seed)
+        out.weight_version = [self.weight_version] * len(out)
         return out
 
     def _encode(self, prompt: Prompt, chat: Optional[bool]) -> list[int]:

@@ -88,7 +88,7 @@ def test_each_example_prepares_and_validates_before_anything_starts(example, mon
     ("report_to", "none", "sft", {"run.loggers": ["jsonl"]}),
     ("torch_dtype", "bfloat16", "sft", {"model.dtype": "bfloat16"}),
     ("bf16", True, "sft", {"trainer.dtype": "bfloat16"}),
-    ("attn_impl", "flash_attn", "sft", {"model.attn_implementation": "flash_attention_2"}),
+    ("attn_impl", "sdpa", "sft", {"model.attn_implementation": "sdpa"}),
     ("deepspeed", "zero3_offload", "sft", {"backend.train": "deepspeed", "deepspeed.zero_stage": 3,
                                            "deepspeed.offload_optimizer": True, "deepspeed.offload_param": True}),
     ("tensor_model_parallel_size", 2, "gkd", {"backend.train": "megatron", "megatron.tensor_parallel_size": 2}),
@@ -311,3 +311,29 @@ def test_lora_keys_mean_what_they_mean_in_ms_swift():
     assert out == {"trainer.lora.rank": 0}
     _, out, _ = translate({"lora_rank": 8}, "sft", defaults())  # no tuner_type: full parameters here
     assert "trainer.lora.rank" not in out
+
+
+def test_steps_on_the_command_line_win_over_the_files_epochs(tmp_path):
+    """`run.steps=2` on the command line stops a file with num_train_epochs after 2 steps."""
+    data = tmp_path / "rows.jsonl"
+    data.write_text("".join(json.dumps({"query": f"{i}+1?", "response": f"{i + 1}"}) + "\n" for i in range(40)))
+    path = tmp_path / "sft.yaml"
+    path.write_text(f"model: tiny_qwen2\ndataset: {data}\nnum_train_epochs: 3\nper_device_train_batch_size: 2\n")
+    from algorithms.sft import SFTConfig
+    from tests.driver_helpers import composed
+
+    args = [f"config_file={path}", "run.steps=2"]
+    typed, _ = prepare(composed(SFTConfig, args), SFTConfig, cli=args)
+    assert typed.run.steps == 2 and typed.run.epochs is None
+    typed, _ = prepare(composed(SFTConfig, args[:1]), SFTConfig, cli=args[:1])
+    assert typed.run.epochs == 3.0
+
+
+def test_flash_attn_runs_as_sdpa_where_flash_attn_is_not_installed(capsys):
+    import importlib.util
+
+    _, out, _ = translate({"attn_impl": "flash_attn"}, "sft", defaults())
+    if importlib.util.find_spec("flash_attn") is None:
+        assert out["model.attn_implementation"] == "sdpa" and "flash-attn is not installed" in capsys.readouterr().out
+    else:
+        assert out["model.attn_implementation"] == "flash_attention_2"

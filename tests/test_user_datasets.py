@@ -390,3 +390,42 @@ def test_the_keys_compose_from_the_command_line(tmp_path, capsys):
     train, held, stats = load_task(typed.data, row_limits(typed, replies=True))
     assert len(held) == 3 and len(train) + len(held) + stats["data/skipped/no_reply"] == 13
     assert not set(prompts(held)) & set(prompts(train)) and all(e.answer for e in train + held)
+
+
+@pytest.mark.parametrize("strategy", ["right", "left", "delete"])
+def test_truncation_strategy_cuts_or_drops_a_long_conversation(tmp_path, strategy):
+    """data.truncation_strategy (ms-swift's): a conversation over max_length loses its end
+    (right) or its start (left, the loss still on reply tokens only), or is skipped (delete)."""
+    from algorithms.data.loading import DataConfig, RowLimits, load_task
+    from algorithms.data.prompts import encode_examples
+    from roles.models import load_tokenizer
+
+    tok = load_tokenizer("tiny_qwen2")
+    rows = [{"query": "12+3?", "response": "15"}, {"query": "long question " * 20, "response": "answer " * 30}]
+    path = write_jsonl(tmp_path / "data.jsonl", rows)
+    full = encode_examples(tok, [load_task(DataConfig(task="files", paths=[str(path)], val_split=0.0))[0][1]],
+                           pretrain=False, chat=False)
+    whole = full.prompt_ids[0] + full.completion_ids[0]
+    limit = len(whole) - 25
+    limits = RowLimits(tok, None, max_length=limit, replies=True, chat=False, truncation=strategy)
+    train, _, stats = load_task(DataConfig(task="files", paths=[str(path)], val_split=0.0), limits)
+    if strategy == "delete":
+        assert len(train) == 1 and stats["data/skipped/too_long"] == 1
+        return
+    assert len(train) == 2 and stats["data/truncated"] == 1
+    cut = encode_examples(tok, [train[1]], pretrain=False, chat=False)
+    ids = cut.prompt_ids[0] + cut.completion_ids[0]
+    assert len(ids) == limit
+    if strategy == "right":
+        assert ids == whole[:limit] and cut.prompt_ids[0] == full.prompt_ids[0]
+    else:
+        assert ids == whole[-limit:] and cut.completion_ids[0] == full.completion_ids[0]
+        assert cut.prompt_ids[0] == full.prompt_ids[0][25:]
+
+
+def test_an_unknown_truncation_strategy_is_refused_before_start(tmp_path):
+    from algorithms.data.loading import DataConfig, check_data_files
+
+    path = write_jsonl(tmp_path / "data.jsonl", [{"query": "1", "response": "2"}])
+    with pytest.raises(ConfigError, match=r"data.truncation_strategy'='split'.*pretraining"):
+        check_data_files(DataConfig(task="files", paths=[str(path)], truncation_strategy="split"))

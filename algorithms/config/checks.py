@@ -36,7 +36,9 @@ from roles.engines.megatron_convert import megatron_problems
 from roles.engines.megatron_lora import PROJECTIONS as MEGATRON_PROJECTIONS
 from roles.engines.options import ROLLOUT_ENGINES, TEACHER_ENGINES, TRAIN_ENGINES
 from roles.orm import ANSWER_KINDS, compile_pattern
-from roles.plugins import PluginError, is_plugin_spec, load_plugin, orms
+from roles.plugins import PluginError, envs, is_plugin_spec, load_plugin, multi_turns, orms
+from roles.multi_turn import ENV_REWARDS
+from roles.schedulers import resolve_tool
 from roles.engines.vllm_build import LORA_RANKS, option_key, vllm_options
 from roles.lora import ALL_LINEAR, lora_problems, unknown_targets
 from roles.models import (TOKENIZER_FILES, ModelFieldError, check_load_options, has_tokenizer_files,
@@ -587,3 +589,30 @@ def check_opd_teacher(cfg: Any, plan: Plan, key: str = "algorithm.teacher_kl_coe
     words, rows = len(load_tokenizer(cfg.model)), vocab_size(entry.model)
     require(words <= rows, key, coef, f"needs a teacher that scores every token of the policy's {words}-token "
             f"tokenizer, but {entry.model} has {rows} output rows", "use a teacher with the policy's tokenizer")
+
+
+def check_multi_turn(mt: Any, key: str = "algorithm.multi_turn") -> None:
+    """A multi-turn section (roles.multi_turn.MultiTurnConfig): its plugin files import, its
+    scheduler, environment and tools are registered, its numbers are in range."""
+    for path in mt.plugins:
+        try:
+            load_plugin(path)
+        except PluginError as e:
+            require(False, f"{key}.plugins", list(mt.plugins), f"holds a plugin file that fails: {e}",
+                    "correct the file or its path")
+    if not mt.enabled:
+        return
+    require_all(mt, key, {"max_turns": AT_LEAST_1, "env_timeout_s": POSITIVE})
+    require(mt.env_reward in ENV_REWARDS, f"{key}.env_reward", mt.env_reward, "is not a way to reward",
+            f"use one of {list(ENV_REWARDS)}")
+    require(mt.scheduler_name in multi_turns, f"{key}.scheduler", mt.scheduler, "is registered nowhere",
+            f"use one of {sorted(multi_turns)}, or register yours in multi_turns in a plugin file ({key}.plugins)")
+    if mt.scheduler_name == "gym_scheduler":
+        require(mt.gym_env in envs, f"{key}.gym_env", mt.gym_env, "is no registered environment",
+                f"use one of {sorted(envs)}, or register yours in envs in a plugin file ({key}.plugins)")
+    for tool in mt.tools:
+        try:
+            resolve_tool(tool)
+        except (KeyError, ImportError, AttributeError, ValueError) as e:
+            require(False, f"{key}.tools", list(mt.tools), f"names a tool that cannot be found ({e})",
+                    "register it with tools['name'] = fn in a plugin file, or give its dotted path 'pkg.mod.fn'")

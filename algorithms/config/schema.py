@@ -147,6 +147,8 @@ def prepare(cfg: DictConfig | dict, schema: type, cli: Optional[list[str]] = Non
         kept = keep_command_line(typed, cfg, cli_overrides() if cli is None else cli, file_keys)
         if kept:
             print(f"config_file {typed.config_file}: the command line's {kept} win over the file's values")
+        if any(arg.lstrip("+").startswith("run.steps=") for arg in (cli_overrides() if cli is None else cli)):
+            typed.run.epochs = None  # steps named on the command line win over the file's num_train_epochs
         if no_effect:
             print(f"config_file {typed.config_file}: {no_effect} change nothing here (docs/ms_swift.md says why)")
         typed = validate(typed, schema)

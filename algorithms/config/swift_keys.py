@@ -32,6 +32,7 @@ MAPPED: dict[str, conv.Mapper] = {
     "split_dataset_ratio": conv.split_ratio,
     "columns": conv.to("data.columns", convert=conv.columns),
     "max_length": conv.to("data.max_length", convert=conv.integer),
+    "truncation_strategy": conv.truncation,
     "system": conv.to("data.system", convert=lambda s: conv.path(s) if conv.text(s).endswith(".txt") else conv.text(s)),
     "enable_thinking": conv.to("data.enable_thinking", convert=conv.optional(conv.flag)),
     "seed": conv.to("run.seed", "data.seed", "trainer.seed", convert=conv.integer),
@@ -102,9 +103,18 @@ MAPPED: dict[str, conv.Mapper] = {
     "vllm_tensor_parallel_size": conv.vllm_tp,
 }
 
+# Multi-turn rollouts (GRPO and GKD: algorithm.multi_turn).
+MULTI_TURN: dict[str, conv.Mapper] = {
+    "multi_turn_scheduler": conv.multi_turn("scheduler", conv.text),
+    "max_turns": conv.multi_turn("max_turns", conv.integer),
+    "gym_env": conv.multi_turn("gym_env", conv.text),
+    "use_gym_env": conv.use_gym_env,
+}
+
 # Keys of one driver.
 DRIVER_KEYS: dict[str, dict[str, conv.Mapper]] = {
     "grpo": {
+        **MULTI_TURN,
         # Sampling.
         "rlhf_type": conv.rlhf_type("grpo"),
         "num_generations": conv.to("algorithm.num_generations", convert=conv.integer),
@@ -141,6 +151,7 @@ DRIVER_KEYS: dict[str, dict[str, conv.Mapper]] = {
             **({"algorithm.reward_funcs": []} if conv.number(value) > 0 and "reward_funcs" not in file else {})},
     },
     "gkd": {
+        **MULTI_TURN,
         "rlhf_type": conv.rlhf_type("gkd"),
         "global_batch_size": conv.global_batch("gkd"),
         "max_completion_length": conv.to("algorithm.max_new_tokens", convert=conv.integer),
@@ -215,16 +226,11 @@ REFUSED: dict[str, str] = {
     "gradient_accumulation_steps": "set global_batch_size (sequences per update), accumulation follows from "
                                    "micro_batch_size (the sft driver reads it)",
     "streaming": "user files are read whole (data.max_rows caps them)",
-    "truncation_strategy": "too-long prompts are skipped and too-long replies cut (data.max_length), always",
     "reward_model": "set GRPO's reward model as an orm role (reward_funcs with a planned orm)",
     "teacher_model_server": "the teacher is a role on planned devices, never an external server",
     "vllm_server_host": "the rollout is a role on planned devices, never an external vLLM server",
     "vllm_server_port": "the rollout is a role on planned devices, never an external vLLM server",
     "resume_from_checkpoint": "use run.resume=<checkpoints/step_N folder> (or auto)",
-    "multi_turn_scheduler": "multi-turn rollouts are not implemented",
-    "max_turns": "multi-turn rollouts are not implemented",
-    "gym_env": "multi-turn rollouts are not implemented",
-    "use_gym_env": "multi-turn rollouts are not implemented",
     "delta": "two-sided clipping is not implemented (epsilon / epsilon_high)",
     "kl_in_reward": "the KL term is in the loss (beta) here",
 }

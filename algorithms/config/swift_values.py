@@ -5,6 +5,7 @@ key's value, the whole file and the composed config, and returns {our dotted key
 raises `Unsupported` with why and what to use."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -130,6 +131,8 @@ def dataset(value: Any, file: Mapping, cfg: Any) -> dict:
     out = {"data.task": "files", "data.paths": paths(value)}
     if "split_dataset_ratio" not in file and not file.get("val_dataset"):
         out["data.val_split"] = 0.0  # ms-swift's split_dataset_ratio default: nothing held out, no evaluation
+    if "truncation_strategy" not in file:
+        out["data.truncation_strategy"] = "delete"  # ms-swift's default: a row over max_length is dropped
     return out
 
 
@@ -316,7 +319,13 @@ def attn(value: Any) -> str:
              "flex_attention": "flex_attention"}
     if not isinstance(value, str) or value not in names:
         raise Unsupported(f"the attention kernels here are {sorted(names)}")
-    return names[value]
+    kernel = names[value]
+    if kernel.startswith("flash_attention") and importlib.util.find_spec("flash_attn") is None:
+        # A file written for GPUs with flash-attn, run where it is not installed (a CPU machine):
+        # the same attention through torch's kernel, said in one line.
+        print(f"attn_impl={value}: flash-attn is not installed here, torch's sdpa attention runs instead")
+        return "sdpa"
+    return kernel
 
 
 def positive(value: Any) -> int:
@@ -458,6 +467,20 @@ def external_plugins(value: Any, file: Mapping, cfg: Any) -> dict:
     return {}
 
 
+def multi_turn(field: str, convert: Callable[[Any], Any]) -> Mapper:
+    """A multi-turn key: algorithm.multi_turn.<field>, and the file's external_plugins as the
+    files the rollout imports for their schedulers and environments."""
+    def mapper(value: Any, file: Mapping, cfg: Any) -> dict:
+        return {f"algorithm.multi_turn.{field}": convert(value), "algorithm.multi_turn.plugins": plugin_paths(file)}
+    return mapper
+
+
+def use_gym_env(value: Any, file: Mapping, cfg: Any) -> dict:
+    """ms-swift adds the environment's total reward as a reward column: here env_reward sum;
+    false: the reward functions alone."""
+    return {"algorithm.multi_turn.env_reward": "sum" if flag(value) else "none"}
+
+
 def reward_funcs(value: Any, file: Mapping, cfg: Any) -> dict:
     """ms-swift's reward names: a plugin's registration first, then its built-ins as they mean
     there (format: <think>/<answer> tags), then this project's names and pkg.mod.fn paths."""
@@ -556,3 +579,10 @@ def loggers_swanlab(value: Any, file: Mapping, cfg: Any) -> dict:
         return loggers(value, file, cfg)
     rest = [n for n in names if n != "swanlab"] or ["none"]
     return {"run.loggers": loggers(rest, file, cfg)["run.loggers"] + ["swanlab"]}
+
+
+def truncation(value: Any, file: Mapping, cfg: Any) -> dict:
+    if value not in ("delete", "left", "right"):
+        raise Unsupported(f"{value!r}: the strategies here are delete, left and right ('split' cuts pretraining "
+                          "corpora into several rows and is not implemented)")
+    return {"data.truncation_strategy": value}

@@ -75,8 +75,14 @@ class DataConfig:
     # Cache folder of the `datasets` loader for task=files; None: its default.
     cache_dir: Optional[str] = None
     # Longest training conversation (prompt + reply) in tokens for SFT and GKD's dataset
-    # replies; longer replies are cut at their end. 0 or null: the model's context.
+    # replies; longer ones go as truncation_strategy says. 0 or null: the model's context.
     max_length: Optional[int] = None
+    # What happens to a training conversation longer than max_length (ms-swift's
+    # truncation_strategy): "right": its end is cut (the reply's end; no eos); "left": its start
+    # is cut (the prompt's first tokens, then the reply's if need be; the loss stays on reply
+    # tokens); "delete": the row is skipped (counted as too_long). A prompt too long to generate
+    # from, or leaving no reply token within max_length, is skipped whatever the strategy.
+    truncation_strategy: str = "right"
     # How a reply is judged right, for every logged accuracy (eval/accuracy, rollout/accuracy,
     # teacher/eval_accuracy, distill's) and GRPO's `accuracy` reward; the answer is the row's
     # `answer` (or the text after '####'), else its whole reply. "numeric": the reply's last
@@ -104,6 +110,10 @@ class DataConfig:
     system: Optional[str] = None
 
 
+# data.truncation_strategy's values.
+TRUNCATION_STRATEGIES = ("right", "left", "delete")
+
+
 @dataclass
 class RowLimits:
     """What a run's models take, in tokens; built by `row_limits` from a driver's config."""
@@ -125,6 +135,8 @@ class RowLimits:
     chat: Optional[bool] = None
     # data.enable_thinking: the template's thinking switch, for the same reason.
     enable_thinking: Optional[bool] = None
+    # data.truncation_strategy: how a conversation over max_length is cut (or skipped).
+    truncation: str = "right"
 
 
 def model_context(spec: Any) -> Optional[int]:
@@ -167,7 +179,7 @@ def row_limits(cfg: Any, new_tokens: Optional[int] = None, replies: bool = False
         bounds = [x for x in (cfg.data.max_length, context) if x]
         max_length = min(bounds) if bounds else None
     return RowLimits(load_tokenizer(cfg.model), context, new_tokens, cfg.run.eval_max_new_tokens, max_length,
-                     replies, cfg.data.chat, cfg.data.enable_thinking)
+                     replies, cfg.data.chat, cfg.data.enable_thinking, cfg.data.truncation_strategy)
 
 
 class _Tally:
@@ -232,9 +244,12 @@ def _fit(examples: list[Example], limits: Optional[RowLimits], held_out: bool, t
             elif max_length is not None and p >= max_length:
                 tally.skip("too_long", f"{ex.source}: a prompt of {p} tokens leaves no reply token within "
                                        f"{max_length}")
+            elif max_length is not None and f > max_length and limits.truncation == "delete":
+                tally.skip("too_long", f"{ex.source}: a conversation of {f} tokens, over data.max_length "
+                                       f"{max_length} (data.truncation_strategy=delete)")
             else:
                 if max_length is not None and f > max_length:
-                    ex = replace(ex, max_tokens=max_length)
+                    ex = replace(ex, max_tokens=max_length, cut_left=limits.truncation == "left")
                     tally.truncated += 1
                 kept.append((i, ex))
     return kept
@@ -245,6 +260,10 @@ def check_data_files(cfg: DataConfig) -> None:
     of data.paths and data.val_paths is a file of a known format, a folder with a train split or
     a hub id in a local cache (algorithms/data/entries.py), val_split, max_rows and columns are
     sound, and no user-data key is set for a generated task. Raises ConfigError."""
+    if cfg.truncation_strategy not in TRUNCATION_STRATEGIES:
+        raise ConfigError(f"config key 'data.truncation_strategy'={cfg.truncation_strategy!r} is not a strategy. Fix: "
+                          f"use one of {list(TRUNCATION_STRATEGIES)} (ms-swift's 'split' is for pretraining "
+                          "corpora and is not implemented here)")
     files = cfg.task == "files"
     for key, value in (("paths", list(cfg.paths)), ("val_paths", list(cfg.val_paths)), ("val_split", cfg.val_split),
                        ("max_rows", cfg.max_rows)):

@@ -44,8 +44,8 @@ def chat_texts(tokenizer: Any, ex: Example, chat: Optional[bool] = None,
 def encode_examples(tokenizer: Any, examples: list[Example], pretrain: bool,
                     chat: Optional[bool] = None, enable_thinking: Optional[bool] = None) -> Completions:
     """Dataset responses as completions: prompt ids + response ids + eos, the prompt rendered
-    as the rollout renders it (`chat`: data.chat; `enable_thinking`: data.enable_thinking). An example with `max_tokens` (a reply too
-    long for the run) is cut to that many tokens. With `pretrain` every token but the first is
+    as the rollout renders it (`chat`: data.chat; `enable_thinking`: data.enable_thinking). An example with `max_tokens` (a conversation
+    too long for the run) is cut to that many tokens: its end, or its start with `cut_left`. With `pretrain` every token but the first is
     a completion token (SFT's algorithm.pretrain)."""
     template = template_on(tokenizer, chat)
     eos = [] if tokenizer.eos_token_id is None else [tokenizer.eos_token_id]
@@ -64,7 +64,11 @@ def encode_examples(tokenizer: Any, examples: list[Example], pretrain: bool,
             f = p + tokenizer(ex.solution, add_special_tokens=False)["input_ids"] + eos
         if pretrain:
             p, f = f[:1], f
-        if ex.max_tokens is not None:
+        if ex.max_tokens is not None and ex.cut_left:
+            # The conversation's first tokens go: the prompt's, then the reply's if need be.
+            cut = max(0, len(f) - ex.max_tokens)
+            f, p = f[cut:], p[cut:]
+        elif ex.max_tokens is not None:
             # Cut like a max_length truncation: the reply's end goes, no eos is added.
             f = f[:ex.max_tokens]
         prompt_ids.append(p)

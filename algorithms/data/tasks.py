@@ -45,6 +45,8 @@ class Example:
     # Set when the reply is too long for the run: encode the conversation (prompt + reply)
     # in at most this many tokens, cutting the reply's end. None: the whole conversation.
     max_tokens: Optional[int] = None
+    # With max_tokens: cut the conversation's start instead of its end (data.truncation_strategy=left).
+    cut_left: bool = False
     # The row's own dataset columns (a user file's, after data.columns renames), which plugin
     # reward functions get as keyword arguments (ms-swift's reward kwargs); generated tasks: none.
     columns: Dict[str, Any] = field(default_factory=dict)

@@ -186,7 +186,8 @@ def _row_example(row, source: str, columns: Optional[Dict[str, str]] = None) -> 
     explicit = row.get("answer")
     if not isinstance(explicit, (str, int, float)) or isinstance(explicit, bool) or not str(explicit).strip():
         explicit = None
-    if reply is None and explicit is None and reference is None:
+    # A row with an environment (env_config: a multi-turn gym_env) is judged by it, not a reference.
+    if reply is None and explicit is None and reference is None and _blank(row.get("env_config")):
         chat = row.get("messages") is not None or row.get("conversations") is not None
         raise BadRow("bad_turns" if chat else "wrong_type",
                      "no reply, and no 'solution' or 'answer' to check a generated one against")
