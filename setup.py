@@ -19,7 +19,8 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["roles*", "orchestration*", "algorithms*", "conf*"]),
     package_data={"conf": ["*.yaml", "*/*.yaml"], "algorithms.config": ["ms_swift_examples/*.yaml", "ms_swift_examples/examples/*/*/*.yaml",
-                                                                         "ms_swift_examples/examples/*/*/*/*.yaml"]},
+                                                                         "ms_swift_examples/examples/*/*/*/*.yaml",
+                                                                         "ms_swift_examples/examples/*/*/*/*.py"]},
     # `rayroles grpo|gkd|sft|distill|plan ...`, `rayroles run --config X.yaml`, `rayroles example DIR`.
     entry_points={"console_scripts": ["rayroles=algorithms.cli:main"]},
     install_requires=[

@@ -30,6 +30,7 @@ ONE_RANK = ["placement.train.gpus=1", "placement.rollout.gpus=1"]
 EXPERIMENTS = {
     "sft_quickstart": ("sft", "local", []),
     "grpo_quickstart": ("grpo", "local", []),
+    "grpo_multi_turn": ("grpo", "local", []),
     "grpo_gpu": ("grpo", "local", []),
     "grpo_colocate": ("grpo", "local", ONE_RANK),
     "grpo_separate": ("grpo", "local", ONE_RANK),

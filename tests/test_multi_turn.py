@@ -21,7 +21,9 @@ from roles.rollout import Rollout
 from roles.schedulers import MathTipsScheduler, ToolScheduler
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: one intra-op thread
-PLUGIN = Path(__file__).parent / "data" / "frozen_lake_plugin.py"
+# The frozen-lake plugin `rayroles example` writes beside ms-swift's frozen-lake file.
+PLUGIN = (Path(__file__).parent.parent / "algorithms" / "config" / "ms_swift_examples" / "examples" / "megatron" / "grpo"
+          / "multi_turn" / "frozen_lake_plugin.py")
 PROMPTS = [[{"role": "user", "content": "2+3"}], [{"role": "user", "content": "7*8-1"}]]
 
 

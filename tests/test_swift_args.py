@@ -102,7 +102,8 @@ def test_each_example_prepares_and_validates_before_anything_starts(example, mon
     ("split_dataset_ratio", 0, "sft", {"data.val_split": 0.0}),
     # '#N': N rows drawn from each dataset (kept on its entry); no ratio in the file: ms-swift's 0.
     ("dataset", ["/d/a.jsonl#100", "/d/b.jsonl#100"], "sft", {"data.task": "files", "data.val_split": 0.0,
-                                                             "data.paths": ["/d/a.jsonl#100", "/d/b.jsonl#100"]}),
+                                                             "data.paths": ["/d/a.jsonl#100", "/d/b.jsonl#100"],
+                                                             "data.truncation_strategy": "delete"}),
     ("num_generations", 4, "grpo", {"algorithm.num_generations": 4}),
     ("generation_batch_size", 32, "grpo", {"run.prompts_per_step": 4}),  # 32 completions / 8 per prompt
     ("scale_rewards", False, "grpo", {"algorithm.scale_rewards": "none"}),

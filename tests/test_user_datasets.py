@@ -316,6 +316,11 @@ def dataset_dict_without_train(tmp_path):
     return path
 
 
+def rows_with_images(tmp_path):
+    return write_jsonl(tmp_path / "vl.jsonl", [{"query": "How many cubes?", "response": "3",
+                                                "images": ["/data/clevr/0001.png"]}])
+
+
 # (case, writer, what the error says, whether check_data_files already finds it)
 UNREADABLE = [
     ("missing path", missing, "does not exist", True),
@@ -325,6 +330,7 @@ UNREADABLE = [
     ("broken JSON array", broken_json_array, "is not valid JSON", False),
     ("CSV that is not UTF-8", latin1_csv, "is not readable CSV", False),
     ("DatasetDict without a train split", dataset_dict_without_train, "no 'train'", False),
+    ("rows with images", rows_with_images, "carries images: vision and audio rows are not trained", False),
 ]
 
 

@@ -16,6 +16,7 @@ dataset's own columns (`STAND_IN_DATA`); STAND_INS.md in DIR lists them.
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import shutil
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Callable
 
 from algorithms.data.tasks import Example, arithmetic_examples
-from roles.models import build_model, load_tokenizer, save_checkpoint
+from roles.models import ModelConfig, build_model, load_tokenizer, resolve_config, save_checkpoint
 from roles.prm import PRM
 
 # ms-swift's 11 Ray example files (paths in its repository and under DIR).
@@ -42,23 +43,43 @@ EXAMPLE_FILES = (
     "examples/train/multi-node/ray/sft.yaml",
 )
 
-# Hub model id -> the preset of its stand-in. Students share the teachers' tokenizer, as
-# distillation needs; the VL checkpoint stands in as a text model (the stand-in data has no images).
-STAND_IN_MODELS = {
-    "Qwen/Qwen3.5-0.8B": "tiny_qwen2",
-    "Qwen/Qwen3.5-2B": "tiny_qwen2",
-    "Qwen/Qwen3.5-4B": "small_qwen2",
-    "Qwen/Qwen3.5-9B": "small_qwen2",
-    "Qwen/Qwen2.5-VL-3B-Instruct": "tiny_qwen2",
-    "Qwen/Qwen2.5-7B-Instruct": "tiny_qwen2",
+# Stand-in model shapes (roles.models.ModelConfig fields over a preset). Qwen3.5 checkpoints stand
+# in as Qwen3 (Qwen3.5's linear-attention layers train and generate on the torch engines, but
+# neither vLLM here nor the Megatron converter serves them; docs/ms_swift.md); student and
+# teacher share the character tokenizer, as distillation needs. The stand-ins read as many
+# positions as the checkpoints they replace (the files ask for up to 8192 + 8192 tokens; rotary
+# positions cost no weights).
+SHAPES = {
+    "qwen3_student": ("tiny_qwen3", {}),
+    "qwen3_teacher": ("tiny_qwen3", {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 6,
+                                     "num_attention_heads": 8, "num_key_value_heads": 4}),
+    "qwen2_student": ("tiny_qwen2", {}),
 }
-# Hub PRM id -> the preset of its stand-in: a process reward model in this project's form (a causal
-# LM with a step head, saved by PRM.save; a hub PRM's own head class is not read here).
-STAND_IN_PRMS = {"Qwen/Qwen2.5-Math-PRM-7B": "tiny_qwen2"}
-
-# The stand-ins' context: the checkpoints the files name read 32k tokens (the files ask for up to
-# 8192 prompt and 8192 completion tokens), so do their stand-ins (rotary positions cost no weights).
 CONTEXT = 32768
+
+# The user's own plugin files the files name by path (a frozen-lake environment written for this
+# project in the form of ms-swift's plugin, its import line changed), shipped beside the YAMLs.
+PLUGINS = ("examples/megatron/grpo/multi_turn/frozen_lake_plugin.py",)
+
+# Hub model id -> its stand-in's shape. The VL checkpoint stands in as a text model (the
+# stand-in data has no images: vision-language rows are refused here).
+STAND_IN_MODELS = {
+    "Qwen/Qwen3.5-0.8B": "qwen3_student",
+    "Qwen/Qwen3.5-2B": "qwen3_student",
+    "Qwen/Qwen3.5-4B": "qwen3_teacher",
+    "Qwen/Qwen3.5-9B": "qwen3_teacher",
+    "Qwen/Qwen2.5-VL-3B-Instruct": "qwen2_student",
+    "Qwen/Qwen2.5-7B-Instruct": "qwen2_student",
+}
+# Hub PRM id -> its stand-in's shape: a process reward model in this project's form (a causal LM
+# with a step head, saved by PRM.save; a hub PRM's own head class is not read here).
+STAND_IN_PRMS = {"Qwen/Qwen2.5-Math-PRM-7B": "qwen2_student"}
+
+
+def shape(name: str) -> ModelConfig:
+    preset, fields = SHAPES[name]
+    return dataclasses.replace(resolve_config(preset), name=name, max_position_embeddings=CONTEXT, **fields)
+
 
 # Rows per stand-in dataset (the files sample up to 2000 of them: '#N' over the rows repeats them).
 ROWS = 64
@@ -155,17 +176,15 @@ def snapshot(hub: Path, kind: str, repo_id: str) -> Path:
 def write_hub(hub: Path) -> None:
     """Every stand-in model and dataset into the hub cache `hub`."""
     built: dict[str, Path] = {}
-    for repo_id, preset in STAND_IN_MODELS.items():
+    for repo_id, name in STAND_IN_MODELS.items():
         folder = snapshot(hub, "models", repo_id)
-        if preset in built:  # one build per preset, copied
-            shutil.copytree(built[preset], folder, dirs_exist_ok=True)
+        if name in built:  # one build per shape, copied
+            shutil.copytree(built[name], folder, dirs_exist_ok=True)
         else:
-            model = build_model(preset)
-            model.config.max_position_embeddings = CONTEXT
-            save_checkpoint(model, load_tokenizer(preset), folder)
-            built[preset] = folder
-    for repo_id, preset in STAND_IN_PRMS.items():
-        PRM(kind="model", model=preset, device="cpu").save(snapshot(hub, "models", repo_id))
+            save_checkpoint(build_model(shape(name)), load_tokenizer(shape(name)), folder)
+            built[name] = folder
+    for repo_id, name in STAND_IN_PRMS.items():
+        PRM(kind="model", model=shape(name), device="cpu").save(snapshot(hub, "models", repo_id))
     examples = arithmetic_examples(ROWS, seed=0, split="train")
     for repo_id, row in STAND_IN_DATA.items():
         folder = snapshot(hub, "datasets", repo_id)
@@ -182,9 +201,10 @@ def write_frozen_lake(path: Path) -> None:
 
 
 def stand_ins_text() -> str:
-    models = "\n".join([f"- `{k}`: the `{v}` preset, random weights" for k, v in STAND_IN_MODELS.items()]
-                       + [f"- `{k}`: a PRM of this project (the `{v}` preset, random step head)"
-                          for k, v in STAND_IN_PRMS.items()])
+    models = "\n".join([f"- `{k}`: {v} (the {SHAPES[v][0]} preset" + (f" with {SHAPES[v][1]}" if SHAPES[v][1] else "")
+                        + "), random weights"
+                        for k, v in STAND_IN_MODELS.items()]
+                       + [f"- `{k}`: a PRM of this project ({v}, random step head)" for k, v in STAND_IN_PRMS.items()])
     data = "\n".join(f"- `{k}`: {ROWS} arithmetic rows in its columns" for k in STAND_IN_DATA)
     return (f"# Stand-ins of the hub ids these ms-swift files name\n\nModels (hub/models--*):\n\n{models}\n\n"
             f"Datasets (hub/datasets--*):\n\n{data}\n\nRun a file from this folder with the hub cache here:\n\n"
@@ -206,5 +226,7 @@ def write_swift_examples(folder: str | Path) -> Path:
     plugin.write_text(R1V_PLUGIN)
     (out / "examples/train/grpo/prompt.txt").write_text(R1_PROMPT)
     write_frozen_lake(out / "examples/megatron/grpo/multi_turn/frozen_lake.jsonl")
+    for name in PLUGINS:
+        (out / name).write_text(source.joinpath(name).read_text())
     (out / "STAND_INS.md").write_text(stand_ins_text())
     return out

@@ -35,6 +35,8 @@ SKIP_REASONS = ("undecodable", "not_json", "wrong_type", "bad_turns", "empty", "
 # turn in GKD, read from Example.columns by algorithms/gkd.py).
 KNOWN_COLUMNS = ("messages", "conversations", "system", "query", "response", "history", "instruction", "input",
                  "output", "prompt", "completion", "solution", "answer", "teacher_prompt")
+# Columns of multimodal rows (ms-swift's images/videos/audios): refused, never dropped unseen.
+MEDIA_COLUMNS = ("images", "videos", "audios")
 # ShareGPT speakers (`conversations` rows' `from`) as chat roles.
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "system": "system", "user": "user", "assistant": "assistant"}
 # File kinds by extension (.arrow: a split as `datasets` caches it); a folder here is one
@@ -337,6 +339,12 @@ def load_user_data(paths, max_examples: Optional[int] = None, cache_dir: Optiona
     for path, number, row, bad in _rows(path_list, None if cache_dir is None else os.fspath(cache_dir)):
         if max_examples is not None and len(examples) >= max_examples:
             break
+        media = [c for c in MEDIA_COLUMNS if isinstance(row, dict) and not _blank(row.get(c))]
+        if media:
+            raise UnreadableData(path, f"row {number} carries {media[0]}: vision and audio rows are not trained "
+                                 "here (the models are text causal LMs), and dropping them would change the data",
+                                 f"use a text dataset, or remove the {media[0]} column where the text alone "
+                                 "is the task")
         try:
             if bad is not None:
                 raise bad
