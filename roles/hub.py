@@ -19,6 +19,7 @@ A path that exists is never taken for an id. No Ray, no network.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import re
 from dataclasses import dataclass
@@ -174,6 +175,11 @@ def find_dataset(repo_id: str, hub: Optional[str] = None) -> Optional[str]:
     return next((p for p in dataset_places(repo_id, hub) if os.path.isdir(p) and any(_files(p))), None)
 
 
+# Files a dataset folder may hold before it is taken for something else (a home or root folder,
+# whose search would take minutes).
+MAX_FOLDER_FILES = 20000
+
+
 def _files(folder: str):
     """The files under `folder`, hidden ones and hidden folders left out."""
     for root, dirs, names in os.walk(folder, followlinks=True):
@@ -228,6 +234,9 @@ def _split_groups(folder: str) -> dict:
     # lazy: `datasets` takes seconds to import, and every process imports this module (roles.models)
     from datasets.data_files import get_data_patterns, resolve_pattern
 
+    if sum(1 for _ in itertools.islice(_files(folder), MAX_FOLDER_FILES + 1)) > MAX_FOLDER_FILES:
+        raise HubError(f"holds more than {MAX_FOLDER_FILES} files, more than a dataset folder does",
+                       "give the dataset's own folder or its data files")
     try:
         patterns = get_data_patterns(os.path.abspath(folder)).get("train", [])
     except Exception:  # datasets' EmptyDatasetError (no data file at all) and the like: no train split

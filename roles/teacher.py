@@ -164,6 +164,16 @@ class Teacher(WeightReceiver):
         return tuple(p.unpack(got[0]) for got in self._run(topk, tail, temperature, **p.inputs))
 
     @torch.no_grad()
+    def _micro_batches(self, batch: Batch):
+        """(rows, input ids, attention mask) of each micro-batch of `batch` on the device, sized by
+        micro_batch_per_device or else by the memory a row's forward takes."""
+        B, T = batch.input_ids.shape
+        per_token = token_bytes(self.model, backward=False, logits=not self.config.chunked_logprobs)
+        size = self.config.micro_batch_per_device or fitting_rows(B, T, per_token, self.config.micro_batch_memory_mb)
+        for start in range(0, B, size):
+            rows = slice(start, min(start + size, B))
+            yield rows, batch.input_ids[rows].to(self.device), batch.attention_mask[rows].to(self.device)
+
     def logits(self, batch: Batch, topk: Optional[int] = None, tail: bool = False, temperature: float = 1.0):
         """Top-k `(logprobs [B, T, k], indices [B, T, k])`, plus the tail mass
         `log(1 - sum of the top-k probabilities)` [B, T] as a third tensor when `tail`;
@@ -187,12 +197,7 @@ class Teacher(WeightReceiver):
         values = torch.zeros(B, T, width)
         indices = torch.zeros(B, T, width, dtype=torch.long) if topk is not None else None
         tails = torch.zeros(B, T) if tail else None
-        per_token = token_bytes(self.model, backward=False, logits=not self.config.chunked_logprobs)
-        size = self.config.micro_batch_per_device or fitting_rows(B, T, per_token, self.config.micro_batch_memory_mb)
-        for start in range(0, B, size):
-            rows = slice(start, min(start + size, B))
-            ids = batch.input_ids[rows].to(self.device)
-            mask = batch.attention_mask[rows].to(self.device)
+        for rows, ids, mask in self._micro_batches(batch):
             keep = mask[:, 1:].bool().unsqueeze(-1)
             if self.engine == "megatron":
                 local = mt.local_logits(self.model, ids)
@@ -244,12 +249,7 @@ class Teacher(WeightReceiver):
             raise ValueError(f"temperature={temperature} must be > 0")
         B, T = batch.input_ids.shape
         out = torch.zeros(B, T)
-        per_token = token_bytes(self.model, backward=False, logits=not self.config.chunked_logprobs)
-        size = self.config.micro_batch_per_device or fitting_rows(B, T, per_token, self.config.micro_batch_memory_mb)
-        for start in range(0, B, size):
-            rows = slice(start, min(start + size, B))
-            ids = batch.input_ids[rows].to(self.device)
-            mask = batch.attention_mask[rows].to(self.device)
+        for rows, ids, mask in self._micro_batches(batch):
             if not bool(mask.any()):
                 continue  # padding only: every output stays 0
             if self.config.chunked_logprobs:

@@ -94,8 +94,8 @@ def test_unknown_key_and_wrong_type_name_the_key():
     (["placement.train.gpuz=2"], "(did you mean 'placement.train.gpus'?)"),
     (["algorithm.zzz=1"], "config key 'algorithm.zzz'=1 is not a key of 'algorithm'. Fix: use a key of SFTConfig"),
     # a group choice without its file (Hydra's own message spans several lines)
-    (["model=tiny_qwen"], "config key 'model'=tiny_qwen names no file conf/model/tiny_qwen.yaml (did you mean "
-                          "model=tiny_qwen2?). Fix: use one of ['nano_qwen2',"),
+    (["model=tiny_lama"], "config key 'model'=tiny_lama names no file conf/model/tiny_lama.yaml (did you mean "
+                          "model=tiny_llama?). Fix: use one of ['nano_qwen2',"),
     (["+experiment=sft_quickstar"], "(did you mean +experiment=sft_quickstart?)"),
     (["placement=nowhere"], "config key 'placement'=nowhere names no file conf/placement/nowhere.yaml. Fix: use one "
                             "of ['colocate', 'empty', 'separate']"),

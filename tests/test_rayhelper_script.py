@@ -158,6 +158,7 @@ def test_one_script_from_the_command_line(tmp_path, expected):
     check(run_script(tmp_path, command), expected, shared=False)
 
 
+@pytest.mark.slow  # for time: CI runs the plain script forms of the same example
 def test_one_script_run_with_python_m(tmp_path, expected):
     (tmp_path / 'pkg').mkdir()
     (tmp_path / 'pkg' / '__init__.py').write_text('')
@@ -171,6 +172,7 @@ def test_one_script_that_initializes_in_code(tmp_path, expected):
     check(run_script(tmp_path, ['my_trainer.py']), expected, shared=True)
 
 
+@pytest.mark.slow  # for time: CI runs the plain script forms of the same example
 def test_class_imported_from_a_module_beside_the_script(tmp_path, expected):
     (tmp_path / 'my_trainer.py').write_text(TRAINER + MAIN)
     (tmp_path / 'train.py').write_text(IMPORTED)

@@ -185,9 +185,9 @@ BAD_FILES = [
     ({"dataset": "AI-ModelScope/alpaca-gpt4-data-en#2000"},
      "is no local path, and the dataset AI-ModelScope/alpaca-gpt4-data-en is in no local cache"),
     ({"rollout": {"gpus": 1, "vllm_gpu_memory_utilisation": 0.4}}, "rollout.vllm_gpu_memory_utilisation: unknown"),
-    # ms-swift's LoRA GKD examples say tensor_model_parallel_size: 2, which picks Megatron here.
-    ({"train": {"gpus": 2, "tuner_type": "lora", "tensor_model_parallel_size": 2}, "rollout": {"gpus": 2}},
-     "needs backend.train=torch or deepspeed: the megatron engine trains full parameters only"),
+    # tensor_model_parallel_size: 2 picks Megatron, whose LoRA adapts the attention and MLP projections.
+    ({"train": {"gpus": 2, "tuner_type": "lora", "tensor_model_parallel_size": 2, "modules_to_save": ["lm_head"]},
+      "rollout": {"gpus": 2}}, "asks the megatron engine for adapters it does not map (['lm_head']"),
     ({"train": {"gpus": 1, "tuner_type": "lora", "target_modules": ["c_attn"]}}, "names modules ['c_attn']"),
     ({"vllm_enable_lora": True, "train": {"gpus": 1, "tuner_type": "full"}}, "config key 'weight_sync.lora'"),
 ]

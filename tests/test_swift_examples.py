@@ -6,8 +6,9 @@ file that runs here runs two steps on the session's Ray cluster (simulated GPUs,
 placement: 4 or 8 devices, colocated or separate). CI runs them with changes for time: the
 torch engines in place of vLLM (`backend.rollout=torch`, `backend.teacher=torch`, and a rollout
 replica of one rank where the file gives vLLM two) and completions of at most 16 new tokens (the
-files allow up to 8192, and a random-weight stand-in rarely stops by itself); the `slow` tests
-run them exactly as written, vLLM and lengths included.
+files allow up to 8192, and a random-weight stand-in rarely stops by itself), four of them under
+the `slow` marker (SLOW_IN_CI); the `slow` tests also run every file exactly as written, vLLM
+and lengths included.
 """
 from __future__ import annotations
 
@@ -117,7 +118,14 @@ def torch_engines(name: str) -> list[str]:
     return ["backend.rollout=torch", *teacher, *spans, "algorithm.max_new_tokens=16"]
 
 
-@pytest.mark.parametrize("name", RUNS)
+# Files whose run CI leaves to the `slow` tests, for time: each repeats a layout or a driver of a
+# file CI runs (the separate rollout of ray_grpo_separate, the colocated GRPO of opd_rl), and
+# multi-turn runs of both drivers run in-process in tests/test_multi_turn.py.
+SLOW_IN_CI = ("examples/ray/gkd/rollout_separate_teacher_colocate.yaml", "examples/ray/grpo/ray_grpo_colocate.yaml",
+              "examples/ray/gkd/multi_turn_colocate.yaml", FROZEN_LAKE)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_IN_CI else n for n in RUNS])
 def test_each_file_runs_two_steps_on_ray(in_example, name, tmp_path, ray_cluster):
     run_two_steps(name, torch_engines(name), tmp_path)
 

@@ -123,7 +123,7 @@ def test_resumed_run_replaces_the_later_steps_in_tensorboard(tmp_path):
 
 @pytest.mark.parametrize("loggers, says", [
     (["jsonl", "comet"], "config key 'run.loggers'=['jsonl', 'comet'] names an unknown logger 'comet'. Fix: list some of "
-                         "['jsonl', 'tensorboard', 'wandb', 'mlflow'], e.g. run.loggers=[jsonl,tensorboard]"),
+                         "['jsonl', 'tensorboard', 'wandb', 'mlflow', 'swanlab'], e.g. run.loggers=[jsonl,tensorboard]"),
     (["tensorboard"], "config key 'run.loggers'=['tensorboard'] leaves out jsonl"),
     (["jsonl", "jsonl"], "config key 'run.loggers'=['jsonl', 'jsonl'] names a logger twice. Fix: list each"),
 ])
