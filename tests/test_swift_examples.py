@@ -6,7 +6,7 @@ file that runs here runs two steps on the session's Ray cluster (simulated GPUs,
 placement: 4 or 8 devices, colocated or separate). CI runs them with changes for time: the
 torch engines in place of vLLM (`backend.rollout=torch`, `backend.teacher=torch`, and a rollout
 replica of one rank where the file gives vLLM two) and completions of at most 16 new tokens (the
-files allow up to 8192, and a random-weight stand-in rarely stops by itself), four of them under
+files allow up to 8192, and a random-weight stand-in rarely stops by itself), five of them under
 the `slow` marker (SLOW_IN_CI); the `slow` tests also run every file exactly as written, vLLM
 and lengths included.
 """
@@ -119,10 +119,11 @@ def torch_engines(name: str) -> list[str]:
 
 
 # Files whose run CI leaves to the `slow` tests, for time: each repeats a layout or a driver of a
-# file CI runs (the separate rollout of ray_grpo_separate, the colocated GRPO of opd_rl), and
-# multi-turn runs of both drivers run in-process in tests/test_multi_turn.py.
+# file CI runs (the separate rollout of ray_grpo_separate, the colocated GRPO and GKD of
+# rollout_colocate_teacher_colocate), and OPD-RL and multi-turn runs of both drivers run in-process
+# in tests/test_opd.py and tests/test_multi_turn.py.
 SLOW_IN_CI = ("examples/ray/gkd/rollout_separate_teacher_colocate.yaml", "examples/ray/grpo/ray_grpo_colocate.yaml",
-              "examples/ray/gkd/multi_turn_colocate.yaml", FROZEN_LAKE)
+              "examples/ray/grpo/opd_rl_colocate.yaml", "examples/ray/gkd/multi_turn_colocate.yaml", FROZEN_LAKE)
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_IN_CI else n for n in RUNS])
