@@ -91,11 +91,9 @@ def test_the_vllm_teacher_gives_the_torch_teachers_top_k_with_its_own_settings(c
 @pytest.fixture(scope="module")
 def standalone(checkpoint, tmp_path_factory) -> dict:
     """ms-swift's examples/ray/gkd/rollout_colocate_teacher_standalone.yaml as shipped, with a
-    local student folder and data file for its hub ids and less sequence_parallel (no sequence
-    parallelism here: it is refused on its own)."""
+    local student folder and data file for its hub ids."""
     text = resources.files("algorithms.config").joinpath(STANDALONE).read_text()
     file = yaml.safe_load(text)
-    file.pop("sequence_parallel")
     data = tmp_path_factory.mktemp("data") / "train.jsonl"
     data.write_text('{"messages": [{"role": "user", "content": "1+1"}, {"role": "assistant", "content": "2"}]}\n')
     return {**file, "model": checkpoint, "dataset": str(data)}
