@@ -144,7 +144,8 @@ def train(cfg: GKDConfig, plan: Plan, trainer: Any, rollout: Any, teacher: Any, 
     `step0` holds extra metrics for the step-0 record (the teacher's accuracy);
     `teacher_writer` (a rollout with the teacher's weights) writes off-policy completions when seq_kd."""
     algo, topk = cfg.algorithm, cfg.algorithm.logits_topk
-    sampling = SamplingParams(temperature=algo.temperature, max_new_tokens=algo.max_new_tokens)
+    # The student's logprobs come from the trainer: the rollout need not report its own.
+    sampling = SamplingParams(temperature=algo.temperature, max_new_tokens=algo.max_new_tokens, logprobs=False)
     # The student's own base as the teacher (LoRA, teacher None): the trainer scores each batch
     # with its adapter off inside the train call.
     base_teacher = {"teacher": BaseTeacher(topk, algo.temperature if topk else 1.0)} if teacher is None else {}

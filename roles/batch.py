@@ -39,6 +39,9 @@ class SamplingParams:
     ignore_eos: bool = False
     # Seed of the sampling generator; None draws from the global generator.
     seed: Optional[int] = None
+    # Report each sampled token's logprob (the behaviour policy's, for an importance ratio).
+    # vLLM computes them for this only; the torch engine has them anyway.
+    logprobs: bool = True
 
 
 @dataclass
@@ -70,6 +73,9 @@ class Batch:
     attention_mask: torch.Tensor  # [B, T] long
     loss_mask: torch.Tensor  # [B, T] float, 1 on tokens the loss counts
     old_logprobs: Optional[torch.Tensor] = None  # [B, T] behaviour-policy logprobs
+    # [B, T] the rollout engine's sampling logprobs, kept apart where old_logprobs are the
+    # trainer's own (GRPO's rollout_importance_sampling_mode); None: old_logprobs are the rollout's.
+    rollout_logprobs: Optional[torch.Tensor] = None
     ref_logprobs: Optional[torch.Tensor] = None  # [B, T] reference-policy logprobs
     advantages: Optional[torch.Tensor] = None  # [B] per-sequence (or [B, T] per-token)
     teacher_logprobs: Optional[torch.Tensor] = None  # [B, T, k] top-k (or [B, T, V] full) teacher logprobs
@@ -110,7 +116,10 @@ def batch_from_completions(c: Completions, pad_id: int) -> Batch:
             loss_mask[i, len(p):len(p) + len(r)] = torch.tensor(c.completion_mask[i], dtype=torch.float32)
         if c.logprobs and c.logprobs[i]:
             old[i, len(p):len(p) + len(r)] = torch.tensor(c.logprobs[i], dtype=torch.float32)
-    return Batch(input_ids=ids, attention_mask=mask, loss_mask=loss_mask, old_logprobs=old)
+    # Completions generated without logprobs (SamplingParams.logprobs false) have no behaviour
+    # logprobs: None, never zeros that would read as probability 1.
+    reported = any(len(lp) for lp in c.logprobs)
+    return Batch(input_ids=ids, attention_mask=mask, loss_mask=loss_mask, old_logprobs=old if reported else None)
 
 
 def slice_batch(batch: Batch, start: int, stop: int, width: Optional[int] = None) -> Batch:

@@ -49,6 +49,9 @@ class MultiTurnConfig:
     scheduler: Optional[str] = None
     # Model turns per trajectory at most (ms-swift's max_turns).
     max_turns: int = 3
+    # Tokens of one model turn at most (a turn cut here goes on to the next turn); null: the
+    # trajectory's remaining budget (algorithm.max_new_tokens across turns).
+    max_turn_tokens: Optional[int] = None
     # gym_scheduler's environment: a name in algorithms.plugins.envs (ms-swift's gym_env); a
     # row's env_config.name wins.
     gym_env: Optional[str] = None
@@ -209,7 +212,7 @@ def run_trajectories(generate: Callable[[List[List[int]], SamplingParams], Compl
             if not live:
                 break
             # One model turn for every live trajectory; each keeps at most its remaining budget.
-            room = [budget - len(t.ids) for t in live]
+            room = [min(budget - len(t.ids), cfg.max_turn_tokens or budget) for t in live]
             out = generate([t.prompt_ids + t.ids for t in live],
                            dataclasses.replace(sampling, n=1, max_new_tokens=max(room),
                                                seed=(seed * 1_009 + turn) % 2**62))
@@ -290,7 +293,8 @@ def run_trajectories(generate: Callable[[List[List[int]], SamplingParams], Compl
             loop.run_until_complete(scheduler.close_all())
         loop.close()
     out = Completions([i // n for i in range(len(trajs))], [t.prompt_ids for t in trajs], [t.ids for t in trajs],
-                      [t.text for t in trajs], [t.logprobs for t in trajs], [t.finish for t in trajs])
+                      [t.text for t in trajs], [t.logprobs if sampling.logprobs else [] for t in trajs],
+                      [t.finish for t in trajs])
     out.completion_mask = [[0] * len(t.ids) if t.finish == "error" else t.mask for t in trajs]
     out.rollout_infos = [t.infos for t in trajs]
     return out

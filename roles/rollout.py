@@ -249,31 +249,39 @@ class Rollout(WeightReceiver):
         rows = [i for i in range(len(prompt_ids)) for _ in range(sampling.n)]
         base_seed = sampling.seed if sampling.seed is not None else int(
             torch.randint(0, 2**62, (1,), generator=self._rng))
-        seeds = [_row_seed(base_seed, r) for r in range(len(rows))] if sampling.temperature > 0 else None
+        sampled = sampling.temperature > 0
         stop_ids = sorted((set() if sampling.ignore_eos else self.eos_ids) | set(sampling.stop_token_ids))
+        kwargs = dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
+                      max_new_tokens=sampling.max_new_tokens, stop_ids=stop_ids)
         out = Completions([], [], [], [], [], [], [])
-        # vLLM schedules every row itself (vllm.max_num_seqs at a time); the torch engine
-        # decodes chunks of max_batch_size rows.
-        step = max(len(rows), 1) if self._vllm else self.config.max_batch_size
+        if self._vllm:
+            # One request per prompt with its n samples and the prompt's seed; vLLM schedules
+            # them all itself (vllm.max_num_seqs at a time).
+            result = self._vllm.generate_batch(prompt_ids, **kwargs, n=sampling.n, ignore_eos=sampling.ignore_eos,
+                                               seeds=[_row_seed(base_seed, i) for i in range(len(prompt_ids))]
+                                               if sampled else None, logprobs=sampling.logprobs)
+            return self._finish(out, rows, prompt_ids, result)
+        seeds = [_row_seed(base_seed, r) for r in range(len(rows))] if sampled else None
+        # The torch engine decodes chunks of max_batch_size rows.
+        step = self.config.max_batch_size
         for start in range(0, len(rows), step):
             chunk = rows[start:start + step]
-            kwargs = dict(temperature=sampling.temperature, top_k=sampling.top_k, top_p=sampling.top_p,
-                          max_new_tokens=sampling.max_new_tokens, stop_ids=stop_ids)
-            if self._vllm:
-                result = self._vllm.generate_batch([prompt_ids[i] for i in chunk], **kwargs, seeds=seeds,
-                                                   ignore_eos=sampling.ignore_eos)
-            else:
-                generators = None if seeds is None else [
-                    torch.Generator(self.device).manual_seed(seeds[start + j]) for j in range(len(chunk))]
-                result = generate_batch(self.model, [prompt_ids[i] for i in chunk], **kwargs, pad_id=self.pad_id,
-                                        generators=generators, decoder=self._decoder)
-            out.prompt_index.extend(chunk)
-            out.prompt_ids.extend(list(prompt_ids[i]) for i in chunk)
-            out.completion_ids.extend(result.tokens)
-            out.logprobs.extend(result.logprobs)
-            out.finish_reasons.extend(result.finish_reasons)
-        out.texts = self.tokenizer.batch_decode(out.completion_ids, skip_special_tokens=True) if rows else []
-        out.weight_version = [self.weight_version] * len(rows)
+            generators = None if seeds is None else [
+                torch.Generator(self.device).manual_seed(seeds[start + j]) for j in range(len(chunk))]
+            result = generate_batch(self.model, [prompt_ids[i] for i in chunk], **kwargs, pad_id=self.pad_id,
+                                    generators=generators, decoder=self._decoder)
+            self._finish(out, chunk, prompt_ids, result)
+        return out
+
+    def _finish(self, out: Completions, rows: Sequence[int], prompt_ids, result) -> Completions:
+        """Append the generated `rows` (prompt indices) to `out`, with texts and versions."""
+        out.prompt_index.extend(rows)
+        out.prompt_ids.extend(list(prompt_ids[i]) for i in rows)
+        out.completion_ids.extend(result.tokens)
+        out.logprobs.extend(result.logprobs)
+        out.finish_reasons.extend(result.finish_reasons)
+        out.texts.extend(self.tokenizer.batch_decode(result.tokens, skip_special_tokens=True) if rows else [])
+        out.weight_version.extend([self.weight_version] * len(rows))
         return out
 
     def generate_trajectories(self, prompts: Sequence[Sequence[Mapping[str, str]]],

@@ -151,6 +151,20 @@ def test_the_budget_spans_turns_and_cuts_with_length(rollout):
     assert "length" in out.finish_reasons
 
 
+def test_max_turn_tokens_cuts_each_turn_and_the_trajectory_goes_on(rollout):
+    """Three turns of exactly 5 model tokens each (no eos): a turn cut at max_turn_tokens is
+    followed by the environment's turn and the next model turn."""
+    sampling = SamplingParams(max_new_tokens=200, temperature=1.0, n=2, seed=3, ignore_eos=True)
+    out = rollout.generate_trajectories(PROMPTS[:1], sampling, gym("counter", max_turn_tokens=5),
+                                        [{"solution": "5"}])
+    for mask in out.completion_mask:
+        model = [(a, b) for a, b, v in segments(mask) if v == 1]
+        assert [b - a for a, b in model] == [5, 5]  # Counter is done after two replies
+    # Without the cap the first turn takes the whole budget.
+    whole = rollout.generate_trajectories(PROMPTS[:1], sampling, gym("counter"), [{"solution": "5"}])
+    assert all(len(c) == 200 and sum(m) == 200 for c, m in zip(whole.completion_ids, whole.completion_mask))
+
+
 @pytest.mark.parametrize("env,words", [("raises", "ValueError: broken board"), ("wrong_type", "returned str"),
                                        ("hangs", "took longer than env_timeout_s=0.5")])
 def test_an_environment_that_fails_drops_its_row_naming_env_row_and_turn(rollout, env, words):

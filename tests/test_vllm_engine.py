@@ -11,7 +11,7 @@ pytest.importorskip("vllm")
 
 from algorithms.data.tasks import arithmetic_examples
 from orchestration.planner import make_plan  # noqa: E402
-from roles.batch import Batch, SamplingParams, pad_sequences  # noqa: E402
+from roles.batch import Batch, SamplingParams, batch_from_completions, pad_sequences  # noqa: E402
 from roles.rollout import Rollout  # noqa: E402
 from roles.sampler import Sampler  # noqa: E402
 from roles.teacher import Teacher  # noqa: E402
@@ -91,6 +91,34 @@ def test_sampled_logprobs_are_the_temperature_scaled_distribution_before_top_k_t
     assert other.completion_ids != got.completion_ids
     # Greedy after sampling: the logits scale is back at 1.
     assert fast.generate(PROMPTS, GREEDY).completion_ids == ref.generate(PROMPTS, GREEDY).completion_ids
+
+
+def test_one_request_per_prompt_samples_by_the_prompts_seed_alone(engines):
+    ref, fast = engines
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=10, n=4, seed=11)
+    calls = []
+    generate = fast._vllm.llm.generate
+    fast._vllm.llm.generate = lambda prompts, params, **kw: calls.append(len(prompts)) or generate(prompts, params, **kw)
+    try:
+        got = fast.generate(PROMPTS[:3], sampling)
+    finally:
+        fast._vllm.llm.generate = generate
+    assert calls == [3] and got.prompt_index == [0] * 4 + [1] * 4 + [2] * 4  # one request per prompt, n samples
+    # A prompt's samples depend on its seed only: prompt 0 alone samples what it did beside the others.
+    alone = fast.generate(PROMPTS[:1], sampling)
+    assert alone.completion_ids == got.completion_ids[:4] and len({tuple(c) for c in alone.completion_ids}) > 1
+    # Without logprobs: the same samples, no logprobs, and a batch with no behaviour logprobs.
+    bare = fast.generate(PROMPTS[:3], SamplingParams(temperature=1.0, max_new_tokens=10, n=4, seed=11,
+                                                     logprobs=False))
+    assert bare.completion_ids == got.completion_ids and bare.logprobs == [[]] * 12
+    assert batch_from_completions(bare, 0).old_logprobs is None
+    assert batch_from_completions(got, 0).old_logprobs is not None
+    # Greedy with n: the one greedy completion, n times.
+    greedy = fast.generate(PROMPTS[:2], SamplingParams(temperature=0, max_new_tokens=8, n=3))
+    want = ref.generate(PROMPTS[:2], SamplingParams(temperature=0, max_new_tokens=8))
+    assert greedy.completion_ids == [want.completion_ids[0]] * 3 + [want.completion_ids[1]] * 3
+    # vllm.max_model_len unset: the model's context.
+    assert fast._vllm.max_model_len == ref.model.config.max_position_embeddings
 
 
 def test_sampler_over_a_vllm_rollout(engines):

@@ -438,7 +438,7 @@ def check_megatron_model(cfg: Any, plan: Plan, role: str, tp: int) -> None:
 
 
 # The values a vLLM engine takes, in the vllm section and in each role's own (vllm.roles.<role>).
-VLLM_RULES = {"gpu_memory_utilization": (lambda x: 0.0 < x <= 1.0, "in (0, 1]"), "max_model_len": AT_LEAST_1,
+VLLM_RULES = {"gpu_memory_utilization": (lambda x: 0.0 < x <= 1.0, "in (0, 1]"), "max_model_len": UNSET_OR_AT_LEAST_1,
               "max_num_seqs": UNSET_OR_AT_LEAST_1, "max_num_batched_tokens": UNSET_OR_AT_LEAST_1,
               "kv_cache_gib": (lambda x: x is None or x > 0, "> 0 (or null)"),
               "cudagraph_capture_sizes": (lambda x: all(n >= 1 for n in x or []), "batch sizes >= 1 (or null)")}
@@ -602,7 +602,7 @@ def check_multi_turn(mt: Any, key: str = "algorithm.multi_turn") -> None:
                     "correct the file or its path")
     if not mt.enabled:
         return
-    require_all(mt, key, {"max_turns": AT_LEAST_1, "env_timeout_s": POSITIVE})
+    require_all(mt, key, {"max_turns": AT_LEAST_1, "env_timeout_s": POSITIVE, "max_turn_tokens": UNSET_OR_AT_LEAST_1})
     require(mt.env_reward in ENV_REWARDS, f"{key}.env_reward", mt.env_reward, "is not a way to reward",
             f"use one of {list(ENV_REWARDS)}")
     require(mt.scheduler_name in multi_turns, f"{key}.scheduler", mt.scheduler, "is registered nowhere",

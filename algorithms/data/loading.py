@@ -163,9 +163,10 @@ def row_limits(cfg: Any, new_tokens: Optional[int] = None, replies: bool = False
     `replies`: the run trains on the dataset's replies; `teacher`: a teacher model that reads
     the same sequences (its context counts too)."""
     contexts = [model_context(cfg.model)] + ([model_context(teacher)] if teacher is not None else [])
-    if new_tokens is not None and cfg.backend.rollout == "vllm":
-        contexts.append(vllm_options(cfg.vllm, "rollout").max_model_len)  # the vLLM rollout's own limit
-    if teacher is not None and cfg.backend.teacher == "vllm":
+    # A vLLM engine's own limit, where set (null: the model's context, counted above).
+    if new_tokens is not None and cfg.backend.rollout == "vllm" and vllm_options(cfg.vllm, "rollout").max_model_len:
+        contexts.append(vllm_options(cfg.vllm, "rollout").max_model_len)
+    if teacher is not None and cfg.backend.teacher == "vllm" and vllm_options(cfg.vllm, "teacher").max_model_len:
         # It needs one position past the sequence.
         contexts.append(vllm_options(cfg.vllm, "teacher").max_model_len - 1)
     known = [c for c in contexts if c is not None]

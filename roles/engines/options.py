@@ -62,8 +62,8 @@ class VLLMOptions:
     enable_prefix_caching: bool = True
     # Schedule step k+1 while step k runs on the device. null: vLLM decides (on where it can).
     async_scheduling: Optional[bool] = None
-    # Longest prompt + completion in tokens.
-    max_model_len: int = 1024
+    # Longest prompt + completion in tokens. null: the model's context (max_position_embeddings).
+    max_model_len: Optional[int] = None
     # Most logprobs returned per position; a teacher's top-k needs at least k.
     max_logprobs: int = 64
     # Settings of one role's engine over the ones above, {role: {key: value}} for a role of

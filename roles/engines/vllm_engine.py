@@ -15,8 +15,11 @@ model side: a `vllm.LLM` in the role's own process and the conversions around it
   top-k/top-p tokens), so the engine scales the logits itself: the model's logits layer
   gets `scale = 1/temperature` and vLLM samples at temperature 1 in `raw_logprobs` mode,
   which samples from the same distribution and returns exactly that logprob. The same
-  scale gives a teacher's prompt logprobs at its temperature. Each request gets its own
-  seed, so a sample depends only on its seed.
+  scale gives a teacher's prompt logprobs at its temperature.
+* Requests in the form vLLM serves best: one per prompt asking for its n samples, with one
+  seed per prompt (vLLM seeds sample j with seed + j, so a sample depends only on its seed
+  and a resumed step samples the same); the sampled tokens' logprobs come from vLLM's own
+  output in its flat form (no Python object per token), and only when asked for.
 * Teacher top-k comes from `prompt_logprobs=k` (one forward per row, `max_tokens=1`);
   full-vocabulary logits are refused (config key algorithm.logits_topk; ms-swift: gkd_logits_topk).
 * Settings: the `vllm` section with the role's own `vllm.roles.<role>` over it
@@ -151,7 +154,7 @@ class VLLMEngine:
         self.path = cfg.path or self._tmp.name
         hf = AutoConfig.from_pretrained(self.path, local_files_only=True)
         self.vocab_size = hf.vocab_size
-        self.max_model_len = min(opts.max_model_len, hf.max_position_embeddings)
+        self.max_model_len = min(opts.max_model_len or hf.max_position_embeddings, hf.max_position_embeddings)
         self.max_logprobs = opts.max_logprobs
         eos = [hf.eos_token_id]
         if (Path(self.path) / "generation_config.json").is_file():
@@ -330,36 +333,48 @@ class VLLMEngine:
     # ---- rollout ------------------------------------------------------------------
 
     def generate_batch(self, prompts: Sequence[Sequence[int]], *, temperature: float, top_k: int, top_p: float,
-                       max_new_tokens: int, stop_ids: Sequence[int], seeds: Optional[Sequence[int]] = None,
+                       max_new_tokens: int, stop_ids: Sequence[int], n: int = 1,
+                       seeds: Optional[Sequence[int]] = None, logprobs: bool = True,
                        ignore_eos: bool = False) -> Generated:
-        """One completion per prompt, as roles.engines.torch_generate.generate_batch returns
-        it; row i samples with seed seeds[i] (None: greedy). All rows go to the engine at
-        once: its scheduler keeps up to vllm.max_num_seqs of them decoding together."""
+        """n completions per prompt, the n of prompt i consecutive, as
+        roles.engines.torch_generate.generate_batch returns them for each prompt repeated n
+        times. One request per prompt asks for its n samples; with `seeds` (one per prompt;
+        None: greedy) vLLM seeds sample j of prompt i with seeds[i] + j, so a sample depends on
+        its seed only, not on the other requests. `logprobs`: report each sampled token's
+        logprob from vLLM's own output (else empty lists). All requests go to the engine at
+        once: its scheduler keeps up to vllm.max_num_seqs samples decoding together."""
         # vllm is optional (engine=vllm): imported on use
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
         self.check_ready()
         if max_new_tokens <= 0:
-            return Generated([[] for _ in prompts], [[] for _ in prompts], ["length"] * len(prompts))
+            rows = len(prompts) * n
+            return Generated([[] for _ in range(rows)], [[] for _ in range(rows)], ["length"] * rows)
         self._use_scale(1.0 / temperature if temperature > 0 else 1.0)
+        greedy = temperature <= 0
         seeds = list(seeds) if seeds is not None else [None] * len(prompts)
-        params = [SamplingParams(temperature=1.0 if temperature > 0 else 0.0, top_k=top_k, top_p=top_p,
-                                 max_tokens=max_new_tokens, stop_token_ids=list(stop_ids), ignore_eos=ignore_eos,
-                                 logprobs=0, flat_logprobs=True, detokenize=False, seed=seed) for seed in seeds]
+        asked = {"logprobs": 0, "flat_logprobs": True} if logprobs else {}
+        # Greedy samples are all the same: one is decoded and repeated.
+        params = [SamplingParams(n=1 if greedy else n, temperature=0.0 if greedy else 1.0, top_k=top_k,
+                                 top_p=top_p, max_tokens=max_new_tokens, stop_token_ids=list(stop_ids),
+                                 ignore_eos=ignore_eos, detokenize=False, seed=seed, **asked) for seed in seeds]
         outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
                                     use_tqdm=False, lora_request=self._lora_request)
         result = Generated([], [], [])
         for out in outputs:
-            done = out.outputs[0]
-            if done.finish_reason not in ("stop", "length"):
-                raise RuntimeError(f"vLLM ended a request with finish_reason={done.finish_reason!r}")
-            tokens = list(done.token_ids)
-            # Each position holds the sampled token first (logprobs=0 asks for nothing else).
-            flat = done.logprobs
-            result.tokens.append(tokens)
-            result.logprobs.append([flat.logprobs[s] for s in flat.start_indices[:len(tokens)]])
-            result.finish_reasons.append(done.finish_reason)
+            # vLLM returns a request's samples in completion order; `index` is the sample's own.
+            samples = sorted(out.outputs, key=lambda c: c.index) * (n if greedy else 1)
+            for done in samples:
+                if done.finish_reason not in ("stop", "length"):
+                    raise RuntimeError(f"vLLM ended a request with finish_reason={done.finish_reason!r}")
+                tokens = list(done.token_ids)
+                result.tokens.append(tokens)
+                # Each position holds the sampled token first (logprobs=0 asks for nothing else).
+                flat = done.logprobs
+                result.logprobs.append([flat.logprobs[s] for s in flat.start_indices[:len(tokens)]]
+                                       if logprobs else [])
+                result.finish_reasons.append(done.finish_reason)
         return result
 
     # ---- teacher ------------------------------------------------------------------
