@@ -33,8 +33,13 @@ ENGINE_OVERRIDES = {"torch": {"grpo": [], "gkd": []},
                              "gkd": ["backend.rollout=vllm", "backend.teacher=vllm", "placement.sleep_level=2"]}}
 
 
+# The trainer-rollout gap metrics shown (train/rollout_correction/<key>).
+GAP, GAP_KEYS = "train/rollout_correction/", ("kl", "k3_kl", "log_ppl_abs_diff", "chi2_token", "chi2_seq",
+                                             "is_weight_mean", "clipped_frac")
+
+
 def _means(records: list[dict]) -> dict:
-    keys = sorted({k for r in records for k in r if k.startswith("time/") or k.endswith("_s")})
+    keys = sorted({k for r in records for k in r if k.startswith(("time/", GAP)) or k.endswith("_s")})
     return {k: statistics.mean(r[k] for r in records if k in r) for k in keys}
 
 
@@ -46,7 +51,7 @@ def drivers(args) -> dict:
             module, experiment = DRIVER_RUNS[algo]
             run_dir = out_root / f"{algo}_{engine}"
             cmd = [sys.executable, "-m", module, experiment, f"run.steps={args.steps}", f"hydra.run.dir={run_dir}",
-                   *ENGINE_OVERRIDES[engine][algo], *args.override]
+                   *ENGINE_OVERRIDES[engine][algo], *args.override, *(args.grpo_override if algo == "grpo" else [])]
             print("$", " ".join(cmd[1:]), flush=True)
             t0 = time.perf_counter()
             try:
@@ -86,6 +91,14 @@ def drivers(args) -> dict:
                   f"{m.get('time/train', nan):.2f} | {m.get('time/sync_weights', nan):.2f} | {swap:.2f} |")
         if e["exit"]:
             print(f"| {e['algorithm']} | {e['rollout_engine']} | failed: exit {e['exit']} | | | | | | |")
+    # The trainer-rollout gap on the sampled tokens (GRPO with algorithm.log_rollout_offpolicy_metrics).
+    gaps = [(e, e["mean_after_step_1"]) for e in results if any(k.startswith(GAP) for k in e.get("mean_after_step_1", {}))]
+    if gaps:
+        print(f"\n| run | rollout engine | {' | '.join(GAP_KEYS)} |")
+        print("|---|---|" + "---|" * len(GAP_KEYS))
+        for e, m in gaps:
+            print(f"| {e['algorithm']} | {e['rollout_engine']} | " +
+                  " | ".join(f"{m.get(GAP + k, nan):.4g}" for k in GAP_KEYS) + " |")
     return {"runs": results}
 
 
@@ -95,6 +108,8 @@ def main() -> None:
     p.add_argument("--rollout-engines", nargs="+", default=["torch", "vllm"], choices=sorted(ENGINE_OVERRIDES))
     p.add_argument("--steps", type=int, default=4, help="driver steps per run")
     p.add_argument("--override", action="append", default=[], help="extra Hydra override for every driver run")
+    p.add_argument("--grpo-override", action="append", default=[], help="extra Hydra override for the GRPO runs, "
+                   "e.g. algorithm.log_rollout_offpolicy_metrics=true")
     p.add_argument("--run-root", help="folder of the driver runs (default: a temporary one)")
     p.add_argument("--timeout-s", type=float, default=900, help="limit per driver run")
     p.add_argument("--out", default="gpu_drivers.json")
