@@ -10,7 +10,9 @@ accuracy by data.check, format regex, the rule-based arithmetic PRM, or a dotted
 them. Advantages are relative to the prompt's group (`scale_rewards`, `leave_one_out`);
 with `dynamic_sample`, groups whose rewards are all equal are dropped and fresh prompts
 generated. The trainer takes `steps_per_generation` clipped-ratio updates on the batch
-(ratios against the rollout's own sampling logprobs, so stale weights stay correct), with
+(ratios against the rollout's own sampling logprobs, so stale weights stay correct; with
+`rollout_importance_sampling_mode`, against the trainer's own, each token weighed by the
+truncated or masked trainer/rollout probability ratio: ms-swift's mismatch correction), with
 a k3 KL penalty to the initial weights when `beta` > 0 (the reference policy: a role on
 the trainer's devices and engine, offloaded between uses when the trainer offloads; with
 `trainer.lora`, the trainer's own base with the adapter off, inside its train call), and
@@ -37,9 +39,13 @@ rewards' group normalisation (grpo/teacher_log_ratio and grpo/teacher_kl are log
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import inspect
+import json
 import logging
 import math
+import random
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -49,22 +55,24 @@ import torch
 
 from algorithms import sft
 from algorithms.config.checks import (AT_LEAST_1, NON_NEGATIVE, POSITIVE, check_importable, check_multi_turn,
-                                      check_opd_teacher, check_run, check_staleness, check_trainer, require, require_all, require_roles,
-                                      validate_check)
+                                      check_opd_teacher, check_rollout_correction, check_run, check_staleness,
+                                      check_trainer, require, require_all, require_roles, validate_check)
 from algorithms.config.schema import (DriverConfig, as_dict, engine_args, fit_epochs, local_model_path, phase_run,
                                       rollout_section, warmup_steps)
 from algorithms.data.answers import checker, correct, reference
 from algorithms.data.loading import load_task, row_limits
 from algorithms.data.prompts import PromptStream, batch_of
+from algorithms.data.tasks import wrong_solution
 from algorithms.objectives.advantages import (SCALE_REWARDS, group_advantages, teacher_token_advantages,
                                               zero_variance_groups)
-from algorithms.objectives.losses import LOSS_TYPES, k3_kl, make_loss
+from algorithms.objectives.losses import LOSS_TYPES, RolloutCorrection, k3_kl, make_loss
 from algorithms.objectives.rewards import Rewards, planned_reward_configs, reward_specs
 from algorithms.records.runlog import RunLog, record_data_stats
 from algorithms.runtime.ahead import Prefetch, staleness
 from algorithms.runtime.entry import driver_main
 from algorithms.runtime.steps import Steps
-from algorithms.runtime.trajectories import TrajectoryPrefetch, env_rewards, failed_rows, multi_turn_metrics
+from algorithms.runtime.trajectories import (TrajectoryPrefetch, env_rewards, failed_rows, multi_turn_metrics,
+                                             row_columns)
 from algorithms.runtime.turns import first
 from orchestration.cluster import init_cluster, set_log_level
 from orchestration.dispatch import flatten, slice_bounds
@@ -73,6 +81,7 @@ from orchestration.planner import Plan, as_started, make_plan, with_colocated_ro
 from roles.batch import Completions, SamplingParams, slice_batch
 from roles.models import load_tokenizer, resolve_config
 from roles.multi_turn import MultiTurnConfig
+from roles.plugins import GymEnv, envs, load_plugin
 from roles.orm import ANSWER_KINDS, ORM
 from roles.prm import AGGREGATES, PRM
 from roles.rollout import Rollout
@@ -109,8 +118,32 @@ class GRPOAlgorithm:
     max_resample_times: int = 3
     # Steps a generation may run ahead of training (separate placement only): with N the rollout
     # generates the batches of steps k+1..k+N while the trainer trains on step k's, so samples
-    # are up to N weight versions old (the ratio uses their own sampling logprobs). 0: on-policy.
+    # are up to N weight versions old (the ratio uses their own sampling logprobs; with a
+    # rollout_importance_sampling_mode the trainer's current ones, the weight then covering the
+    # lag too: decoupled PPO). 0: on-policy.
     max_staleness: int = 0
+    # Training-inference mismatch correction (ms-swift's; docs/drivers.md): none keeps the ratio
+    # against the rollout's sampling logprobs. token_truncate, token_mask, sequence_truncate or
+    # sequence_mask take the ratio against the trainer's own logprobs before the update (one extra
+    # trainer forward when steps_per_generation > 1) and weigh each token's loss by
+    # w = exp(trainer - rollout logprob) (sequence_*: the row's geometric mean), truncated at the
+    # threshold (min(w, threshold)) or 0 where w is above it (masked).
+    rollout_importance_sampling_mode: str = "none"
+    # The threshold of those weights (ms-swift's C).
+    rollout_importance_sampling_threshold: float = 2.0
+    # Log the rollout_correction/ metrics (trainer-rollout KL, perplexities, chi2) without a
+    # correction; a mode logs them anyway.
+    log_rollout_offpolicy_metrics: bool = False
+    # Completions whose mean (rollout - current trainer logprob) over their tokens exceeds this and
+    # whose advantage is negative leave the loss (ms-swift's, from DeepSeek-V3.2); null: off.
+    off_policy_sequence_mask_delta: Optional[float] = None
+    # Where the ratio's old-policy logprobs come from: "rollout" (the engine's own sampling
+    # logprobs) or "trainer" (the rollout reports none, which spares vLLM computing them; the
+    # trainer's before the update: with one update per generation its detached current ones, at
+    # no cost; with more, one trainer forward). "trainer" needs max_staleness 0, no
+    # rollout_importance_sampling_mode, log_rollout_offpolicy_metrics, off_policy_sequence_mask_delta
+    # or teacher_kl_coef: each reads the rollout's.
+    old_logprobs: str = "rollout"
     # Sampling temperature; the trainer's logprobs use it too, so ratios compare like with like.
     temperature: float = 1.0
     # Sample among the top_k most likely tokens only (ms-swift's top_k); 0 or -1: no cut. The
@@ -202,7 +235,7 @@ def train(cfg: GRPOConfig, plan: Plan, trainer: Any, rollout: Any, reference: An
     # The teacher's scores come from the trainer's own base (adapter off) in its train turn.
     base_teacher = bool(algo.teacher_kl_coef) and teacher is None
     sampling = SamplingParams(temperature=algo.temperature, top_k=max(algo.top_k, 0), top_p=algo.top_p,
-                              max_new_tokens=algo.max_new_tokens, n=G)
+                              max_new_tokens=algo.max_new_tokens, n=G, logprobs=algo.old_logprobs == "rollout")
     check = checker(cfg.data)
     with Steps(plan, {"train": trainer, "rollout": rollout, "reference": reference, "teacher": teacher}, cfg.run,
                       cfg.weight_sync, log, eval_set, data=cfg.data,
@@ -255,6 +288,15 @@ def train(cfg: GRPOConfig, plan: Plan, trainer: Any, rollout: Any, reference: An
                             scored = trainer.call("base_logprobs", batch, algo.temperature, dispatch="slice",
                                                   collect="flatten")
                         metrics.update(add_teacher_signal(batch, scored, algo.teacher_kl_coef))
+                    # Mismatch correction, or no rollout logprobs: the ratio's old policy is the trainer's
+                    # own (the batch's logprobs before the first update; with one update, the detached
+                    # current ones).
+                    if algo.rollout_importance_sampling_mode != "none" or algo.old_logprobs == "trainer":
+                        batch.rollout_logprobs, batch.old_logprobs = batch.old_logprobs, None
+                        if algo.steps_per_generation > 1:
+                            with log.phase("old_logprobs", "train"):
+                                batch.old_logprobs = trainer.call("logprobs", batch, algo.temperature,
+                                                                  dispatch="slice", collect="flatten")
                     metrics.update(advantage_metrics(batch))
                     with log.phase("train", "train"):
                         results = [trainer.call("train_step", part, algo.temperature, dispatch="slice",
@@ -264,6 +306,20 @@ def train(cfg: GRPOConfig, plan: Plan, trainer: Any, rollout: Any, reference: An
                         metrics["train/step"] = results[-1]["step"]
             steps.end_step(step, metrics, {"stream": prefetch.position()})
         return steps.finish({"stream": prefetch.position()})
+
+
+# Sources of the ratio's old-policy logprobs (algorithm.old_logprobs).
+OLD_LOGPROBS = ("rollout", "trainer")
+
+
+def rollout_correction(algo: GRPOAlgorithm) -> Optional[RolloutCorrection]:
+    """The loss's rollout correction of `algo`; None when every part of it is off (the loss is
+    then as without it)."""
+    if algo.rollout_importance_sampling_mode == "none" and not algo.log_rollout_offpolicy_metrics \
+            and algo.off_policy_sequence_mask_delta is None:
+        return None
+    return RolloutCorrection(algo.rollout_importance_sampling_mode, algo.rollout_importance_sampling_threshold,
+                             algo.log_rollout_offpolicy_metrics, algo.off_policy_sequence_mask_delta)
 
 
 def add_teacher_signal(batch: Any, teacher_logprobs: torch.Tensor, coef: float) -> dict:
@@ -382,12 +438,73 @@ def warm_start_trainer(cfg: GRPOConfig) -> Any:
                    micro_batch_per_device=a.warmup_sft_batch)
 
 
+# How the warm start reads the rows it writes: as a user's files, whole (no renames, no row cap).
+WARM_ROWS = {"task": "files", "max_rows": None, "columns": {}}
+
+
+def multi_turn_rows(examples: list, multi_turn: MultiTurnConfig, seed: int) -> tuple[list, int]:
+    """SFT rows (chat `messages`) of the multi-turn warm start, in the turns a rollout of
+    `multi_turn`'s gym environment holds: per example the environment's first observation and
+    the reference reply, then for a wrong first reply and for the right one, when the
+    environment answers it, (prompt, that reply, the environment's answer, the reference
+    reply), whose loss is on the last reply (the first is context). Returns the rows and how
+    many are multi-turn; an environment that is not a GymEnv gives single-turn rows."""
+    rng, rows, multi = random.Random(seed), [], 0
+    for i, ex in enumerate(examples):
+        if not issubclass(envs[multi_turn.gym_env], GymEnv):
+            rows.append({"messages": ex.messages()})
+            continue
+        right = {"role": "assistant", "content": ex.solution}
+        for tried in (None, wrong_solution(ex, rng), ex.solution):
+            env = envs[multi_turn.gym_env]({"seed": seed + i})
+            question = {"role": "user", "content": _done(env.reset(row_columns(ex)))}
+            if tried is None:
+                rows.append({"messages": [question, right]})
+                continue
+            reply, _, done, _ = _done(env.step(tried))
+            if not done and isinstance(reply, str):
+                multi += 1
+                rows.append({"messages": [question, {"role": "assistant", "content": tried},
+                                          {"role": "user", "content": reply}, right]})
+    return rows, multi
+
+
+def _done(value: Any) -> Any:
+    """An environment call's result (its plain or async method)."""
+    return asyncio.run(value) if inspect.isawaitable(value) else value
+
+
+def warm_start_data(cfg: GRPOConfig, out_dir: Path) -> Any:
+    """The data section of the warm start: the task's first warmup_sft_examples rows; with a
+    multi-turn gym environment (multi_turn.scheduler gym_scheduler), those rows as
+    `multi_turn_rows` written to out_dir (held out: the task's held-out prompts, single-turn)."""
+    a, mt = cfg.algorithm, cfg.algorithm.multi_turn
+    data = replace(cfg.data, **warmup_rows(cfg.data, a.warmup_sft_examples))
+    if mt.scheduler != "gym_scheduler" or not mt.gym_env:
+        return data
+    for path in mt.plugins:
+        load_plugin(path)
+    labelled, held, _ = load_task(data)
+    rows, multi = multi_turn_rows(labelled, mt, cfg.run.seed)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name, part in (("train", rows), ("held_out", [{"messages": ex.messages()} for ex in held])):
+        with open(out_dir / f"{name}.jsonl", "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in part)
+    logger.info(f"grpo: multi-turn warm start on {len(rows)} rows ({multi} with a first try and the "
+                f"'{mt.gym_env}' environment's answer) in {out_dir}")
+    # (No held-out prompt: no evaluation, data.val_split=0.)
+    return replace(cfg.data, **WARM_ROWS, paths=[str(out_dir / "train.jsonl")],
+                   val_paths=[str(out_dir / "held_out.jsonl")] if held else [], val_split=None if held else 0.0,
+                   eval_size=len(held))
+
+
 def warm_start(cfg: GRPOConfig, train_ranks: int, out_dir: Path) -> str:
-    """SFT on the task's reference solutions with GRPO's engine, engine options and number of
-    trainer ranks (so its optimizer moments fit GRPO's trainer); returns its checkpoint."""
+    """SFT on the task's reference solutions (`warm_start_data`) with GRPO's engine, engine
+    options and number of trainer ranks (so its optimizer moments fit GRPO's trainer); returns
+    its checkpoint."""
     a = cfg.algorithm
     warm = sft.phase_config(cfg, trainer=warm_start_trainer(cfg),
-                     data=replace(cfg.data, **warmup_rows(cfg.data, a.warmup_sft_examples)),
+                     data=warm_start_data(cfg, out_dir / "sft_warmup_rows"),
                      run=phase_run(cfg.run, out_dir, "sft_warmup", steps=a.warmup_sft_steps,
                                    prompts_per_step=a.warmup_sft_batch, eval_max_new_tokens=cfg.run.eval_max_new_tokens,
                                    save_final=True, seed=cfg.run.seed, resume="auto" if cfg.run.resume else None))
@@ -423,7 +540,7 @@ def run(cfg: GRPOConfig, plan: Plan, out_dir: Path) -> dict:
     if warm := warm_start(cfg, plan["train"].world_size, out_dir) if a.warmup_sft_steps else None:
         model["path"] = warm
     loss = make_loss("grpo", epsilon=a.epsilon, epsilon_high=a.epsilon_high, beta=a.beta, loss_type=a.loss_type,
-                     max_completion_length=a.max_new_tokens)
+                     max_completion_length=a.max_new_tokens, correction=rollout_correction(a))
     trainer_cfg = as_dict(cfg.trainer)  # (its schedule spans cfg.updates(run.steps) updates: prepare)
     specs = reward_specs(a, cfg.data)
     planned = planned_reward_configs(specs, plan)
@@ -538,6 +655,17 @@ def validate(cfg: GRPOConfig, plan: Plan) -> None:
             a.steps_per_generation, f"leaves an update without a sequence for each of the {n} trainer ranks",
             f"use 1 to {cfg.run.prompts_per_step * a.num_generations // n}")
     check_staleness(a.max_staleness, plan)
+    check_rollout_correction(a)
+    require(a.old_logprobs in OLD_LOGPROBS, "algorithm.old_logprobs", a.old_logprobs, "is not a source of logprobs",
+            f"use one of {list(OLD_LOGPROBS)}")
+    if a.old_logprobs == "trainer":
+        readers = {"max_staleness": a.max_staleness, "rollout_importance_sampling_mode":
+                   a.rollout_importance_sampling_mode != "none", "log_rollout_offpolicy_metrics":
+                   a.log_rollout_offpolicy_metrics, "off_policy_sequence_mask_delta":
+                   a.off_policy_sequence_mask_delta is not None, "teacher_kl_coef": a.teacher_kl_coef}
+        using = [k for k, on in readers.items() if on]
+        require(not using, "algorithm.old_logprobs", a.old_logprobs, f"leaves no rollout logprobs, which "
+                f"{', '.join('algorithm.' + k for k in using)} read", "set algorithm.old_logprobs=rollout")
 
 
 def main() -> None:

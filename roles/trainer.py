@@ -53,6 +53,9 @@ LossFn = Callable[[torch.Tensor, Batch, dict], Tuple[torch.Tensor, dict]]
 # the temperature), the entropy [b, t] (logged), and the log-softmax at batch.teacher_indices
 # with the log mass outside them, ([b, t, k], [b, t]) (GKD's student against a top-k teacher).
 LOSS_INPUTS = ("logits", "entropy", "student_topk")
+# A loss metric named with this ending is the step's largest value (over micro-batches and
+# ranks), not the token-weighted mean the others are.
+PEAK_SUFFIX = "_max"
 STATE_FILE = "trainer_state.pt"
 # A LoRA trainer's checkpoint holds the adapter in PEFT's format in this folder, beside the merged model.
 ADAPTER_DIR = "adapter"
@@ -234,7 +237,7 @@ class Trainer(WeightSender):
         lr = self.engine.current_lr()
         self._train_mode(True)
         # Loss and metrics stay on the device until the step's end: a micro-batch never waits for it.
-        loss_sum, weighted = 0.0, {}
+        loss_sum, weighted, peaks = 0.0, {}, {}
         for _, _, mb in self._micro_batches(batch, backward=True):
             dev = batch_to(mb, self.device)
             logprobs, extras = self._forward(mb, temperature, self.loss_inputs, on_device=dev)
@@ -244,13 +247,17 @@ class Trainer(WeightSender):
             w = float(mb.loss_mask.sum())
             for k, v in metrics.items():
                 v = v.detach().double() if isinstance(v, torch.Tensor) else float(v)
+                if k.endswith(PEAK_SUFFIX):  # the largest value of the step, not a mean
+                    peaks[k] = torch.maximum(torch.as_tensor(peaks[k]), torch.as_tensor(v)) if k in peaks else v
+                    continue
                 weighted[k] = weighted.get(k, 0.0) + v * w
         for _ in range(idle):
             self.engine.idle_pass(backward=True)
         self.engine.reduce_gradients()
-        keys = sorted(weighted)
+        keys, peak_keys = sorted(weighted), sorted(peaks)
         if empty_ranks:  # a rank without rows ran no loss: every rank sums the same metric names
-            keys = sorted(set().union(*self.engine.all_gather_object(keys)))
+            named = self.engine.all_gather_object((keys, peak_keys))
+            keys, peak_keys = (sorted(set().union(*(n[i] for n in named))) for i in (0, 1))
         # The update is queued before the metrics are read: the device is not left waiting for the
         # host to launch it (the loss and metric tensors are copies the update does not touch).
         grad_norm, _ = self.engine.optimizer_step(self.config.grad_clip)
@@ -258,6 +265,9 @@ class Trainer(WeightSender):
         out = {"loss": totals[0], "grad_norm": grad_norm, "lr": lr, "tokens": global_tokens,
                "sequences": global_sequences, "step": float(self.engine.step)}
         out.update({k: v / max(global_tokens, 1.0) for k, v in zip(keys, totals[1:])})
+        if peak_keys:  # the same names on every rank (a rank without rows holds no values)
+            ranks = self.engine.all_gather_object({k: float(v) for k, v in peaks.items()})
+            out.update({k: max(r[k] for r in ranks if k in r) for k in peak_keys})
         return out
 
     @torch.no_grad()

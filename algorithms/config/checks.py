@@ -25,6 +25,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from algorithms.data.loading import check_data_files, system_text
 from algorithms.data.prompts import template_on
 from algorithms.data.tasks import arithmetic_space
+from algorithms.objectives.losses import ROLLOUT_CORRECTIONS
 from algorithms.records.checkpoints import find_resume
 from algorithms.records.trackers import LOGGERS, MODULES
 from orchestration.cluster import check_log_level
@@ -616,3 +617,22 @@ def check_multi_turn(mt: Any, key: str = "algorithm.multi_turn") -> None:
         except (KeyError, ImportError, AttributeError, ValueError) as e:
             require(False, f"{key}.tools", list(mt.tools), f"names a tool that cannot be found ({e})",
                     "register it with tools['name'] = fn in a plugin file, or give its dotted path 'pkg.mod.fn'")
+
+
+def check_rollout_correction(a: Any, key: str = "algorithm") -> None:
+    """GRPO's training-inference mismatch correction (ms-swift's keys): a known mode, a finite
+    threshold > 0, a finite off-policy sequence mask delta, and that mask only with
+    per-sequence advantages (as ms-swift, not with a teacher's per-token signal)."""
+    mode = a.rollout_importance_sampling_mode
+    require(mode in ROLLOUT_CORRECTIONS, f"{key}.rollout_importance_sampling_mode", mode, "is not a correction mode",
+            f"use one of {list(ROLLOUT_CORRECTIONS)} (none: the ratio against the rollout's logprobs, as without it)")
+    threshold = a.rollout_importance_sampling_threshold
+    require(math.isfinite(threshold) and threshold > 0, f"{key}.rollout_importance_sampling_threshold", threshold,
+            "must be a finite number > 0", "set it to e.g. 2.0 (ms-swift's default)")
+    delta = a.off_policy_sequence_mask_delta
+    require(delta is None or math.isfinite(delta), f"{key}.off_policy_sequence_mask_delta", delta,
+            "must be a finite number", "set a mean log-ratio such as 0.1, or null (off)")
+    require(delta is None or not a.teacher_kl_coef, f"{key}.off_policy_sequence_mask_delta", delta,
+            f"needs one advantage per completion, but {key}.teacher_kl_coef={a.teacher_kl_coef} makes them per "
+            "token (ms-swift refuses the two together too)",
+            f"set {key}.off_policy_sequence_mask_delta=null, or {key}.teacher_kl_coef=0")

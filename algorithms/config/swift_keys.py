@@ -136,6 +136,14 @@ DRIVER_KEYS: dict[str, dict[str, conv.Mapper]] = {
         "loss_type": conv.to("algorithm.loss_type", convert=conv.text),
         "importance_sampling_level": conv.neutral(("token",), "sequence-level ratios (GSPO) are not implemented"),
         "overlong_filter": conv.to("algorithm.overlong_filter", convert=conv.flag),
+        # Training-inference mismatch correction; ms-swift's null mode is none here.
+        "rollout_importance_sampling_mode": conv.to("algorithm.rollout_importance_sampling_mode",
+                                                    convert=lambda v: "none" if v is None else conv.text(v)),
+        "rollout_importance_sampling_threshold": conv.to("algorithm.rollout_importance_sampling_threshold",
+                                                         convert=conv.number),
+        "log_rollout_offpolicy_metrics": conv.to("algorithm.log_rollout_offpolicy_metrics", convert=conv.flag),
+        "off_policy_sequence_mask_delta": conv.to("algorithm.off_policy_sequence_mask_delta",
+                                                  convert=conv.optional(conv.number)),
         # Advantages and sampling rounds.
         "scale_rewards": conv.to("algorithm.scale_rewards", convert=conv.scale),
         "advantage_estimator": conv.advantage,
@@ -208,7 +216,6 @@ NO_EFFECT: dict[str, str] = {
     "overlap_grad_reduce": "Megatron communication overlap",
     "overlap_param_gather": "Megatron communication overlap",
     "log_completions": "samples are not logged as tables here",
-    "log_rollout_offpolicy_metrics": "the rollout's own logprobs are always used for the ratio here",
     "logging_first_step": "the first step is always logged here",
     "add_version": "the Hydra run directory is already unique",
     "move_model_batches": "weights move in weight_sync.bucket_mb buckets here",

@@ -69,6 +69,32 @@ def split_solution(solution: str) -> tuple[List[str], str]:
     return steps, tail.strip().replace(",", "")
 
 
+# A written arithmetic step: "12+7=19".
+STEP = re.compile(r"^(-?\d+)([-+*])(-?\d+)=(-?\d+)$")
+
+
+def wrong_solution(ex: Example, rng: random.Random) -> str:
+    """A plausible wrong reply to `ex`, in its solution's form: for an arithmetic chain, its first
+    step's result off by 1-3 and the rest computed on from it ("3+4=8\n8+5=13\n#### 13");
+    otherwise the reference with its final answer off by 1-3 (a multi-turn warm start's first try)."""
+    steps, answer = split_solution(ex.solution)
+    off = rng.choice([-3, -2, -1, 1, 2, 3])
+    parsed = [STEP.match(s) for s in steps]
+    if steps and all(parsed):
+        value, lines = None, []
+        for i, m in enumerate(parsed):
+            a, op, b = int(m.group(1)) if value is None else value, m.group(2), int(m.group(3))
+            value = (a + b if op == "+" else a - b if op == "-" else a * b) + (off if i == 0 else 0)
+            lines.append(f"{a}{op}{b}={value}")
+        return "\n".join(lines + [ANSWER_PREFIX + str(value)])
+    try:
+        wrong = str(int(float(answer)) + off)
+    except ValueError:
+        wrong = answer + " " + str(off)
+    body, sep, _ = ex.solution.rpartition("####")
+    return body + sep + " " + wrong if sep else wrong
+
+
 def in_heldout(key: str, heldout_fraction: float) -> bool:
     """Whether `key` belongs to the held-out split: a stable hash, the same for any seed,
     so examples drawn for training with any seed never include a held-out problem."""

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from dataclasses import dataclass
 from typing import Literal, Optional, Union
 
 import torch
@@ -125,14 +126,16 @@ def k3_kl(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
 def grpo_loss(logprobs: torch.Tensor, advantages: torch.Tensor, loss_mask: torch.Tensor, *,
               epsilon: float, epsilon_high: Optional[float], beta: float, loss_type: str,
               old_logprobs: Optional[torch.Tensor] = None, ref_logprobs: Optional[torch.Tensor] = None,
-              max_completion_length: Optional[int] = None,
+              max_completion_length: Optional[int] = None, token_weights: Optional[torch.Tensor] = None,
               reduction: Reduction = "mean") -> tuple[torch.Tensor, dict]:
     """Clipped-ratio policy loss with an optional k3 KL penalty, TRL GRPOTrainer semantics.
 
     Per token: ratio r = exp(logp - old_logp) (old_logprobs None: the detached current logprobs,
     r = 1 with the policy gradient kept), loss_t = -min(r*A, clip(r, 1-epsilon, 1+epsilon_high)*A)
-    + beta * k3(logp, ref). `advantages` is [B] (per sequence) or [B, T]. Aggregation by
-    `loss_type` (see the module docstring for the numerator/denominator of each).
+    + beta * k3(logp, ref), times `token_weights` [B, T] when given (no gradient flows through
+    them: the rollout correction's importance weights, `rollout_is_weights`). `advantages` is
+    [B] (per sequence) or [B, T]. Aggregation by `loss_type` (see the module docstring for the
+    numerator/denominator of each).
     Metrics: clip_ratio/low (r < 1-eps with A < 0), clip_ratio/high (r > 1+eps_high with
     A > 0), clip_ratio/region (either), ratio_mean, and kl (mean k3) when ref_logprobs is given.
     The settings have no defaults here: GRPOAlgorithm holds them (epsilon_high None: epsilon).
@@ -161,6 +164,8 @@ def grpo_loss(logprobs: torch.Tensor, advantages: torch.Tensor, loss_mask: torch
         metrics["kl"] = _masked_mean(kl, loss_mask)
         if beta != 0.0:
             per_token = per_token + beta * kl
+    if token_weights is not None:  # as ms-swift: the whole token loss, KL term included
+        per_token = per_token * token_weights.detach().to(per_token.dtype)
     per_token = _masked(per_token, loss_mask)
 
     if loss_type == "grpo":
@@ -180,6 +185,131 @@ def grpo_loss(logprobs: torch.Tensor, advantages: torch.Tensor, loss_mask: torch
         metrics["clip_ratio/region"] = _masked_mean((low | high).float(), loss_mask)
         metrics["ratio_mean"] = _masked_mean(ratio, loss_mask)
     return _finish(numerator, loss_denominator(loss_type, loss_mask), reduction), metrics
+
+
+# ----------------------------------------------------------------------------- rollout correction
+
+# ms-swift's training-inference mismatch correction (rollout_importance_sampling_mode): the
+# rollout engine's sampling logprobs differ from the trainer's for the same weights.
+ROLLOUT_CORRECTIONS = ("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+# Log-ratios are clamped to +-20 before exp, as in ms-swift: exp(20) ~ 5e8 is past any useful weight.
+_LOG_RATIO_BOUND = 20.0
+
+
+@dataclass(frozen=True)
+class RolloutCorrection:
+    """What GRPOLoss does with the gap between the rollout's sampling logprobs and the trainer's
+    (GRPOAlgorithm holds the settings and their meaning). With `mode` other than 'none' the
+    batch's old_logprobs are the trainer's own (None: the detached current logprobs) and its
+    rollout_logprobs the rollout's; with 'none' old_logprobs are the rollout's, the ratio is
+    unchanged, and only the metrics (`log_metrics`) or the off-policy sequence mask apply."""
+    mode: str
+    threshold: float
+    log_metrics: bool
+    off_policy_sequence_mask_delta: Optional[float]
+
+    def __post_init__(self):
+        if self.mode not in ROLLOUT_CORRECTIONS:
+            raise ValueError(f"rollout correction mode must be one of {ROLLOUT_CORRECTIONS}, got {self.mode!r}")
+        if not self.threshold > 0:
+            raise ValueError(f"rollout correction threshold must be > 0, got {self.threshold}")
+
+
+def _row_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-sequence mean of `x` over `mask` [B] (0 for a row without loss tokens)."""
+    return _masked(x, mask).sum(-1) / mask.sum(-1).clamp(min=1)
+
+
+def _rows_mean(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Mean of per-sequence values `x` [B] over the rows with loss tokens (`rows`)."""
+    return torch.where(rows, x, torch.zeros((), dtype=x.dtype, device=x.device)).sum() / rows.sum().clamp(min=1)
+
+
+def _bounded(log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return _masked(log_ratio.detach().float(), mask).clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
+
+
+def rollout_is_weights(log_ratio: torch.Tensor, mask: torch.Tensor, mode: str, threshold: float) -> torch.Tensor:
+    """Importance weights [B, T] (detached) of the trainer over the rollout, from `log_ratio` =
+    trainer logprob - rollout logprob per token; w = exp(log_ratio), the sequence weight
+    w_seq = exp(mean of the row's log_ratio over its loss tokens) (a geometric mean, as ms-swift).
+    token_truncate: min(w, threshold); token_mask: w, 0 where w > threshold; sequence_truncate:
+    min(w_seq, threshold) on every token of the row; sequence_mask: w, 0 on the whole row where
+    w_seq > threshold."""
+    if mode not in ROLLOUT_CORRECTIONS[1:]:
+        raise ValueError(f"rollout correction mode must be one of {ROLLOUT_CORRECTIONS[1:]}, got {mode!r}")
+    bounded = _bounded(log_ratio, mask)
+    w = bounded.exp()
+    zero = torch.zeros((), dtype=w.dtype, device=w.device)
+    if mode == "token_truncate":
+        return w.clamp(max=threshold)
+    if mode == "token_mask":
+        return torch.where(w <= threshold, w, zero)
+    seq = _row_mean(bounded, mask).exp()[:, None]
+    if mode == "sequence_truncate":
+        return seq.clamp(max=threshold).expand_as(w)
+    return torch.where(seq <= threshold, w, zero)
+
+
+def rollout_offpolicy_metrics(trainer_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor,
+                              mask: torch.Tensor) -> dict:
+    """ms-swift's rollout_correction/ diagnostics of the gap between trainer and rollout on the
+    sampled tokens (detached 0-d tensors): kl (direct estimate of KL(rollout || trainer)), k3_kl,
+    training_ppl / rollout_ppl and their logs (means of per-sequence values), log_ppl_diff
+    (rollout minus training mean logprob per sequence: > 0 where the trainer gives the tokens
+    less probability), log_ppl_abs_diff, ppl_ratio, chi2_token (E[rho^2] - 1, rho = trainer /
+    rollout), chi2_seq (the same of the per-sequence geometric mean of rho), and ratio_max /
+    inverse_ratio_max: the largest rho and 1/rho of a loss token (the trainer takes the step's
+    largest of these, roles.trainer.PEAK_SUFFIX). Per-sequence values are averaged over the
+    rows with loss tokens."""
+    trainer, rollout = trainer_logprobs.detach().float(), rollout_logprobs.detach().float()
+    rows = mask.sum(-1) > 0
+    log_ratio = _masked(trainer - rollout, mask)
+    bounded = log_ratio.clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND)
+    train_mean, rollout_mean = _row_mean(trainer, mask), _row_mean(rollout, mask)
+    diff = rollout_mean - train_mean
+    seq_rho = _row_mean(log_ratio, mask).clamp(-_LOG_RATIO_BOUND, _LOG_RATIO_BOUND).exp()
+    return {"kl": _masked_mean(-log_ratio, mask),
+            "k3_kl": _masked_mean((bounded.exp() - bounded - 1).clamp(-10, 10), mask),
+            "training_ppl": _rows_mean((-train_mean).exp(), rows), "training_log_ppl": _rows_mean(-train_mean, rows),
+            "rollout_ppl": _rows_mean((-rollout_mean).exp(), rows), "rollout_log_ppl": _rows_mean(-rollout_mean, rows),
+            "log_ppl_diff": _rows_mean(diff, rows), "log_ppl_abs_diff": _rows_mean(diff.abs(), rows),
+            "ppl_ratio": _rows_mean(diff.exp(), rows),
+            "chi2_token": _masked_mean(bounded.exp().square(), mask) - 1.0,
+            "chi2_seq": _rows_mean(seq_rho.square(), rows) - 1.0,
+            "ratio_max": torch.where(mask > 0, bounded, -_LOG_RATIO_BOUND).max().exp(),
+            "inverse_ratio_max": torch.where(mask > 0, -bounded, -_LOG_RATIO_BOUND).max().exp()}
+
+
+def rollout_is_metrics(log_ratio: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor, mode: str,
+                       threshold: float) -> dict:
+    """ms-swift's importance-weight figures (detached 0-d tensors): is_weight_mean, ess (effective
+    sample size 1 / E[(w / E[w])^2] of the weights clamped to [1/threshold, threshold]: 1 when all
+    are equal) and clipped_frac (tokens, or for the sequence modes rows, truncated or masked)."""
+    w = weights.detach().float()
+    for_ess = w.clamp(min=1.0 / threshold, max=threshold)
+    normalised = for_ess / (_masked_mean(for_ess, mask) + 1e-8)
+    metrics = {"is_weight_mean": _masked_mean(w, mask),
+               "ess": 1.0 / _masked_mean(normalised.square(), mask).clamp(min=1e-10)}
+    bounded = _bounded(log_ratio, mask)
+    if mode == "token_truncate":
+        metrics["clipped_frac"] = _masked_mean((bounded.exp() > threshold).float(), mask)
+    elif mode == "token_mask":
+        metrics["clipped_frac"] = _masked_mean((w == 0).float(), mask)
+    else:
+        metrics["clipped_frac"] = _rows_mean((_row_mean(bounded, mask).exp() > threshold).float(), mask.sum(-1) > 0)
+    return metrics
+
+
+def off_policy_sequence_keep(logprobs: torch.Tensor, behaviour_logprobs: torch.Tensor, mask: torch.Tensor,
+                             advantages: torch.Tensor, delta: float) -> torch.Tensor:
+    """ms-swift's off-policy sequence mask (DeepSeek-V3.2): False for the rows whose mean over
+    their loss tokens of behaviour - current logprob exceeds `delta` and whose advantage is
+    negative (they leave the loss), True for the rest [B]."""
+    drift = _row_mean(behaviour_logprobs.detach().float() - logprobs.detach().float(), mask)
+    adv = advantages.detach().float()
+    seq_adv = adv if adv.ndim == 1 else _row_mean(adv, mask)
+    return ~((drift > delta) & (seq_adv < 0))
 
 
 # ----------------------------------------------------------------------------- GKD
@@ -310,11 +440,14 @@ class SFTLoss:
 class GRPOLoss:
     """GRPO on a batch with `advantages` ([B] or [B, T]), optional `old_logprobs` (behaviour
     policy; None = on-policy single update) and `ref_logprobs` (needed when beta != 0).
-    The settings are required: their defaults live once, in GRPOAlgorithm."""
+    `correction` (None: none) weighs or masks tokens by the trainer-over-rollout importance
+    weight, measures the gap (metrics rollout_correction/*) or masks off-policy sequences:
+    `RolloutCorrection`. The settings are required: their defaults live once, in GRPOAlgorithm."""
     loss_inputs: tuple = ()
 
     def __init__(self, *, epsilon: float, epsilon_high: Optional[float], beta: float, loss_type: str,
-                 max_completion_length: Optional[int] = None, reduction: StepReduction = "global"):
+                 max_completion_length: Optional[int] = None, correction: Optional[RolloutCorrection] = None,
+                 reduction: StepReduction = "global"):
         _check_step_reduction(reduction)
         if loss_type not in LOSS_TYPES:
             raise ValueError(f"loss_type must be one of {LOSS_TYPES}, got {loss_type!r}")
@@ -322,6 +455,7 @@ class GRPOLoss:
             raise ValueError("loss_type='dr_grpo' needs max_completion_length (its normaliser)")
         self.epsilon, self.epsilon_high, self.beta = epsilon, epsilon_high, beta
         self.loss_type, self.max_completion_length, self.reduction = loss_type, max_completion_length, reduction
+        self.correction = correction
 
     def denominator(self, batch: Batch) -> float:
         return loss_denominator(self.loss_type, batch.loss_mask)
@@ -332,14 +466,49 @@ class GRPOLoss:
         device = logprobs.device
         old = None if batch.old_logprobs is None else batch.old_logprobs.to(device)
         ref = None if batch.ref_logprobs is None else batch.ref_logprobs.to(device)
+        mask, advantages = batch.loss_mask.to(device), batch.advantages.to(device)
+        weights, corrected = None, {}
+        if self.correction is not None:
+            mask, weights, corrected = self._correct(logprobs, batch, old, mask, advantages)
         numerator, metrics = grpo_loss(
-            logprobs, batch.advantages.to(device), batch.loss_mask.to(device), old_logprobs=old, ref_logprobs=ref,
+            logprobs, advantages, mask, old_logprobs=old, ref_logprobs=ref, token_weights=weights,
             epsilon=self.epsilon, epsilon_high=self.epsilon_high, beta=self.beta, loss_type=self.loss_type,
             max_completion_length=self.max_completion_length, reduction="sum")
+        metrics.update(corrected)
         if extras and extras.get("entropy") is not None:
             metrics["entropy"] = _masked_mean(extras["entropy"], batch.loss_mask.to(device))
         loss = _step_reduce(numerator, self.reduction, _UNITS[self.loss_type], self.denominator(batch), extras)
         return loss, metrics
+
+    def _correct(self, logprobs: torch.Tensor, batch: Batch, old: Optional[torch.Tensor], mask: torch.Tensor,
+                 advantages: torch.Tensor) -> tuple:
+        """(loss mask, importance weights or None, metrics) of the rollout correction. The trainer's
+        old logprobs are batch.old_logprobs under a mode (None: the detached current ones), else
+        the detached current ones, old_logprobs being the rollout's then."""
+        c = self.correction
+        if c.mode != "none":
+            if batch.rollout_logprobs is None:
+                raise ValueError(f"rollout correction {c.mode!r} needs batch.rollout_logprobs (the rollout's sampling "
+                                 "logprobs; batch.old_logprobs are then the trainer's own, or None)")
+            rollout = batch.rollout_logprobs.to(logprobs.device)
+            trainer = logprobs.detach() if old is None else old
+        else:
+            if old is None:
+                raise ValueError("the rollout-correction metrics and off-policy sequence mask need "
+                                 "batch.old_logprobs (the rollout's sampling logprobs)")
+            rollout, trainer = old, logprobs.detach()
+        figures, weights = {}, None
+        if c.mode != "none" or c.log_metrics:
+            figures = rollout_offpolicy_metrics(trainer, rollout, mask)
+        if c.mode != "none":
+            weights = rollout_is_weights(trainer - rollout, mask, c.mode, c.threshold)
+            figures.update(rollout_is_metrics(trainer - rollout, weights, mask, c.mode, c.threshold))
+        metrics = {f"rollout_correction/{k}": v for k, v in figures.items()}
+        if c.off_policy_sequence_mask_delta is not None:  # after the metrics, as ms-swift
+            keep = off_policy_sequence_keep(logprobs, rollout, mask, advantages, c.off_policy_sequence_mask_delta)
+            metrics["off_policy_masked"] = _rows_mean((~keep).float(), mask.sum(-1) > 0)
+            mask = mask * keep[:, None].to(mask.dtype)
+        return mask, weights, metrics
 
 
 class GKDLoss:
