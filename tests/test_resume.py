@@ -144,6 +144,13 @@ CASES = {
                                         "algorithm.beta=0.04", "data.train_size=6"]),
     "gkd": (gkd, GKDConfig, ["+experiment=gkd_quickstart", *TINY_GKD, "algorithm.lmbda=0.5",
                                 "algorithm.logits_topk=4"]),
+    # Multi-turn: each step's trajectories (model turns, the environment's replies, its seeds and
+    # rewards) are seeded by (run seed, step), so the resumed steps replay them.
+    "grpo_multi_turn": (grpo, grpo.GRPOConfig, ["+experiment=grpo_quickstart", *TINY, "algorithm.num_generations=2",
+                                                "algorithm.max_new_tokens=24", "algorithm.warmup_sft_steps=0",
+                                                "data.train_size=6", "algorithm.multi_turn.scheduler=gym_scheduler",
+                                                "algorithm.multi_turn.gym_env=arithmetic_retry",
+                                                "algorithm.multi_turn.max_turns=2", "algorithm.multi_turn.max_turn_tokens=8"]),
     # LoRA: the adapter, its optimizer state and the RNG come back; GRPO's KL reference and GKD's
     # teacher are the trainer's own base (adapter off); GRPO's rollout takes adapter-only syncs.
     "sft_lora": (sft, SFTConfig, ["+experiment=sft_quickstart", *TINY, "trainer.lora.rank=4"]),
@@ -185,6 +192,8 @@ def test_stop_and_resume_equals_a_straight_run(name, tmp_path, monkeypatch):
                         f"teacher.cache_dir={tmp_path / 'teachers'}" if name.startswith("gkd") else "run.keep_last=0"]
     want, got, straight, resumed = stop_and_resume(driver, schema, base, [], tmp_path, monkeypatch)
     assert comparable(got) == comparable(want)
+    if name == "grpo_multi_turn":  # trajectories with environment turns, replayed after the resume
+        assert all(r["multi_turn/env_tokens"] > 0 for r in want if r["step"] >= 1)
     a, b = weights(straight["checkpoint"]), weights(resumed["checkpoint"])
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     if name.endswith("_lora"):  # the adapter itself, as PEFT saved it

@@ -12,6 +12,17 @@ at the device every `DONE_CHECK_EVERY` steps to stop when every row has stopped.
 them (`fits`: not more than REUSE_SLACK times the work) and whose sampling settings are the
 same; without one (or after `release()`) they live for one call.
 
+Rows that stopped are dropped on the way (COMPACT): at a done check, when the rows still
+decoding fit a bucket of COMPACT_AT times the call's rows (or of a power of it: the smaller
+buckets are fixed by the call's bucket, aligned like it), their cache slots, counters, seeds
+and outputs so far move into that bucket's buffers, and decoding goes on there with its own
+graph, captured like any other; the rows' outputs go back to their places at the end. When
+most rows stop early and a few run long, the steps after that attend over those few rows
+only. A `StaticDecoder` keeps the smaller buckets' buffers and graphs with its own (each at
+most COMPACT_AT of it: with 1/2, all of them together less than it again). A row's tokens do
+not depend on its batch mates, so compaction changes none (its logprobs up to float rounding:
+a smaller batch's kernels may sum in another order).
+
 Sampling is batched and seeded per row without a generator per row: a row's uniform at a
 step is a hash of (row seed, step), and the token is where it falls in the cumulative
 distribution of the filtered probabilities (inverse-CDF sampling). A sample depends on its
@@ -25,6 +36,7 @@ head act as that head's queries, so grouped-query K/V are read once, not repeate
 from __future__ import annotations
 
 import logging
+import math
 import time
 from typing import NamedTuple, Optional, Sequence
 
@@ -46,6 +58,11 @@ CUDA_GRAPHS = True
 ROW_ALIGN, CACHE_ALIGN = 8, 64
 # How often (in steps) the host reads whether every row has stopped (a device sync).
 DONE_CHECK_EVERY = 16
+# Move the rows still decoding into a smaller bucket at a done check (False: every row decodes to
+# the end of the call).
+COMPACT = True
+# The smaller buckets hold COMPACT_AT, COMPACT_AT^2, ... of the call's rows (aligned).
+COMPACT_AT = 0.5
 # A StaticDecoder's buffers serve a later call whose bucket they hold, unless they hold more than
 # this many times its rows x slots (each decode step attends over all of them).
 REUSE_SLACK = 2.0
@@ -54,9 +71,9 @@ REUSE_SLACK = 2.0
 # the process) did that from the ninth without a word; each takes tens of seconds, so few happen.
 RECOMPILE_LIMIT = 64
 # Calls that decoded with a graph / eagerly on this path, calls that replayed a graph captured by
-# an earlier call / reused its buffers, and the host seconds spent capturing (the eager first
-# step included); read by tests and benchmarks.
-COUNTS = {"graph": 0, "eager": 0, "reused": 0, "buffers_reused": 0, "capture_s": 0.0}
+# an earlier call / reused its buffers, moves of the live rows into a smaller bucket, and the host
+# seconds spent capturing (the eager first step included); read by tests and benchmarks.
+COUNTS = {"graph": 0, "eager": 0, "reused": 0, "buffers_reused": 0, "compacted": 0, "capture_s": 0.0}
 ATTENTION = "rollout_static"
 _MASK64 = (1 << 64) - 1
 
@@ -205,6 +222,19 @@ def fits(held: Optional[Bucket], want: Bucket) -> bool:
         and held.new_tokens >= want.new_tokens and held.rows * held.length <= REUSE_SLACK * want.rows * want.length
 
 
+def compact_rows(rows: int, live: int, graphs: bool) -> int:
+    """Rows of the smallest bucket that holds `live` rows among those a call of `rows` rows
+    compacts into (rows x COMPACT_AT^k, k >= 1, aligned as `bucket` aligns); `rows` when none
+    does or COMPACT is off."""
+    best, scale = rows, COMPACT_AT
+    while COMPACT and 0 < COMPACT_AT < 1:
+        smaller = _round_up(math.ceil(rows * scale), ROW_ALIGN if graphs else 1)
+        if smaller < live or smaller >= best:
+            break
+        best, scale = smaller, scale * COMPACT_AT
+    return best
+
+
 class _Buffers:
     """Every tensor a decode step reads or writes; a captured graph holds their addresses."""
 
@@ -226,6 +256,7 @@ class _Buffers:
         self.stopped_at = torch.zeros(rows, dtype=torch.long, device=device)
         self.out_tokens = torch.zeros(rows, size.new_tokens, dtype=torch.long, device=device)
         self.out_logprobs = torch.zeros(rows, size.new_tokens, dtype=torch.float32, device=device)
+        self.graph: Optional["torch.cuda.CUDAGraph"] = None  # the decode step captured over these tensors
 
     def nbytes(self) -> int:
         tensors = self.cache.keys + self.cache.values + [v for v in vars(self).values() if isinstance(v, torch.Tensor)]
@@ -233,29 +264,43 @@ class _Buffers:
 
 
 class StaticDecoder:
-    """Decode buffers and the decode step's CUDA graph kept from one `generate_static` call to
-    the next: a call whose bucket `fits` them reuses the buffers, and replays the graph when its
-    sampling settings and the model's tensors (addresses) are those it was captured with. A
-    call that does not fit drops them first. `release()` frees them (Rollout.sleep).
+    """Decode buffers and the decode step's CUDA graphs kept from one `generate_static` call to
+    the next: a call whose bucket `fits` them reuses the buffers (and those of the smaller
+    buckets its live rows moved to), and replays the graphs when its sampling settings and the
+    model's tensors (addresses) are those they were captured with. A call that does not fit
+    drops them first. `release()` frees them (Rollout.sleep).
     `compile`: the decode step runs through `torch.compile` (fused kernels; compiled once per
     buffer size and sampling setting, before its graph is captured)."""
 
     def __init__(self, compile: bool):
         self.buffers: Optional[_Buffers] = None
-        self.graph: Optional["torch.cuda.CUDAGraph"] = None
-        self.graph_key: Optional[tuple] = None
+        self.smaller: dict[int, _Buffers] = {}  # by rows: the buckets `buffers`' live rows move to
+        self.graph_key: Optional[tuple] = None  # what every held graph was captured with (_graph_key)
         self.stops: Optional[torch.Tensor] = None
         self.decode = decode_step
         if compile:  # the limit applies while the compiled step is called
             limit = torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT)
             self.decode = limit(torch.compile(decode_step, dynamic=False))
 
+    @property
+    def graph(self) -> Optional["torch.cuda.CUDAGraph"]:
+        """The decode step captured over `buffers`."""
+        return self.buffers.graph if self.buffers is not None else None
+
+    def held(self) -> list[_Buffers]:
+        return ([self.buffers] if self.buffers is not None else []) + list(self.smaller.values())
+
+    def drop_graphs(self) -> None:
+        for b in self.held():
+            if b.graph is not None:
+                b.graph.reset()
+            b.graph = None
+
     def release(self) -> int:
-        """Drop the buffers and the graph (its memory pool with it); returns the buffers' bytes."""
-        freed = self.buffers.nbytes() if self.buffers is not None else 0
-        if self.graph is not None:
-            self.graph.reset()
-        self.buffers = self.graph = self.graph_key = self.stops = None
+        """Drop the buffers and the graphs (their memory pools with them); returns the buffers' bytes."""
+        freed = sum(b.nbytes() for b in self.held())
+        self.drop_graphs()
+        self.buffers, self.smaller, self.graph_key, self.stops = None, {}, None, None
         return freed
 
     def take(self, model, want: Bucket, device: torch.device) -> _Buffers:
@@ -266,6 +311,20 @@ class StaticDecoder:
         self.release()  # before allocating: never both at once
         self.buffers = _Buffers(model, want, device)
         return self.buffers
+
+    def take_smaller(self, model, rows: int, device: torch.device) -> _Buffers:
+        """Buffers of `rows` rows (the slots and output tokens of `buffers`) for the live rows."""
+        if rows not in self.smaller:
+            size = self.buffers.size
+            self.smaller[rows] = _Buffers(model, Bucket(rows, size.length, size.new_tokens), device)
+        return self.smaller[rows]
+
+    def settle(self, key: tuple, stops: Sequence[int], device: torch.device) -> None:
+        """Graphs captured with other settings (`key`) are dropped, with the stop tokens they read."""
+        if key != self.graph_key:
+            self.drop_graphs()
+            self.graph_key = key
+            self.stops = torch.tensor(stops, dtype=torch.long, device=device)
 
 
 def record(b: _Buffers, logits: torch.Tensor, stops: torch.Tensor, temperature: float, top_k: int,
@@ -295,6 +354,29 @@ def decode_step(model, b: _Buffers, stops: torch.Tensor, settings: tuple) -> Non
     b.slot.add_(1)
 
 
+# What a row carries from step to step besides its K/V; the last three are its outputs.
+_ROW_STATE = ("valid", "seeds", "token", "position", "done", "stopped_at", "out_tokens", "out_logprobs")
+
+
+def compact(src: _Buffers, dst: _Buffers, live: torch.Tensor) -> None:
+    """Move rows `live` of `src` (a device index) into the first rows of the smaller `dst`, every
+    counter of a decode step with them; dst's other rows repeat the first live one (filler)."""
+    index = torch.cat([live, live[:1].expand(dst.size.rows - len(live))])
+    for s, d in zip(src.cache.keys + src.cache.values, dst.cache.keys + dst.cache.values):
+        torch.index_select(s, 0, index, out=d)
+    for name in _ROW_STATE:
+        torch.index_select(getattr(src, name), 0, index, out=getattr(dst, name))
+    dst.step.copy_(src.step)
+    dst.slot.copy_(src.slot)
+    dst.cache.slots, dst.cache.visible = dst.slot, dst.size.length
+
+
+def write_back(top: _Buffers, b: _Buffers, origin: torch.Tensor) -> None:
+    """The outputs of `b`'s first rows to rows `origin` of the call's own buffers `top`."""
+    for name in _ROW_STATE[-3:]:
+        getattr(top, name).index_copy_(0, origin, getattr(b, name)[:len(origin)])
+
+
 def _graph_key(model, temperature: float, top_k: int, top_p: float, pad_id: int, stops: Sequence[int]) -> tuple:
     """What a captured decode step depends on besides its buffers: the sampling settings and
     stop tokens it was traced with and the addresses of the model's tensors (a sleep and wake
@@ -310,7 +392,7 @@ def generate_static(model, prompts: Sequence[Sequence[int]], *, temperature: flo
                     decoder: Optional[StaticDecoder] = None):
     """`torch_generate.generate_batch`'s contract; `seeds`: one per row (sampling), None draws
     them from torch's global generator. `graphs` None: CUDA_GRAPHS on CUDA. `decoder` keeps the
-    buffers and graph for later calls; None: both live for this call only."""
+    buffers and graphs for later calls; None: they live for this call only."""
     device = next(model.parameters()).device
     count = len(prompts)
     if max_new_tokens <= 0 or not count:
@@ -323,13 +405,8 @@ def generate_static(model, prompts: Sequence[Sequence[int]], *, temperature: flo
     # Filler rows (one pad token each) keep the batch at the buffers' size; their output is dropped.
     ids, mask, positions = left_pad(list(prompts) + [[pad_id]] * (rows - count), pad_id, device)
     stop_list = sorted(set(stop_ids))
-    key = _graph_key(model, temperature, top_k, top_p, pad_id, stop_list)
-    replay = graphs and decoder.graph is not None and decoder.graph_key == key
-    if not replay:
-        if decoder.graph is not None:
-            decoder.graph.reset()
-        decoder.graph = decoder.graph_key = None
-        decoder.stops = torch.tensor(stop_list, dtype=torch.long, device=device)
+    decoder.settle(_graph_key(model, temperature, top_k, top_p, pad_id, stop_list), stop_list, device)
+    replay = graphs and decoder.graph is not None
     stops, cache = decoder.stops, b.cache
     # Every counter back to the start of a call; K/V left from an earlier call sit behind `valid`.
     b.valid.zero_()
@@ -360,26 +437,48 @@ def generate_static(model, prompts: Sequence[Sequence[int]], *, temperature: flo
         b.slot.fill_(width)
         b.position.copy_(positions[:, -1:] + 1)
 
-        def decode() -> None:
+        def decode() -> None:  # over the buffers decoding now (`b`, rebound by a compaction)
             decoder.decode(model, b, stops, settings)
 
-        taken = 1
-        if replay:
-            COUNTS["reused"] += 1
-        elif graphs and max_new_tokens > 2:
+        def capture() -> int:
+            """Capture the decode step over `b` unless it is held or not wanted; the steps that took
+            (the capture's eager run is a real decode step)."""
+            if not graphs or b.graph is not None or max_new_tokens - taken < 2:
+                return 0
             start = time.perf_counter()
-            decoder.graph = _capture(decode)  # its eager run is decode step 1
-            decoder.graph_key = key if decoder.graph is not None else None
+            b.graph = _capture(decode)
             COUNTS["capture_s"] += time.perf_counter() - start
-            taken += 1
-        graph = decoder.graph
-        COUNTS["graph" if graph is not None else "eager"] += 1
+            return 1
+
+        taken = 1
+        COUNTS["reused"] += replay
+        taken += capture()
+        COUNTS["graph" if b.graph is not None else "eager"] += 1
+        # b's first `real` rows are rows `origin` of the call's own buffers `top` (None: b is top).
+        top, real, origin = b, count, None
         while taken < max_new_tokens:
-            if taken % DONE_CHECK_EVERY == 0 and bool(b.done[:count].all()):
-                break
-            graph.replay() if graph is not None else decode()
+            if taken % DONE_CHECK_EVERY == 0:
+                done = b.done[:real].cpu()  # a device sync
+                if bool(done.all()):
+                    break
+                rows = compact_rows(top.size.rows, real - int(done.sum()), graphs)
+                if rows < b.size.rows:
+                    live = (~done).nonzero()[:, 0].to(device)
+                    smaller = decoder.take_smaller(model, rows, device)
+                    compact(b, smaller, live)
+                    if origin is not None:
+                        write_back(top, b, origin)
+                    origin = live if origin is None else origin[live]
+                    b, real = smaller, len(live)
+                    COUNTS["compacted"] += 1
+                    if capture():  # its eager run was this step
+                        taken += 1
+                        continue
+            b.graph.replay() if b.graph is not None else decode()
             taken += 1
+        if origin is not None:
+            write_back(top, b, origin)
     finally:
         cfg._attn_implementation = saved_attention
-    return collect(b.out_tokens[:count, :taken].tolist(), b.out_logprobs[:count, :taken].tolist(),
-                   b.stopped_at[:count].tolist())
+    return collect(top.out_tokens[:count, :taken].tolist(), top.out_logprobs[:count, :taken].tolist(),
+                   top.stopped_at[:count].tolist())
