@@ -16,6 +16,9 @@ Workloads (the same token-id prompts, --samples completions each, temperature 1)
               environment answering each turn (algorithm.multi_turn with gym_scheduler);
               `single_turn` beside it: the same rows generating turns x turn-tokens tokens in
               one turn
+  mismatch    the fixed workload's completions with the rollout's sampling logprobs, scored by
+              a Trainer of the same weights (GRPO's, as grpo_gpu runs it): GRPO's
+              rollout_correction metrics (trainer-rollout KL, chi2, largest ratio) per engine
 Engines (one process each): `vllm` runs, on one engine, raw `vllm.LLM.generate` (a request
 per prompt with n, no seeds, no logprobs: vLLM alone), the project's vLLM Rollout, and the
 Rollout without logprobs; `torch` the project's torch Rollout (static decoder), `torch_compiled`
@@ -41,15 +44,17 @@ from typing import Callable
 import torch
 
 from algorithms.plugins import GymEnv, envs
-from roles.batch import SamplingParams
+from algorithms.objectives.losses import rollout_offpolicy_metrics
+from roles.batch import SamplingParams, batch_from_completions
 from roles.engines import torch_decode
 from roles.models import build_model, load_tokenizer, resolve_config, save_checkpoint
 from roles.multi_turn import MultiTurnConfig
 from roles.rollout import Rollout
+from roles.trainer import Trainer
 
 ROOT = Path(__file__).resolve().parent.parent
 ENGINES = ("vllm", "torch", "torch_compiled", "hf")
-WORKLOADS = ("fixed", "long_tail", "multi_turn", "single_turn")
+WORKLOADS = ("fixed", "long_tail", "multi_turn", "single_turn", "mismatch")
 
 
 class NoOp(GymEnv):
@@ -194,6 +199,17 @@ def hf_calls(folder: str, args, stop: int) -> dict[str, Callable[[int], list[lis
     return {"fixed": lambda s: call(s, args.new_tokens, True), "long_tail": lambda s: call(s, args.long_tail_max, False)}
 
 
+def mismatch(rollout: Rollout, folder: str, args) -> dict:
+    """The trainer-rollout gap on the fixed workload's samples (GRPO's rollout_correction metrics)."""
+    prompts = prompt_ids(args.rows // args.samples, args.prompt_len, rollout._vocab, seed=1)
+    out = rollout.generate(prompts, SamplingParams(temperature=1.0, n=args.samples, seed=1,
+                                                   max_new_tokens=args.new_tokens, ignore_eos=True))
+    batch = batch_from_completions(out, rollout.pad_id)
+    trainer = Trainer(folder, {"device": args.device, "micro_batch_per_device": 16})
+    figures = rollout_offpolicy_metrics(trainer.logprobs(batch, 1.0), batch.old_logprobs, batch.loss_mask)
+    return {k: float(v) for k, v in figures.items()}
+
+
 def timed(fn: Callable[[int], list[list[int]]], args) -> dict:
     fn(0)  # warm-up at full size (graphs, compilation, caches)
     walls, lengths = [], []
@@ -236,7 +252,7 @@ def run_engine(args) -> dict:
             variants.append(("vllm_rollout_no_logprobs", {k: _without_logprobs(rollout, f) for k, f in bare.items()}))
     for name, calls in variants:
         for workload in args.workloads:
-            if workload not in calls:
+            if workload not in calls or workload == "mismatch":
                 continue
             before = dict(torch_decode.COUNTS)
             try:
@@ -247,6 +263,13 @@ def run_engine(args) -> dict:
             results.setdefault(name, {})[workload] = figures
             print(json.dumps({"engine": name, "workload": workload, **figures}), flush=True)
             Path(args.out).write_text(json.dumps(results))
+    if "mismatch" in args.workloads and args.engine != "hf":
+        try:
+            results["mismatch"] = mismatch(rollout, folder, args)
+        except Exception as e:  # reported beside the timings
+            results["mismatch"] = {"error": f"{type(e).__name__}: {e}"}
+        print(json.dumps({"engine": args.engine, "mismatch": results["mismatch"]}), flush=True)
+        Path(args.out).write_text(json.dumps(results))
     return results
 
 
@@ -310,7 +333,7 @@ def ratios(summary: dict) -> None:
     raw_runs = (engines["vllm"].get("vllm_raw") if "vllm" in engines else None) or {}
     for result in summary["engines"].values():
         for name, workloads in result.items():
-            if not isinstance(workloads, dict) or name in ("settings", "process"):
+            if not isinstance(workloads, dict) or name in ("settings", "process", "mismatch"):
                 continue
             for workload, figures in workloads.items():
                 base = raw_runs[workload].get("tokens_per_s") if workload in raw_runs else None
@@ -327,7 +350,7 @@ def print_table(summary: dict) -> None:
     print("|---|---|---|---|---|---|---|")
     for result in summary["engines"].values():
         for name, workloads in result.items():
-            if name in ("settings", "process") or not isinstance(workloads, dict):
+            if name in ("settings", "process", "mismatch") or not isinstance(workloads, dict):
                 continue
             for workload, f in workloads.items():
                 if "error" in f:
@@ -336,6 +359,8 @@ def print_table(summary: dict) -> None:
                 print(f"| {name} | {workload} | {f['tokens_per_s']:,.0f} | {f['ms_per_step']:.2f} | "
                       f"{f.get('x_raw_vllm', float('nan')):.2f} | {f['length_mean']:.0f} / {f['length_p50']} / "
                       f"{f['length_max']} | {f.get('x_single_turn_time', float('nan')):.2f} |")
+        if "mismatch" in result:
+            print(f"| {result['mismatch']} |")
         if result.get("process", {}).get("exit"):
             print(f"| process exit {result['process']['exit']} | | | | | | |")
 
@@ -358,7 +383,8 @@ def main() -> None:
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--turn-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--vllm-options", default="{}", help="JSON dict of vllm options for the vLLM engine")
+    p.add_argument("--vllm-options", default='{"kv_cache_gib": 8}', help="JSON dict of vllm options for the vLLM "
+                   "engine (a fixed KV cache leaves the rest of the device to the mismatch workload's trainer)")
     p.add_argument("--timeout-s", type=float, default=420, help="limit per engine's process")
     p.add_argument("--engine", help=argparse.SUPPRESS)
     p.add_argument("--checkpoint", help=argparse.SUPPRESS)
