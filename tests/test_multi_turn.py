@@ -3,6 +3,7 @@ trajectories through a chat template, the trajectory budget, tools, math_tip_tri
 that fail, and ms-swift's frozen-lake GRPO file with the ported plugin."""
 import asyncio
 import json
+import math
 import string
 import time
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 import torch
 import yaml
 
+from algorithms import grpo
 from algorithms.config.swift_keys import translate
 from algorithms.runtime.trajectories import env_rewards, failed_rows
 from roles.batch import SamplingParams, batch_from_completions
@@ -287,3 +289,27 @@ def test_gkd_on_policy_multi_turn_with_math_tip_trick(tmp_path):
     assert [m["step"] for m in steps] == [1, 2]
     assert all(m["gkd/on_policy"] == 1.0 and 1 <= m["multi_turn/turns"] <= 2 for m in steps)
     assert all(torch.isfinite(torch.tensor(m["train/loss"])) for m in steps)
+
+
+def test_grpo_multi_turn_on_ray_with_separate_devices_and_trajectories_ahead(ray_cluster, tmp_path):
+    """Trainer and rollout as Ray actors on devices of their own: the rollout runs step k+1's
+    turn loop (its environments in the rollout's process) while the trainer trains on step k's
+    trajectories (max_staleness=1), whose ratios use the trajectories' own logprobs."""
+    from algorithms.records.trackers import read_metrics
+    from tests.driver_helpers import prepared
+
+    _, typed, plan = prepared(grpo.GRPOConfig, [
+        "+experiment=grpo_quickstart", "placement.colocate_groups=[]", "placement.offload_model=false",
+        "placement.offload_optimizer=false", "placement.sleep_level=0", "run.steps=3", "run.prompts_per_step=2",
+        "data.train_size=8", "data.eval_size=2", "run.eval_max_new_tokens=4", "algorithm.num_generations=2",
+        "algorithm.max_new_tokens=24", "algorithm.warmup_sft_steps=0", "trainer.warmup_steps=0",
+        "algorithm.max_staleness=1", "algorithm.multi_turn.scheduler=gym_scheduler",
+        "algorithm.multi_turn.gym_env=arithmetic_retry", "algorithm.multi_turn.max_turns=2",
+        "algorithm.multi_turn.max_turn_tokens=8", "run.save_final=false"])
+    grpo.validate(typed, plan)
+    assert "rollout" not in plan["train"].colocated_with
+    grpo.run(typed, plan, tmp_path)
+    rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["step"] >= 1]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert all(r["multi_turn/env_tokens"] > 0 and math.isfinite(r["train/loss"]) for r in rows)
+    assert [r["staleness/max"] for r in rows] == [0.0, 1.0, 1.0]  # later steps train on one-version-old trajectories
