@@ -47,6 +47,7 @@ from algorithms.plugins import GymEnv, envs
 from algorithms.objectives.losses import rollout_offpolicy_metrics
 from roles.batch import SamplingParams, batch_from_completions
 from roles.engines import torch_decode
+from roles.engines.torch_generate import generate_batch
 from roles.models import build_model, load_tokenizer, resolve_config, save_checkpoint
 from roles.multi_turn import MultiTurnConfig
 from roles.rollout import Rollout
@@ -121,10 +122,32 @@ def write_checkpoint(args, folder: Path) -> dict:
             c = (low + high) / 2
             low, high = (low, c) if lengths(c).mean().item() < args.mean_length else (c, high)
         expected = lengths(c)
+
+        def sampled(scale: float) -> list[int]:
+            # The states drift as a sequence grows, so the estimate above runs long (on an H100 most
+            # rows reached the cap): the scale is then corrected on the model's own samples.
+            head[stop] = (scale * direction).to(head.dtype)
+            out = generate_batch(model, ids.tolist(), temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=cap,
+                                 stop_ids=[stop], pad_id=0, generators=None)
+            return [len(t) for t in out.tokens]
+
+        low, high, tries = c, c + 16.0, []
+        for _ in range(args.calibration_rounds):
+            got = sampled(high)
+            tries.append((high, statistics.mean(got)))
+            if tries[-1][1] <= args.mean_length:
+                break
+            low, high = high, high + 16.0
+        for _ in range(args.calibration_rounds):
+            c = (low + high) / 2
+            got = sampled(c)
+            tries.append((c, statistics.mean(got)))
+            low, high = (c, high) if tries[-1][1] > args.mean_length else (low, c)
+        c = min(tries, key=lambda t: abs(t[1] - args.mean_length))[0]
         head[stop] = (c * direction).to(head.dtype)
     save_checkpoint(model, load_tokenizer(spec), folder)
-    return {"stop_token": stop, "vocab_size": vocab, "stop_scale": c, "expected_length_mean": expected.mean().item(),
-            "expected_at_max_fraction": (expected > 0.9 * cap).float().mean().item(),
+    return {"stop_token": stop, "vocab_size": vocab, "stop_scale": c, "estimated_length_mean": expected.mean().item(),
+            "calibration": [{"scale": s, "sampled_length_mean": m} for s, m in tries],
             "parameters": sum(t.numel() for t in model.parameters())}
 
 
@@ -372,6 +395,8 @@ def main() -> None:
     p.add_argument("--vocab-size", type=int, default=151936)
     p.add_argument("--mean-length", type=float, default=80.0, help="long_tail: the expected mean tokens before the "
                    "stop token from the calibration (the lengths measured are reported)")
+    p.add_argument("--calibration-rounds", type=int, default=4, help="long_tail: generations (64 rows each) that "
+                   "correct the stop token's scale on the model's own samples, per search phase")
     p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
     p.add_argument("--device", default="cuda")
