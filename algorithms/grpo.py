@@ -62,7 +62,7 @@ from algorithms.config.schema import (DriverConfig, as_dict, engine_args, fit_ep
 from algorithms.data.answers import checker, correct, reference
 from algorithms.data.loading import load_task, row_limits
 from algorithms.data.prompts import PromptStream, batch_of
-from algorithms.data.tasks import wrong_solution
+from algorithms.data.tasks import ANSWER_PREFIX, CHAT_ROLES, wrong_solution
 from algorithms.objectives.advantages import (SCALE_REWARDS, group_advantages, teacher_token_advantages,
                                               zero_variance_groups)
 from algorithms.objectives.losses import LOSS_TYPES, RolloutCorrection, k3_kl, make_loss
@@ -85,6 +85,7 @@ from roles.plugins import GymEnv, envs, load_plugin
 from roles.orm import ANSWER_KINDS, ORM
 from roles.prm import AGGREGATES, PRM
 from roles.rollout import Rollout
+from roles.schedulers import resolve_tool
 from roles.teacher import Teacher, TeacherConfig
 from roles.trainer import Trainer
 from roles.trainer_config import every_weight
@@ -469,6 +470,42 @@ def multi_turn_rows(examples: list, multi_turn: MultiTurnConfig, seed: int) -> t
     return rows, multi
 
 
+def tool_rows(examples: list, multi_turn: MultiTurnConfig) -> tuple[list, int]:
+    """SFT rows (chat `messages`) of the warm start with tools (multi_turn.scheduler `tools`),
+    with the call of the first tool of `multi_turn.tools` that passes the question as its one
+    argument, in the Hermes form the tools scheduler reads: per example (question, the call,
+    the tool's own result in a `tool_role` turn, '#### <result>'), whose loss is on the answer,
+    and a first reply: every other example the reference reply, the others the call (question,
+    the call). So the first reply calls the tool half the time, every example teaches the use
+    of the result, and each row holds the turns of a rollout that says those replies. An
+    example whose tool result is not its reference answer is answered directly. Returns the
+    rows and how many hold the tool's result."""
+    name = multi_turn.tools[0]
+    fn = resolve_tool(name)
+    if multi_turn.tool_role not in CHAT_ROLES:
+        raise ValueError(f"algorithm.multi_turn.tool_role={multi_turn.tool_role!r}: the warm start's rows hold chat "
+                         f"roles {list(CHAT_ROLES)} only. Fix: set algorithm.multi_turn.tool_role=user, or "
+                         "algorithm.warmup_sft_steps=0")
+    param = next(iter(inspect.signature(fn).parameters))
+    rows, multi = [], 0
+    for i, ex in enumerate(examples):
+        call = {"role": "assistant", "content": "<tool_call>" + json.dumps(
+            {"name": name.rpartition(".")[2], "arguments": {param: ex.prompt}}) + "</tool_call>"}
+        try:
+            result = fn(**{param: ex.prompt})
+        except Exception:  # a question the tool cannot read: answered directly
+            result = None
+        result = result if isinstance(result, str) or result is None else json.dumps(result, default=str)
+        if result is None or result.strip() != ex.answer:
+            rows.append({"messages": ex.messages()})
+            continue
+        multi += 1
+        rows += [{"messages": ex.messages() if i % 2 == 0 else [*ex.prompt_messages(), call]},
+                 {"messages": [*ex.prompt_messages(), call, {"role": multi_turn.tool_role, "content": result},
+                               {"role": "assistant", "content": ANSWER_PREFIX + result}]}]
+    return rows, multi
+
+
 def _done(value: Any) -> Any:
     """An environment call's result (its plain or async method)."""
     return asyncio.run(value) if inspect.isawaitable(value) else value
@@ -476,22 +513,25 @@ def _done(value: Any) -> Any:
 
 def warm_start_data(cfg: GRPOConfig, out_dir: Path) -> Any:
     """The data section of the warm start: the task's first warmup_sft_examples rows; with a
-    multi-turn gym environment (multi_turn.scheduler gym_scheduler), those rows as
-    `multi_turn_rows` written to out_dir (held out: the task's held-out prompts, single-turn)."""
+    multi-turn gym environment (multi_turn.scheduler gym_scheduler) or tools (scheduler tools),
+    those rows as `multi_turn_rows` or `tool_rows` written to out_dir (held out: the task's
+    held-out prompts, single-turn)."""
     a, mt = cfg.algorithm, cfg.algorithm.multi_turn
     data = replace(cfg.data, **warmup_rows(cfg.data, a.warmup_sft_examples))
-    if mt.scheduler != "gym_scheduler" or not mt.gym_env:
+    gym = mt.scheduler == "gym_scheduler" and mt.gym_env
+    if not gym and not (mt.enabled and mt.scheduler_name == "tools" and mt.tools):
         return data
     for path in mt.plugins:
         load_plugin(path)
     labelled, held, _ = load_task(data)
-    rows, multi = multi_turn_rows(labelled, mt, cfg.run.seed)
+    rows, multi = multi_turn_rows(labelled, mt, cfg.run.seed) if gym else tool_rows(labelled, mt)
     out_dir.mkdir(parents=True, exist_ok=True)
     for name, part in (("train", rows), ("held_out", [{"messages": ex.messages()} for ex in held])):
         with open(out_dir / f"{name}.jsonl", "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in part)
-    logger.info(f"grpo: multi-turn warm start on {len(rows)} rows ({multi} with a first try and the "
-                f"'{mt.gym_env}' environment's answer) in {out_dir}")
+    logger.info(f"grpo: multi-turn warm start on {len(rows)} rows ({multi} with " + (
+        f"a first try and the '{mt.gym_env}' environment's answer" if gym else f"the tool {mt.tools[0]}'s result")
+        + f") in {out_dir}")
     # (No held-out prompt: no evaluation, data.val_split=0.)
     return replace(cfg.data, **WARM_ROWS, paths=[str(out_dir / "train.jsonl")],
                    val_paths=[str(out_dir / "held_out.jsonl")] if held else [], val_split=None if held else 0.0,

@@ -1,4 +1,5 @@
-"""Built-in environments (registered in roles.plugins.envs), for the shipped multi-turn examples:
+"""Built-in environments (registered in roles.plugins.envs) and tools (roles.plugins.tools), for
+the shipped multi-turn examples:
 
 * `arithmetic_retry`: the row's own question; a wrong '#### N' answer is told whether the
   right one is higher or lower and gets one more try. Reward 1 for a right answer (in either
@@ -8,16 +9,23 @@
   to compute, is graded: reward 1 when it is right, else 0 (the first answer earns nothing, so
   a lucky first try is no better than a wrong one: the hint's use is what pays).
 
-GRPO's multi-turn warm start (algorithms/grpo.py `multi_turn_rows`) asks the environment itself
-what it says to a first reply, so its SFT rows hold the turns a rollout sees.
+* `calculator(expression)`: the value of an integer expression of + - * and parentheses
+  ("23*45" -> "1035"), read as a syntax tree (no code runs); anything else is a ValueError,
+  which the model reads as an error turn.
+
+GRPO's multi-turn warm start (algorithms/grpo.py `multi_turn_rows`, `tool_rows`) asks the
+environment or the tool itself what it says to a reply, so its SFT rows hold the turns a rollout
+sees.
 """
 from __future__ import annotations
 
+import ast
+import operator
 import re
 from typing import Any, Dict, Tuple
 
 from roles.orm import extract_answer, reference_number
-from roles.plugins import GymEnv, envs
+from roles.plugins import GymEnv, envs, tools
 
 # A chain's first step: the innermost 'a op b' of its prompt ("(3+4)*5" -> 3, +, 4).
 FIRST_STEP = re.compile(r"(\d+)\s*([-+*])\s*(\d+)")
@@ -62,5 +70,32 @@ class ArithmeticHint(ArithmeticRetry):
         return "", float(right), True, {"status": "right" if right else "wrong"}
 
 
+# The calculator's operators.
+CALCULATOR_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+# Longest expression the calculator reads (a model's runaway call is an error, not a slow tool).
+CALCULATOR_MAX_CHARS = 64
+
+
+def calculator(expression: str) -> str:
+    """The value of an integer expression of + - * and parentheses, as text."""
+    if not isinstance(expression, str) or len(expression) > CALCULATOR_MAX_CHARS:
+        raise ValueError(f"the calculator reads a text of at most {CALCULATOR_MAX_CHARS} characters")
+
+    def value(node: ast.AST) -> int:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -value(node.operand)
+        if isinstance(node, ast.BinOp) and type(node.op) in CALCULATOR_OPS:
+            return CALCULATOR_OPS[type(node.op)](value(node.left), value(node.right))
+        raise ValueError(f"the calculator reads integers, + - * and parentheses, not {ast.dump(node)[:40]}")
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError as e:
+        raise ValueError(f"not an expression: {expression!r}") from e
+    return str(value(tree.body))
+
+
 envs["arithmetic_retry"] = ArithmeticRetry
 envs["arithmetic_hint"] = ArithmeticHint
+tools["calculator"] = calculator
