@@ -52,8 +52,10 @@ from roles.models import build_model, load_tokenizer, resolve_config, save_check
 from roles.multi_turn import MultiTurnConfig
 from roles.rollout import Rollout
 from roles.trainer import Trainer
+# Random token-id prompts and the device sync (sibling scripts).
+from gpu_throughput import prompt_ids
+from train_throughput import ROOT, sync
 
-ROOT = Path(__file__).resolve().parent.parent
 ENGINES = ("vllm", "torch", "torch_compiled", "hf")
 WORKLOADS = ("fixed", "long_tail", "multi_turn", "single_turn", "mismatch")
 
@@ -69,16 +71,6 @@ class NoOp(GymEnv):
 
 
 envs["benchmark_noop"] = NoOp
-
-
-def sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def prompt_ids(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (count, length), generator=gen).tolist()
 
 
 # ----------------------------------------------------------------------------- the model

@@ -142,3 +142,37 @@ def test_step_profile_runs_a_trainer_step_on_cpu(tmp_path):
     (step,) = json.loads(out.read_text())["traced"]
     assert {"train_step", "_forward", "pack", "backward", "optimizer_step"} <= set(step["host_phase_ms"])
     assert step["device_busy_ms"] == 0 and step["first_kernel_ms"] is None
+
+
+@pytest.mark.slow  # the benchmark script on CPU, each engine in a process of its own
+def test_rollout_engines_runs_every_workload_on_every_engine(tmp_path):
+    """benchmarks/rollout_engines.py (the GPU run's rollout benchmark) on CPU at a tiny size: raw
+    vLLM, the vLLM Rollout with and without logprobs, the torch Rollout and HF on the fixed and
+    long-tail workloads, multi-turn against single-turn, and the mismatch metrics."""
+    pytest.importorskip("vllm")
+    import math
+
+    out = tmp_path / "engines.json"
+    cmd = [sys.executable, "benchmarks/rollout_engines.py", "--device", "cpu", "--model", "tiny_qwen2",
+           "--vocab-size", "4096", "--rows", "8", "--samples", "4", "--new-tokens", "6", "--long-tail-max", "16",
+           "--mean-length", "6", "--turn-tokens", "4", "--repeats", "1", "--calibration-rounds", "1",
+           "--engines", "vllm", "torch", "hf", "--vllm-options", '{"kv_cache_gib": 0.25}', "--out", str(out)]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    summary = json.loads(out.read_text())
+    engines = summary["engines"]
+    assert sorted(engines) == ["hf", "torch", "vllm"] and all(e["process"]["exit"] == 0 for e in engines.values())
+    variants = {**engines["vllm"], "torch": engines["torch"]["torch"], "hf": engines["hf"]["hf"]}
+    for name in ("vllm_raw", "vllm_rollout", "vllm_rollout_no_logprobs", "torch", "hf"):
+        fixed = variants[name]["fixed"]
+        assert fixed["tokens"] == 8 * 6 and fixed["x_raw_vllm"] > 0, (name, fixed)  # eos ignored
+        assert 1 <= variants[name]["long_tail"]["length_max"] <= 16
+    assert variants["vllm_raw"]["fixed"]["x_raw_vllm"] == 1.0
+    for name in ("vllm_rollout", "torch"):
+        multi = variants[name]["multi_turn"]
+        assert multi["tokens"] == variants[name]["single_turn"]["tokens"] == 8 * 3 * 4  # 3 turns of 4 tokens
+        assert multi["x_single_turn_time"] > 0
+    for engine in ("vllm", "torch"):
+        mismatch = engines[engine]["mismatch"]
+        assert math.isfinite(mismatch["kl"]) and mismatch["ratio_max"] >= 1.0
+    assert "| vllm_rollout | fixed |" in done.stdout
