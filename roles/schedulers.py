@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import copy
 import importlib
 import inspect
@@ -38,10 +39,14 @@ def _in_thread(fn: Callable, *args: Any) -> concurrent.futures.Future:
     future: concurrent.futures.Future = concurrent.futures.Future()
 
     def work() -> None:
-        try:
-            future.set_result(fn(*args))
-        except BaseException as e:  # re-raised where the result is read
-            future.set_exception(e)
+        # A call that outlived its timeout finds its future cancelled: nobody reads the result.
+        with contextlib.suppress(concurrent.futures.InvalidStateError):
+            try:
+                result = fn(*args)
+            except BaseException as e:  # re-raised where the result is read
+                future.set_exception(e)
+            else:
+                future.set_result(result)
     threading.Thread(target=work, daemon=True).start()
     return future
 

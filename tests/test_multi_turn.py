@@ -5,6 +5,7 @@ import asyncio
 import json
 import math
 import string
+import threading
 import time
 from pathlib import Path
 
@@ -313,3 +314,25 @@ def test_grpo_multi_turn_on_ray_with_separate_devices_and_trajectories_ahead(ray
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["multi_turn/env_tokens"] > 0 and math.isfinite(r["train/loss"]) for r in rows)
     assert [r["staleness/max"] for r in rows] == [0.0, 1.0, 1.0]  # later steps train on one-version-old trajectories
+
+
+def test_a_hook_that_outlives_its_timeout_ends_quietly(monkeypatch):
+    """A plain hook still running when its timeout cancels the call finishes later without an
+    exception in its thread (its result is dropped)."""
+    from roles.schedulers import call_hook
+
+    raised = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: raised.append(args.exc_value))
+
+    def slow(value):
+        time.sleep(0.3)
+        return value
+
+    loop = asyncio.new_event_loop()
+    try:
+        with pytest.raises(asyncio.TimeoutError):
+            loop.run_until_complete(call_hook(slow, 1, timeout=0.05))
+    finally:
+        loop.close()
+    time.sleep(0.6)
+    assert raised == []
