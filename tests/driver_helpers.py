@@ -37,6 +37,18 @@ def prepared(schema: type, overrides: list[str]):
     return cfg, typed, plan
 
 
+def run_one_thread(driver, schema: type, overrides: list[str], out_dir) -> dict:
+    """`driver.run` of the composed `overrides` in this process with one intra-op thread (the
+    number of threads restored after)."""
+    _, typed, plan = prepared(schema, overrides)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return driver.run(typed, plan, out_dir)
+    finally:
+        torch.set_num_threads(threads)
+
+
 # ----------------------------------------------------------------------------- fake roles
 
 class FakeTrainer:

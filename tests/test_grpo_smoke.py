@@ -1,29 +1,17 @@
 """GRPO driver end to end on the local backend with tiny sizes (the quickstart's layout)."""
 import math
 
-import torch
-from hydra import compose, initialize_config_module
 
 from algorithms import grpo
-from algorithms.config.schema import prepare
 from algorithms.records.trackers import read_metrics
-from orchestration.config import register_schema
+from tests.driver_helpers import run_one_thread
 
 
 def test_grpo_runs_end_to_end_and_logs_rewards(tmp_path):
-    register_schema(grpo.GRPOConfig)
-    with initialize_config_module(config_module="conf", version_base=None):
-        cfg = compose(config_name="config", overrides=[
-            "+experiment=grpo_quickstart", "backend=local", "algorithm.warmup_sft_steps=2", "run.steps=2",
-            "run.prompts_per_step=2", "data.eval_size=4", "run.eval_max_new_tokens=12", "run.save_final=false",
-            "trainer.warmup_steps=0", "algorithm.beta=0.0"])
-    typed, plan = prepare(cfg, grpo.GRPOConfig)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        grpo.run(typed, plan, tmp_path)
-    finally:
-        torch.set_num_threads(threads)
+    run_one_thread(grpo, grpo.GRPOConfig, [
+        "+experiment=grpo_quickstart", "backend=local", "algorithm.warmup_sft_steps=2", "run.steps=2",
+        "run.prompts_per_step=2", "data.eval_size=4", "run.eval_max_new_tokens=12", "run.save_final=false",
+        "trainer.warmup_steps=0", "algorithm.beta=0.0"], tmp_path)
     records = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["step"] >= 0]
     steps = [r["step"] for r in records]
     assert steps[-3:] == [0, 1, 2]

@@ -40,6 +40,23 @@ def test_the_tutor_hints_after_any_first_answer_and_grades_the_second(first):
     assert env.step(first.replace("12", "13"))[1:3] == (0.0, True)
 
 
+def scripted_trajectory(tok, cfg, question: str, ex, texts: tuple, seed: int):
+    """The trajectory `run_trajectories` builds (the real scheduler, environment or tool, and
+    chat-template delta of cfg.algorithm.multi_turn) when the model's replies are `texts`."""
+    replies = [tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for text in texts]
+
+    def generate(ids, sampling):
+        toks = replies.pop(0)
+        return Completions([0], ids, [toks], [""], [[0.0] * len(toks)], ["stop"])
+
+    mt = cfg.algorithm.multi_turn
+    prompt = [{"role": "user", "content": question}]
+    return run_trajectories(generate, lambda messages: prompt_token_ids(tok, prompt_text(tok, messages, True), True),
+                            Delta(tok, True, {}), make_scheduler(mt, tok), mt, [prompt],
+                            [{"solution": ex.answer, "messages": prompt}],
+                            SamplingParams(max_new_tokens=cfg.algorithm.max_new_tokens), seed=seed)
+
+
 def test_warm_start_rows_are_the_rollouts_trajectories(tmp_path):
     """Each multi-turn SFT row (question, a first try, the environment's hint, the right answer)
     is encoded exactly as the rollout builds the trajectory in which the model says those two
@@ -54,22 +71,11 @@ def test_warm_start_rows_are_the_rollouts_trajectories(tmp_path):
     assert len(rows) == 36 and len(multi) == 24
     assert sum(ex.context[1]["content"] == ex.solution for ex in multi) == 12
     sft = encode_examples(tok, multi, pretrain=False)
-    mt = cfg.algorithm.multi_turn
     for i, ex in enumerate(multi):
         question, wrong, hint = (m["content"] for m in ex.context)
         assert hint.startswith("Hint: ") and hint[len("Hint: "):] == ex.solution.splitlines()[0]
-        replies = [tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
-                   for text in (wrong, ex.solution)]
-
-        def generate(ids, sampling):  # the model's two replies: the row's first try, then the right answer
-            toks = replies.pop(0)
-            return Completions([0], ids, [toks], [""], [[0.0] * len(toks)], ["stop"])
-
-        prompt = [{"role": "user", "content": question}]
-        out = run_trajectories(generate, lambda messages: prompt_token_ids(tok, prompt_text(tok, messages, True), True),
-                               Delta(tok, True, {}), make_scheduler(mt, tok), mt, [prompt],
-                               [{"solution": ex.answer, "messages": prompt}],
-                               SamplingParams(max_new_tokens=cfg.algorithm.max_new_tokens), seed=i)
+        # The model's two replies: the row's first try, then the right answer.
+        out = scripted_trajectory(tok, cfg, question, ex, (wrong, ex.solution), seed=i)
         assert out.finish_reasons == ["stop"] and out.rollout_infos[0]["step_rewards"] == [0.0, 1.0]
         assert out.prompt_ids[0] + out.completion_ids[0] == sft.prompt_ids[i] + sft.completion_ids[i]
         mask, last = out.completion_mask[0], len(sft.completion_ids[i])
@@ -103,21 +109,11 @@ def test_tool_warm_start_rows_are_the_rollouts_trajectories(tmp_path):
     tok = load_tokenizer("tiny_qwen2")
     sft = encode_examples(tok, full, pretrain=False)
     first = encode_examples(tok, calls, pretrain=False)
-    mt = cfg.algorithm.multi_turn
     for i, ex in enumerate(full):
         question, call, result = (m["content"] for m in ex.context)
         assert result == ex.answer and ex.solution == f"#### {ex.answer}"
-        replies = [tok(text, add_special_tokens=False)["input_ids"] + [tok.eos_token_id] for text in (call, ex.solution)]
-
-        def generate(ids, sampling):  # the model's two replies: the row's call, then its answer
-            toks = replies.pop(0)
-            return Completions([0], ids, [toks], [""], [[0.0] * len(toks)], ["stop"])
-
-        prompt = [{"role": "user", "content": question}]
-        out = run_trajectories(generate, lambda messages: prompt_token_ids(tok, prompt_text(tok, messages, True), True),
-                               Delta(tok, True, {}), make_scheduler(mt, tok), mt, [prompt],
-                               [{"solution": ex.answer, "messages": prompt}],
-                               SamplingParams(max_new_tokens=cfg.algorithm.max_new_tokens), seed=i)
+        # The model's two replies: the row's call, then its answer.
+        out = scripted_trajectory(tok, cfg, question, ex, (call, ex.solution), seed=i)
         assert out.finish_reasons == ["stop"] and out.texts == [ex.solution]
         assert out.rollout_infos[0]["tool_calls"] == 1 and out.rollout_infos[0]["tool_errors"] == 0
         assert out.prompt_ids[0] + out.completion_ids[0] == sft.prompt_ids[i] + sft.completion_ids[i]

@@ -6,18 +6,18 @@ import math
 
 import pytest
 import torch
-from hydra import compose, initialize_config_module
 from omegaconf import OmegaConf
 
 from algorithms import grpo
 from algorithms.config.checks import check_rollout_correction
-from algorithms.config.schema import LoopConfig, prepare
+from algorithms.config.schema import LoopConfig
 from algorithms.config.swift_keys import translate
 from algorithms.objectives.losses import GRPOLoss, RolloutCorrection
 from algorithms.records.trackers import read_metrics
-from orchestration.config import ConfigError, register_schema
+from orchestration.config import ConfigError
 from orchestration.planner import make_plan
 from roles.batch import Batch
+from tests.driver_helpers import run_one_thread
 from tests.test_grpo import COLOCATED, calls, fake_run
 
 C = 2.0
@@ -201,20 +201,11 @@ def test_the_driver_keeps_the_rollouts_logprobs_and_takes_the_trainers_once_per_
 
 
 def test_a_tiny_grpo_run_logs_the_correction_metrics(tmp_path):
-    register_schema(grpo.GRPOConfig)
-    with initialize_config_module(config_module="conf", version_base=None):
-        cfg = compose(config_name="config", overrides=[
-            "+experiment=grpo_quickstart", "backend=local", "algorithm.warmup_sft_steps=0", "run.steps=2",
-            "run.prompts_per_step=2", "algorithm.num_generations=4", "algorithm.max_new_tokens=12",
-            "data.eval_size=2", "run.eval_max_new_tokens=4", "run.save_final=false", "trainer.warmup_steps=0",
-            "algorithm.steps_per_generation=2", "algorithm.rollout_importance_sampling_mode=sequence_truncate"])
-    typed, plan = prepare(cfg, grpo.GRPOConfig)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        grpo.run(typed, plan, tmp_path)
-    finally:
-        torch.set_num_threads(threads)
+    run_one_thread(grpo, grpo.GRPOConfig, [
+        "+experiment=grpo_quickstart", "backend=local", "algorithm.warmup_sft_steps=0", "run.steps=2",
+        "run.prompts_per_step=2", "algorithm.num_generations=4", "algorithm.max_new_tokens=12",
+        "data.eval_size=2", "run.eval_max_new_tokens=4", "run.save_final=false", "trainer.warmup_steps=0",
+        "algorithm.steps_per_generation=2", "algorithm.rollout_importance_sampling_mode=sequence_truncate"], tmp_path)
     records = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r["step"] >= 1]
     assert [r["step"] for r in records][-2:] == [1, 2]
     names = ("kl", "k3_kl", "training_ppl", "rollout_ppl", "log_ppl_diff", "chi2_token", "chi2_seq",
