@@ -134,10 +134,12 @@ def test_compiled_decode_compiles_each_setting_past_dynamo_limit():
     decoder = torch_decode.StaticDecoder(compile=True)
     before = counters["stats"]["unique_graphs"]
     # config.patch, not monkeypatch: deleting a dynamo config key on undo hides it for good.
+    graphs = []  # compiled graphs after each setting (the step compiles in pieces around the cumsum)
     with torch._dynamo.config.patch(recompile_limit=1):
         for top_k in (3, 4):
             torch_decode.generate_static(model, [[5, 6, 7]], temperature=0.8, top_k=top_k, top_p=1.0,
                                          max_new_tokens=3, stop_ids=[2], pad_id=0, seeds=[1], graphs=False,
                                          decoder=decoder)
-    assert counters["stats"]["unique_graphs"] - before == 2
+            graphs.append(counters["stats"]["unique_graphs"] - before)
+    assert graphs[0] >= 1 and graphs[1] > graphs[0]  # the second setting compiled too, past the limit
     assert torch._dynamo.config.recompile_limit == 8

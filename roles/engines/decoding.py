@@ -47,6 +47,14 @@ def collect(token_rows: list[list[int]], logprob_rows: list[list[float]], stoppe
     return result
 
 
+@torch.compiler.disable
+def cumulative(probs: torch.Tensor) -> torch.Tensor:
+    """probs.cumsum(-1), outside a compiled decode step: Inductor's split scan fails to generate
+    code for [256, 151936] on CUDA (InductorError "list indices must be integers or slices, not
+    NoneType", torch 2.11), where the 512-row step compiles."""
+    return probs.cumsum(-1)
+
+
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     """Set logits outside the top-k and outside the top-p nucleus to -inf (one token always survives)."""
     if 0 < top_k < logits.shape[-1]:
@@ -56,7 +64,7 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
         sorted_probs = sorted_logits.softmax(-1)
         # Drop a token when the mass of the tokens ranked above it already reaches top_p.
-        drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= top_p
+        drop_sorted = (cumulative(sorted_probs) - sorted_probs) >= top_p
         drop_sorted[:, 0] = False
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))

@@ -46,7 +46,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from roles.engines.decoding import Generated, collect, left_pad, sample
+from roles.engines.decoding import Generated, collect, cumulative, left_pad, sample
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ def sample_rows(logits: torch.Tensor, temperature: float, top_k: int, top_p: flo
     """(token [B], logprob [B]) from float32 logits [B, V]; row i draws with uniform
     row_uniforms(seeds, step)[i]."""
     def draw(probs: torch.Tensor) -> torch.Tensor:
-        cdf = probs.cumsum(-1)
+        cdf = cumulative(probs)
         # First index whose cumulative mass exceeds u (a token of zero mass is never picked).
         u = (row_uniforms(seeds, step) * cdf[:, -1].double()).to(cdf.dtype)
         return (cdf <= u[:, None]).sum(-1).clamp_(max=logits.shape[-1] - 1)
