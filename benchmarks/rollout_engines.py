@@ -24,7 +24,8 @@ per prompt with n, no seeds, no logprobs: vLLM alone), the project's vLLM Rollou
 Rollout without logprobs; `torch` the project's torch Rollout (static decoder), `torch_compiled`
 the same with compile_decode, `hf` transformers' `generate` (fixed and long_tail only).
 Per engine and workload: tokens/s (generated tokens / wall time of one call, median of
---repeats after a warm-up call), ms per decode step (wall / the longest completion), the
+--repeats rounds after a warm-up call; one engine's variants take turns within a round, so a
+slow stretch of a shared machine falls on each alike), ms per decode step (wall / the longest completion), the
 completions' lengths, and the ratio to raw vLLM's tokens/s. Writes JSON to --out (after every
 engine) and prints a table.
 """
@@ -83,7 +84,8 @@ def write_checkpoint(args, folder: Path) -> dict:
     model = build_model(spec).to(args.device, dtype).eval()
     vocab = model.config.vocab_size
     stop = vocab - 1
-    ids = torch.tensor(prompt_ids(64, args.prompt_len, vocab, seed=7), device=args.device)
+    # The workload's own prompts (rollout_calls): each row keeps its own stop rate.
+    ids = torch.tensor(prompt_ids(args.rows // args.samples, args.prompt_len, vocab, seed=1), device=args.device)
     with torch.inference_mode():
         # Hidden states where the model's own samples are read.
         seqs = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, top_k=0, top_p=1.0,
@@ -225,22 +227,42 @@ def mismatch(rollout: Rollout, folder: str, args) -> dict:
     return {k: float(v) for k, v in figures.items()}
 
 
-def timed(fn: Callable[[int], list[list[int]]], args) -> dict:
-    fn(0)  # warm-up at full size (graphs, compilation, caches)
-    walls, lengths = [], []
+def timed(calls: dict[str, Callable[[int], list[list[int]]]], args) -> dict[str, dict]:
+    """Each variant's call (one engine's variants of one workload), warmed up once at full size
+    (graphs, compilation, caches), then timed in --repeats rounds that take the variants in turn,
+    each round starting one later, so that a slow stretch of the machine falls on every variant
+    alike; the median wall per variant. A variant that raises is reported and left out after."""
+    figures, walls, lengths = {}, {name: [] for name in calls}, {}
+    live = []
+    for name, fn in calls.items():
+        try:
+            fn(0)
+            live.append(name)
+        except Exception as e:  # one variant's failure is reported, the others still run
+            figures[name] = {"error": f"{type(e).__name__}: {e}"}
     for r in range(args.repeats):
-        sync(args.device)
-        t0 = time.perf_counter()
-        rows = fn(r + 1)
-        sync(args.device)
-        walls.append(time.perf_counter() - t0)
-        lengths = [len(x) for x in rows]
-    wall = statistics.median(walls)
-    ordered = sorted(lengths)
-    return {"rows": len(lengths), "tokens": sum(lengths), "walls_s": walls, "wall_s": wall,
-            "tokens_per_s": sum(lengths) / wall, "ms_per_step": 1e3 * wall / max(max(lengths), 1),
-            "length_mean": statistics.mean(lengths), "length_p50": ordered[len(ordered) // 2],
-            "length_p90": ordered[int(0.9 * (len(ordered) - 1))], "length_max": ordered[-1]}
+        for name in live[r % max(len(live), 1):] + live[:r % max(len(live), 1)]:
+            if name in figures:
+                continue
+            sync(args.device)
+            t0 = time.perf_counter()
+            try:
+                rows = calls[name](r + 1)
+            except Exception as e:
+                figures[name] = {"error": f"{type(e).__name__}: {e}"}
+                continue
+            sync(args.device)
+            walls[name].append(time.perf_counter() - t0)
+            lengths[name] = [len(x) for x in rows]
+    for name in live:
+        if name in figures:
+            continue
+        wall, ordered = statistics.median(walls[name]), sorted(lengths[name])
+        figures[name] = {"rows": len(ordered), "tokens": sum(ordered), "walls_s": walls[name], "wall_s": wall,
+                         "tokens_per_s": sum(ordered) / wall, "ms_per_step": 1e3 * wall / max(ordered[-1], 1),
+                         "length_mean": statistics.mean(ordered), "length_p50": ordered[len(ordered) // 2],
+                         "length_p90": ordered[int(0.9 * (len(ordered) - 1))], "length_max": ordered[-1]}
+    return figures
 
 
 def run_engine(args) -> dict:
@@ -265,19 +287,17 @@ def run_engine(args) -> dict:
         if engine == "vllm":
             bare = rollout_calls(rollout, args, stop)
             variants.append(("vllm_rollout_no_logprobs", {k: _without_logprobs(rollout, f) for k, f in bare.items()}))
-    for name, calls in variants:
-        for workload in args.workloads:
-            if workload not in calls or workload == "mismatch":
-                continue
-            before = dict(torch_decode.COUNTS)
-            try:
-                figures = timed(calls[workload], args)
-            except Exception as e:  # one workload's failure is reported, the others still run
-                figures = {"error": f"{type(e).__name__}: {e}"}
-            figures["decode_counts"] = {k: torch_decode.COUNTS[k] - before.get(k, 0) for k in torch_decode.COUNTS}
+    for workload in args.workloads:
+        calls = {name: c[workload] for name, c in variants if workload in c and workload != "mismatch"}
+        before = dict(torch_decode.COUNTS)
+        timings = timed(calls, args)
+        # The torch decoder's counts over the workload (the torch engines run one variant each).
+        counts = {k: torch_decode.COUNTS[k] - before.get(k, 0) for k in torch_decode.COUNTS}
+        for name, figures in timings.items():
+            figures["decode_counts"] = counts
             results.setdefault(name, {})[workload] = figures
             print(json.dumps({"engine": name, "workload": workload, **figures}), flush=True)
-            Path(args.out).write_text(json.dumps(results))
+        Path(args.out).write_text(json.dumps(results))
     if "mismatch" in args.workloads and args.engine != "hf":
         try:
             results["mismatch"] = mismatch(rollout, folder, args)
@@ -387,7 +407,7 @@ def main() -> None:
     p.add_argument("--vocab-size", type=int, default=151936)
     p.add_argument("--mean-length", type=float, default=80.0, help="long_tail: the expected mean tokens before the "
                    "stop token from the calibration (the lengths measured are reported)")
-    p.add_argument("--calibration-rounds", type=int, default=4, help="long_tail: generations (64 rows each) that "
+    p.add_argument("--calibration-rounds", type=int, default=4, help="long_tail: generations (one row per prompt) that "
                    "correct the stop token's scale on the model's own samples, per search phase")
     p.add_argument("--engines", nargs="+", default=list(ENGINES), choices=ENGINES)
     p.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
@@ -399,7 +419,7 @@ def main() -> None:
     p.add_argument("--long-tail-max", type=int, default=1024, help="long_tail: most tokens per completion")
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--turn-tokens", type=int, default=128)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3, help="timed rounds (each after one warm-up call per variant)")
     p.add_argument("--vllm-options", default='{"kv_cache_gib": 8}', help="JSON dict of vllm options for the vLLM "
                    "engine (a fixed KV cache leaves the rest of the device to the mismatch workload's trainer)")
     p.add_argument("--timeout-s", type=float, default=420, help="limit per engine's process")

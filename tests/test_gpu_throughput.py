@@ -155,7 +155,7 @@ def test_rollout_engines_runs_every_workload_on_every_engine(tmp_path):
     out = tmp_path / "engines.json"
     cmd = [sys.executable, "benchmarks/rollout_engines.py", "--device", "cpu", "--model", "tiny_qwen2",
            "--vocab-size", "4096", "--rows", "8", "--samples", "4", "--new-tokens", "6", "--long-tail-max", "16",
-           "--mean-length", "6", "--turn-tokens", "4", "--repeats", "1", "--calibration-rounds", "1",
+           "--mean-length", "6", "--turn-tokens", "4", "--repeats", "2", "--calibration-rounds", "1",
            "--engines", "vllm", "torch", "hf", "--vllm-options", '{"kv_cache_gib": 0.25}', "--out", str(out)]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -166,6 +166,7 @@ def test_rollout_engines_runs_every_workload_on_every_engine(tmp_path):
     for name in ("vllm_raw", "vllm_rollout", "vllm_rollout_no_logprobs", "torch", "hf"):
         fixed = variants[name]["fixed"]
         assert fixed["tokens"] == 8 * 6 and fixed["x_raw_vllm"] > 0, (name, fixed)  # eos ignored
+        assert len(fixed["walls_s"]) == 2  # one wall per round
         assert 1 <= variants[name]["long_tail"]["length_max"] <= 16
     assert variants["vllm_raw"]["fixed"]["x_raw_vllm"] == 1.0
     for name in ("vllm_rollout", "torch"):
