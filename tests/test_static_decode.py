@@ -143,3 +143,21 @@ def test_compiled_decode_compiles_each_setting_past_dynamo_limit():
             graphs.append(counters["stats"]["unique_graphs"] - before)
     assert graphs[0] >= 1 and graphs[1] > graphs[0]  # the second setting compiled too, past the limit
     assert torch._dynamo.config.recompile_limit == 8
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_compiled_sampling_at_qwen2_vocabulary_and_256_rows(top_p):
+    """The compiled decode step's sampling at 256 rows of Qwen2's 151,936 logits (a compacted
+    512-row call's first bucket). Compiled, the cumsums over the vocabulary once failed in
+    Inductor's code generation (split scan); they run outside the graph and the compiled draw
+    equals the eager one."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    logits = 3 * torch.randn(256, 151936, device="cuda", generator=gen)
+    seeds = torch.arange(256, device="cuda", dtype=torch.int64) * 7919
+    step = torch.tensor(3, device="cuda")
+    eager = torch_decode.sample_rows(logits, 1.0, 0, top_p, seeds, step)
+    compiled = torch.compile(torch_decode.sample_rows, dynamic=False)(logits, 1.0, 0, top_p, seeds, step)
+    assert torch.equal(compiled[0], eager[0])
+    assert torch.allclose(compiled[1], eager[1], atol=1e-4)
