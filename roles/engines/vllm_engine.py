@@ -21,7 +21,8 @@ model side: a `vllm.LLM` in the role's own process and the conversions around it
   and a resumed step samples the same); the sampled tokens' logprobs, only when asked for,
   are vLLM's own, read from its engine core a step at a time (roles.engines.vllm_logprobs:
   vLLM's per-token output path cost a third of its decode speed).
-* Teacher top-k comes from `prompt_logprobs=k` (one forward per row, `max_tokens=1`);
+* Teacher top-k comes from `prompt_logprobs=k` (one forward per row, `max_tokens=1`), its
+  tensors read from the engine core as the sampled logprobs are;
   full-vocabulary logits are refused (config key algorithm.logits_topk; ms-swift: gkd_logits_topk).
 * Settings: the `vllm` section with the role's own `vllm.roles.<role>` over it
   (vllm_build.vllm_options), so a teacher on devices of its own may take 0.9 of each while a
@@ -74,7 +75,7 @@ from transformers import AutoConfig, GenerationConfig
 from roles.engines.decoding import Generated
 from roles.engines.vllm_build import (EngineGroup, adapter_problems, checkpoint_shapes, checkpoint_tensors,
                                       engine_kwargs, joined, option_key, resolved_settings, vllm_options)
-from roles.engines.vllm_logprobs import SampledLogprobs
+from roles.engines.vllm_logprobs import EngineLogprobs
 from roles.lora import served_config, write_adapter
 from roles.models import DTYPES, ModelSpec, build_model, resolve_config, save_checkpoint
 
@@ -362,8 +363,8 @@ class VLLMEngine:
         params = [SamplingParams(n=1 if greedy else n, temperature=0.0 if greedy else 1.0, top_k=top_k,
                                  top_p=top_p, max_tokens=max_new_tokens, stop_token_ids=list(stop_ids),
                                  ignore_eos=ignore_eos, detokenize=False, seed=seed, **asked) for seed in seeds]
-        # The device computes the sampled tokens' logprobs; SampledLogprobs reads them a step at a time.
-        with (SampledLogprobs(self.llm) if logprobs else contextlib.nullcontext()) as taken:
+        # The device computes the sampled tokens' logprobs; EngineLogprobs reads them a step at a time.
+        with (EngineLogprobs(self.llm) if logprobs else contextlib.nullcontext()) as taken:
             outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], params,
                                         use_tqdm=False, lora_request=self._lora_request)
         result = Generated([], [], [])
@@ -375,7 +376,7 @@ class VLLMEngine:
                     raise RuntimeError(f"vLLM ended a request with finish_reason={done.finish_reason!r}")
                 tokens = list(done.token_ids)
                 result.tokens.append(tokens)
-                result.logprobs.append(taken.values(out.request_id, done.index, tokens) if logprobs else [])
+                result.logprobs.append(taken.sampled(out.request_id, done.index, tokens) if logprobs else [])
                 result.finish_reasons.append(done.finish_reason)
         return result
 
@@ -407,18 +408,17 @@ class VLLMEngine:
                              f"(one more token is needed); raise {key}")
         self._use_scale(1.0 / temperature)
         rows = [b for b in range(B) if lengths[b] >= 2]
-        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=topk, flat_logprobs=True,
-                                detokenize=False)
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=input_ids[b, :lengths[b]].tolist()) for b in rows],
-                                    params, use_tqdm=False) if rows else []
+        params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=topk, detokenize=False)
+        with EngineLogprobs(self.llm) as taken:  # the prompts' tensors as the engine made them
+            outputs = self.llm.generate([TokensPrompt(prompt_token_ids=input_ids[b, :lengths[b]].tolist())
+                                         for b in rows], params, use_tqdm=False) if rows else []
         values = torch.zeros(B, T, topk)
         indices = torch.zeros(B, T, topk, dtype=torch.long)
         for b, out in zip(rows, outputs):
-            flat, n = out.prompt_logprobs, lengths[b]
             # Positions 1..n-1 hold k + 1 entries each: the prompt token, then the top k by rank.
-            start = flat.end_indices[0]
-            values[b, 1:n] = torch.tensor(flat.logprobs[start:]).view(n - 1, topk + 1)[:, 1:]
-            indices[b, 1:n] = torch.tensor(flat.token_ids[start:]).view(n - 1, topk + 1)[:, 1:]
+            token_ids, logprobs = taken.prompt(out.request_id)
+            values[b, 1:lengths[b]] = logprobs[:, 1:].float()
+            indices[b, 1:lengths[b]] = token_ids[:, 1:].long()
         if not tail:
             return values, indices
         # log(1 - sum p_topk) from the k values alone (float64 against the cancellation).
