@@ -84,6 +84,10 @@ def write_checkpoint(args, folder: Path) -> dict:
     model = build_model(spec).to(args.device, dtype).eval()
     vocab = model.config.vocab_size
     stop = vocab - 1
+    if "long_tail" not in args.workloads:  # the stop row stays as initialised: no calibration
+        save_checkpoint(model, load_tokenizer(spec), folder)
+        return {"stop_token": stop, "vocab_size": vocab, "stop_scale": None, "calibration": [],
+                "parameters": sum(t.numel() for t in model.parameters())}
     # The workload's own prompts (rollout_calls): each row keeps its own stop rate.
     ids = torch.tensor(prompt_ids(args.rows // args.samples, args.prompt_len, vocab, seed=1), device=args.device)
     with torch.inference_mode():
