@@ -243,3 +243,29 @@ def test_the_quickstarts_themselves_pass(monkeypatch):
         monkeypatch.setattr(module, "run", lambda *a, **k: {"checkpoint": None})
         monkeypatch.setattr(entry, "run_dir", lambda: "/nonexistent/run_dir")
         entry.command(schema, module.validate, module.run)(cfg)
+
+
+@pytest.mark.parametrize("driver, overrides, key, missing", [
+    ("grpo", "backend.rollout=vllm", "backend.rollout", "vllm"),
+    ("distill", "backend.rollout=vllm", "backend.rollout", "vllm"),  # the sampler's engine
+    ("gkd", "backend.teacher=vllm algorithm.logits_topk=8", "backend.teacher", "vllm"),
+    ("sft", "backend.train=deepspeed", "backend.train", "deepspeed"),
+    ("grpo", "backend.train=megatron", "backend.train", "megatron"),
+])
+def test_a_backend_whose_package_is_missing_is_named_before_anything_starts(monkeypatch, capsys, driver, overrides,
+                                                                            key, missing):
+    """A backend's package hidden from the import system: the same one-line error, naming the
+    backend key and how to install it or pick the torch engine."""
+    import importlib.util
+
+    module, schema, experiment = DRIVERS[driver]
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name.split(".")[0] == missing else find_spec(name, *a))
+    monkeypatch.setattr(module, "run", lambda *a, **k: pytest.fail("run() was reached"))
+    cfg = composed(schema, [f"+experiment={experiment}", *overrides.split()])
+    with pytest.raises(SystemExit) as exit_info:
+        entry.command(schema, module.validate, module.run)(cfg)
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and len(err.splitlines()) == 1, err
+    assert f"'{key}'" in err and "is not installed" in err and f"{key}=torch" in err, err

