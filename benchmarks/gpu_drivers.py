@@ -26,9 +26,10 @@ DRIVER_RUNS = {
     "grpo": ("algorithms.grpo", "+experiment=grpo_gpu"),
     "gkd": ("algorithms.gkd", "+experiment=gkd_gpu"),
 }
-# Per-engine overrides of the GPU experiments: vLLM sleeps at level 2 (updates then wake only
-# its weights and load device to device) and serves the GKD teacher too.
-ENGINE_OVERRIDES = {"torch": {"grpo": [], "gkd": []},
+# Per-engine overrides of the GPU experiments (which ship with vLLM: it sleeps at level 2, so
+# updates wake only its weights and load device to device, and serves the GKD teacher too).
+ENGINE_OVERRIDES = {"torch": {"grpo": ["backend.rollout=torch", "placement.sleep_level=1"],
+                              "gkd": ["backend.rollout=torch", "backend.teacher=torch", "placement.sleep_level=1"]},
                     "vllm": {"grpo": ["backend.rollout=vllm", "placement.sleep_level=2"],
                              "gkd": ["backend.rollout=vllm", "backend.teacher=vllm", "placement.sleep_level=2"]}}
 
