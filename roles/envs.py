@@ -13,7 +13,7 @@ the shipped multi-turn examples:
   ("23*45" -> "1035"), read as a syntax tree (no code runs); anything else is a ValueError,
   which the model reads as an error turn.
 
-GRPO's multi-turn warm start (algorithms/grpo.py `multi_turn_rows`, `tool_rows`) asks the
+GRPO's multi-turn warm start (algorithms/runtime/warm_start.py `multi_turn_rows`, `tool_rows`) asks the
 environment or the tool itself what it says to a reply, so its SFT rows hold the turns a rollout
 sees.
 """

@@ -10,6 +10,7 @@ from algorithms.config.schema import prepare
 from algorithms.data.loading import load_task
 from algorithms.data.prompts import encode_examples
 from algorithms.records.trackers import read_metrics
+from algorithms.runtime.warm_start import warm_start_data
 from orchestration.config import register_schema
 from roles.batch import Completions, SamplingParams
 from roles.models import load_tokenizer
@@ -62,7 +63,7 @@ def test_warm_start_rows_are_the_rollouts_trajectories(tmp_path):
     is encoded exactly as the rollout builds the trajectory in which the model says those two
     replies, and its loss covers the tokens of the last model turn."""
     _, cfg, _ = prepared(grpo.GRPOConfig, TUTOR + ["algorithm.warmup_sft_examples=12", "data.eval_size=4"])
-    data = grpo.warm_start_data(cfg, tmp_path / "rows")
+    data = warm_start_data(cfg, tmp_path / "rows")
     rows, held, _ = load_task(data)
     assert len(held) == 4 and all(not ex.context for ex in held)
     tok = load_tokenizer("tiny_qwen2")
@@ -100,7 +101,7 @@ def test_tool_warm_start_rows_are_the_rollouts_trajectories(tmp_path):
     that answer, with the loss on the answer; the first-reply rows are half calls, half direct
     answers, and a call row is that trajectory's first model turn."""
     _, cfg, _ = prepared(grpo.GRPOConfig, EXPERIMENT + ["algorithm.warmup_sft_examples=12", "data.eval_size=4"])
-    rows, held, _ = load_task(grpo.warm_start_data(cfg, tmp_path / "rows"))
+    rows, held, _ = load_task(warm_start_data(cfg, tmp_path / "rows"))
     assert len(held) == 4 and len(rows) == 24
     full = [ex for ex in rows if len(ex.context) == 3]
     calls = [ex for ex in rows if not ex.context[1:] and ex.solution.startswith("<tool_call>")]

@@ -5,5 +5,6 @@ the end of the run), turns.py (turn-taking on shared devices: onload/offload and
 riding on the roles' own calls, one-call turns checked), weights.py (which weights the
 rollout holds, and when and how the trainer's go there), ahead.py (generation ahead of
 training within max_staleness), entry.py (the one command-line entry: prepare -> validate ->
-run, restarts after a lost trainer rank, one-line errors).
+run, restarts after a lost trainer rank, one-line errors), warm_start.py (the rows of GRPO's
+SFT warm start, multi-turn and tool rows encoded as the rollout encodes a trajectory).
 """
