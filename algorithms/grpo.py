@@ -60,8 +60,9 @@ from algorithms.data.loading import load_task, row_limits
 from algorithms.data.prompts import PromptStream, batch_of
 from algorithms.objectives.advantages import (SCALE_REWARDS, group_advantages, teacher_token_advantages,
                                               zero_variance_groups)
-from algorithms.objectives.losses import LOSS_TYPES, RolloutCorrection, k3_kl, make_loss
+from algorithms.objectives.losses import LOSS_TYPES, k3_kl, make_loss
 from algorithms.objectives.rewards import Rewards, planned_reward_configs, reward_specs
+from algorithms.objectives.rollout_correction import RolloutCorrection
 from algorithms.records.runlog import RunLog, record_data_stats
 from algorithms.runtime.ahead import Prefetch, staleness
 from algorithms.runtime.entry import driver_main

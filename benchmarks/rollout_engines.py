@@ -45,7 +45,7 @@ from typing import Callable
 import torch
 
 from algorithms.plugins import GymEnv, envs
-from algorithms.objectives.losses import rollout_offpolicy_metrics
+from algorithms.objectives.rollout_correction import rollout_offpolicy_metrics
 from roles.batch import SamplingParams, batch_from_completions
 from roles.engines import torch_decode
 from roles.engines.torch_generate import generate_batch

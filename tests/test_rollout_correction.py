@@ -12,7 +12,8 @@ from algorithms import grpo
 from algorithms.config.checks import check_rollout_correction
 from algorithms.config.schema import LoopConfig
 from algorithms.config.swift_keys import translate
-from algorithms.objectives.losses import GRPOLoss, RolloutCorrection
+from algorithms.objectives.losses import GRPOLoss
+from algorithms.objectives.rollout_correction import RolloutCorrection
 from algorithms.records.trackers import read_metrics
 from orchestration.config import ConfigError
 from orchestration.planner import make_plan

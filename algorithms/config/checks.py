@@ -25,7 +25,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from algorithms.data.loading import check_data_files, system_text
 from algorithms.data.prompts import template_on
 from algorithms.data.tasks import arithmetic_space
-from algorithms.objectives.losses import ROLLOUT_CORRECTIONS
+from algorithms.objectives.rollout_correction import ROLLOUT_CORRECTIONS
 from algorithms.records.checkpoints import find_resume
 from algorithms.records.trackers import LOGGERS, MODULES
 from orchestration.cluster import check_log_level
