@@ -125,6 +125,20 @@ def test_zero_offload_one_rank_matches_the_torch_engine(tmp_path):
         close(ds.train_step(batch), plain.train_step(batch))
 
 
+def test_a_new_engine_after_the_process_group_was_destroyed():
+    """Another library in the process may destroy the default process group DeepSpeed's groups
+    were made from (a vLLM engine does when it shuts down, in a process that ran a DeepSpeed
+    engine before it): the next DeepSpeed engine starts on a new group and trains as the torch
+    engine does."""
+    import torch.distributed as dist
+
+    batch = sft_batch(5, seed=4)
+    Trainer(MODEL, config(), engine="deepspeed", engine_options={"zero_stage": 2}).train_step(batch)
+    dist.destroy_process_group()
+    ds = Trainer(MODEL, config(), engine="deepspeed", engine_options={"zero_stage": 2})
+    close(ds.train_step(batch), Trainer(MODEL, config()).train_step(batch))
+
+
 def test_zero3_keeps_its_linear_to_its_own_forwards():
     """ZeRO-3 replaces torch.nn.functional.linear process-wide (a linear that keeps no gathered
     weight for the backward); every other model of the process then ran it, and a compiled one

@@ -97,6 +97,21 @@ def _without_shm_op():
         ds_torch.build_shm_op = build
 
 
+def _forget_destroyed_groups() -> None:
+    """DeepSpeed keeps its communication backend and the groups it made from the default process
+    group in module state. When that group has been destroyed since (a vLLM engine's shutdown
+    destroys its process's default group), they name a group torch no longer knows ("Group ... is
+    not registered"): forgotten here, so that init_distributed makes them again from the new group."""
+    from deepspeed import comm
+    from deepspeed.utils import groups
+
+    comm.comm.cdb = None
+    for name, value in list(vars(groups).items()):
+        if name.startswith("_") and name.endswith(("_GROUP", "_GROUP_RANKS")):
+            setattr(groups, name, {} if isinstance(value, dict) else None)
+    groups.mesh_device = None
+
+
 class DeepSpeedTrainEngine(DataParallelCollectives):
     def __init__(self, model: torch.nn.Module, *, options: Mapping[str, Any], device: torch.device, dtype: str,
                  lr: float, weight_decay: float, betas: tuple[float, float], eps: float, optimizer: str,
@@ -107,11 +122,13 @@ class DeepSpeedTrainEngine(DataParallelCollectives):
         self.device = device
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        deepspeed = import_deepspeed(device)
         if not dist.is_initialized():  # one rank: DeepSpeed still needs a process group
+            if deepspeed.comm.comm.cdb is not None:  # made from a default group destroyed since
+                _forget_destroyed_groups()
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
                                     rank=0, world_size=1, timeout=DIST_TIMEOUT)
         os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed insists on it; a worker group sets it
-        deepspeed = import_deepspeed(device)
         with _without_shm_op():
             deepspeed.init_distributed("nccl" if device.type == "cuda" else "gloo", auto_mpi_discovery=False,
                                        timeout=DIST_TIMEOUT)
