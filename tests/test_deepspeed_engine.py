@@ -125,16 +125,19 @@ def test_zero_offload_one_rank_matches_the_torch_engine(tmp_path):
         close(ds.train_step(batch), plain.train_step(batch))
 
 
-def test_a_new_engine_after_the_process_group_was_destroyed():
+@pytest.mark.parametrize("made_again", [False, True])
+def test_a_new_engine_after_the_process_group_was_destroyed(made_again):
     """Another library in the process may destroy the default process group DeepSpeed's groups
     were made from (a vLLM engine does when it shuts down, in a process that ran a DeepSpeed
-    engine before it): the next DeepSpeed engine starts on a new group and trains as the torch
-    engine does."""
+    engine before it), and another may make a new one before the next DeepSpeed engine starts:
+    that engine starts on the group there is and trains as the torch engine does."""
     import torch.distributed as dist
 
     batch = sft_batch(5, seed=4)
     Trainer(MODEL, config(), engine="deepspeed", engine_options={"zero_stage": 2}).train_step(batch)
     dist.destroy_process_group()
+    if made_again:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     ds = Trainer(MODEL, config(), engine="deepspeed", engine_options={"zero_stage": 2})
     close(ds.train_step(batch), Trainer(MODEL, config()).train_step(batch))
 

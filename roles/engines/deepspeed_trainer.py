@@ -97,19 +97,33 @@ def _without_shm_op():
         ds_torch.build_shm_op = build
 
 
+def _cached_groups() -> list:
+    """The process groups DeepSpeed keeps in module state (deepspeed.utils.groups)."""
+    from deepspeed.utils import groups
+
+    found = []
+    for name, value in vars(groups).items():
+        if name.startswith("_") and name.endswith("_GROUP"):
+            found += list(value.values()) if isinstance(value, dict) else [value]
+    return [g for g in found if isinstance(g, dist.ProcessGroup)]
+
+
 def _forget_destroyed_groups() -> None:
     """DeepSpeed keeps its communication backend and the groups it made from the default process
     group in module state. When that group has been destroyed since (a vLLM engine's shutdown
-    destroys its process's default group), they name a group torch no longer knows ("Group ... is
-    not registered"): forgotten here, so that init_distributed makes them again from the new group."""
+    destroys its process's default group; another library may have made a new one after), they
+    name groups torch no longer knows ("Group ... is not registered"): forgotten here, so that
+    init_distributed makes them again from the group there is."""
     from deepspeed import comm
     from deepspeed.utils import groups
 
-    comm.comm.cdb = None
-    for name, value in list(vars(groups).items()):
-        if name.startswith("_") and name.endswith(("_GROUP", "_GROUP_RANKS")):
-            setattr(groups, name, {} if isinstance(value, dict) else None)
-    groups.mesh_device = None
+    known = dist.distributed_c10d._world.pg_map
+    if not dist.is_initialized() or any(g not in known for g in _cached_groups()):
+        comm.comm.cdb = None
+        for name, value in list(vars(groups).items()):
+            if name.startswith("_") and name.endswith(("_GROUP", "_GROUP_RANKS")):
+                setattr(groups, name, {} if isinstance(value, dict) else None)
+        groups.mesh_device = None
 
 
 class DeepSpeedTrainEngine(DataParallelCollectives):
@@ -123,9 +137,9 @@ class DeepSpeedTrainEngine(DataParallelCollectives):
         if device.type == "cuda":
             torch.cuda.set_device(device)
         deepspeed = import_deepspeed(device)
+        if deepspeed.comm.comm.cdb is not None:  # made in this process before: from a group still there?
+            _forget_destroyed_groups()
         if not dist.is_initialized():  # one rank: DeepSpeed still needs a process group
-            if deepspeed.comm.comm.cdb is not None:  # made from a default group destroyed since
-                _forget_destroyed_groups()
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
                                     rank=0, world_size=1, timeout=DIST_TIMEOUT)
         os.environ.setdefault("LOCAL_RANK", "0")  # DeepSpeed insists on it; a worker group sets it
