@@ -97,33 +97,28 @@ def _without_shm_op():
         ds_torch.build_shm_op = build
 
 
-def _cached_groups() -> list:
-    """The process groups DeepSpeed keeps in module state (deepspeed.utils.groups)."""
-    from deepspeed.utils import groups
-
-    found = []
-    for name, value in vars(groups).items():
-        if name.startswith("_") and name.endswith("_GROUP"):
-            found += list(value.values()) if isinstance(value, dict) else [value]
-    return [g for g in found if isinstance(g, dist.ProcessGroup)]
-
-
-def _forget_destroyed_groups() -> None:
+def _forget_stale_groups() -> None:
     """DeepSpeed keeps its communication backend and the groups it made from the default process
-    group in module state. When that group has been destroyed since (a vLLM engine's shutdown
-    destroys its process's default group; another library may have made a new one after), they
-    name groups torch no longer knows ("Group ... is not registered"): forgotten here, so that
-    init_distributed makes them again from the group there is."""
+    group in module state (deepspeed.utils.groups). When that group has been destroyed since (a
+    vLLM engine's shutdown destroys its process's default group; another library may have made a
+    new one after), they name groups torch no longer knows ("Group ... is not registered"):
+    forgotten here, so that init_distributed makes them again from the group there is."""
     from deepspeed import comm
     from deepspeed.utils import groups
 
+    if comm.comm.cdb is None:  # nothing made in this process yet
+        return
+    caches = {name: value for name, value in vars(groups).items()
+              if name.startswith("_") and name.endswith(("_GROUP", "_GROUP_RANKS"))}
+    held = [g for value in caches.values() for g in (value.values() if isinstance(value, dict) else [value])
+            if isinstance(g, dist.ProcessGroup)]
     known = dist.distributed_c10d._world.pg_map
-    if not dist.is_initialized() or any(g not in known for g in _cached_groups()):
-        comm.comm.cdb = None
-        for name, value in list(vars(groups).items()):
-            if name.startswith("_") and name.endswith(("_GROUP", "_GROUP_RANKS")):
-                setattr(groups, name, {} if isinstance(value, dict) else None)
-        groups.mesh_device = None
+    if dist.is_initialized() and all(g in known for g in held):
+        return
+    comm.comm.cdb = None
+    for name, value in caches.items():
+        setattr(groups, name, {} if isinstance(value, dict) else None)
+    groups.mesh_device = None
 
 
 class DeepSpeedTrainEngine(DataParallelCollectives):
@@ -137,8 +132,7 @@ class DeepSpeedTrainEngine(DataParallelCollectives):
         if device.type == "cuda":
             torch.cuda.set_device(device)
         deepspeed = import_deepspeed(device)
-        if deepspeed.comm.comm.cdb is not None:  # made in this process before: from a group still there?
-            _forget_destroyed_groups()
+        _forget_stale_groups()
         if not dist.is_initialized():  # one rank: DeepSpeed still needs a process group
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(),
                                     rank=0, world_size=1, timeout=DIST_TIMEOUT)
