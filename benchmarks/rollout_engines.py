@@ -245,7 +245,8 @@ def timed(calls: dict[str, Callable[[int], list[list[int]]]], args) -> dict[str,
         except Exception as e:  # one variant's failure is reported, the others still run
             figures[name] = {"error": f"{type(e).__name__}: {e}"}
     for r in range(args.repeats):
-        for name in live[r % max(len(live), 1):] + live[:r % max(len(live), 1)]:
+        start = r % len(live) if live else 0
+        for name in live[start:] + live[:start]:
             if name in figures:
                 continue
             sync(args.device)

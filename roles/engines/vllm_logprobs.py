@@ -85,7 +85,7 @@ class EngineLogprobs:
                                "samples several (speculative decoding): turn speculative decoding off")
         ids = list(out.req_ids)
         for rid in ids:
-            if rid not in self._owners:
+            if rid not in self._owners:  # (the check inline: every row of every step passes here)
                 self._owner(rid)
         self._steps.append((ids, out.sampled_token_ids, lists.logprob_token_ids[:, 0].copy(),
                             lists.logprobs[:, 0].copy()))
