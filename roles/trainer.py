@@ -171,11 +171,13 @@ class Trainer(WeightSender):
         topk = "student_topk" in inputs
         if topk and mb.teacher_indices is None:
             raise ValueError("the loss asks for student_topk: the batch needs teacher_indices (a top-k teacher)")
-        if (self.config.fused_logprobs and "logits" not in inputs) or \
-                (self.config.chunked_logprobs and not set(inputs) & set(LOSS_INPUTS)):
+        # The engine's logprobs without the padded [B, T, V] logits: fused, packed or chunked.
+        chunked = self.config.chunked_logprobs and not set(inputs) & set(LOSS_INPUTS)
+        without_logits = self.config.fused_logprobs or getattr(self.engine, "packed_logprobs", False)
+        if (without_logits and "logits" not in inputs) or chunked:
             logprobs, entropy, top, rest = self.engine.token_logprobs(
                 mb.input_ids, mb.attention_mask, temperature, entropy="entropy" in inputs,
-                topk_indices=mb.teacher_indices if topk else None)
+                topk_indices=mb.teacher_indices if topk else None, chunked=chunked)
             out = {} if entropy is None else {"entropy": entropy}
             if topk:
                 out["student_topk"] = (top, rest)

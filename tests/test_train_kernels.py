@@ -328,6 +328,31 @@ def test_trainer_config_switches_the_options_on_and_chunked_logprobs_match():
         Trainer("tiny_qwen2", dataclasses.replace(CFG, packing=True), engine="deepspeed")
 
 
+def test_packing_alone_takes_logprobs_and_entropy_from_the_packed_tokens_only(monkeypatch):
+    """trainer.packing without compile: the train step, its logged entropy and the logprobs come
+    from the output head over the packed real tokens (the padded [B, T, V] logits are never made)
+    and equal the plain trainer's; with chunked_logprobs the chunked head serves what it can."""
+    import dataclasses
+
+    kw = dict(loss_fn=loss_logging_entropy, loss_inputs=("entropy",))
+    plain = Trainer("tiny_qwen2", CFG, **kw)
+    packed = Trainer("tiny_qwen2", dataclasses.replace(CFG, packing=True), **kw)
+    assert packed.engine.packed_logprobs and not plain.engine.packed_logprobs
+
+    def padded_logits(*args):
+        raise AssertionError("the padded logits were computed")
+    monkeypatch.setattr(packed.engine, "forward", padded_logits)
+    batch = sft_batch(12, seed=5)
+    for _ in range(2):
+        a, b = plain.train_step(batch), packed.train_step(batch)
+        for key in ("loss", "grad_norm", "entropy"):
+            assert a[key] == pytest.approx(b[key], rel=1e-4), key
+    torch.testing.assert_close(packed.logprobs(batch), plain.logprobs(batch), atol=1e-5, rtol=0)
+    chunked = Trainer("tiny_qwen2", dataclasses.replace(CFG, packing=True, chunked_logprobs=True))
+    monkeypatch.setattr(chunked.engine, "_packed_logprobs", padded_logits)
+    torch.testing.assert_close(chunked.logprobs(batch), Trainer("tiny_qwen2", CFG).logprobs(batch), atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("option", ["fused_logprobs", "chunked_logprobs"])
 def test_compiled_logprob_options_train_as_the_plain_trainer(monkeypatch, option):
     """trainer.fused_logprobs (the compiled function takes the train step, its logged entropy

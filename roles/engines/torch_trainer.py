@@ -27,7 +27,7 @@ from roles.batch import tensor_to
 from roles.engines.collectives import DataParallelCollectives, all_reduce_gradients, init_data_parallel
 from roles.engines.host_copies import host_bytes, module_tensors, optimizer_tensors, to_device, to_host
 from roles.engines.torch_engine import pick_device
-from roles.engines.train_kernels import (TrainKernelOptions, check_plain_head, chunked_token_logprobs,
+from roles.engines.train_kernels import (TrainKernelOptions, check_plain_head, chunked_token_logprobs, plain_head,
                                         fused_token_logprobs, next_token_logprobs, packed_forward, use_packing)
 
 AUTOCAST_DTYPES = {"float32": None, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -138,6 +138,9 @@ class TorchTrainEngine(DataParallelCollectives):
     _compiled: Optional[torch.nn.Module] = None
     _compiled_base: Optional[torch.nn.Module] = None
     _compiled_logprobs: Optional[Callable] = None
+    # Packing without compilation: the same function as fused_logprobs run eagerly, so that the
+    # output head and log-softmax see only the packed real tokens, never the padded [B, T, V].
+    _packed_logprobs: Optional[Callable] = None
     # cuda_graphs: the gradients are the backward graph's outputs (a step's first micro-batch),
     # which the next replay overwrites.
     _grads_in_graph_pool = False
@@ -158,6 +161,14 @@ class TorchTrainEngine(DataParallelCollectives):
         if options.fused_logprobs:
             check_plain_head(self.model, "fused_logprobs")
             self._compiled_logprobs = torch.compile(functools.partial(next_token_logprobs, self.model), mode=mode)
+        eager = options.packing and not options.compile and plain_head(self.model)
+        self._packed_logprobs = functools.partial(next_token_logprobs, self.model) if eager else None
+
+    @property
+    def packed_logprobs(self) -> bool:
+        """Whether token_logprobs runs packed without compilation (packing on, compile off, a
+        plain output head): the trainer then takes its logprobs and entropies from it."""
+        return self._packed_logprobs is not None
 
     def _graphs(self):
         """Around a CUDA-graphed forward or backward: the graphs re-record whenever the weights
@@ -194,19 +205,24 @@ class TorchTrainEngine(DataParallelCollectives):
         return out.logits
 
     def token_logprobs(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, temperature: float,
-                       entropy: bool = False, topk_indices: Optional[torch.Tensor] = None) -> tuple:
+                       entropy: bool = False, topk_indices: Optional[torch.Tensor] = None,
+                       chunked: bool = False) -> tuple:
         """`torch_engine.token_logprobs` of the model's logits (0 on padding) without the
         [B, T, V] float32 logits, the entropies (`token_entropy`) where asked (else None), and
         at `topk_indices` the log-softmax and the mass outside them (`fused_token_logprobs`;
         else None, None): with fused_logprobs in one compiled function of the model, its output
-        head and the log-softmax; else last hidden states, then the output head chunk by chunk
-        (logprobs only)."""
+        head and the log-softmax; with packing (no compile) the same function run eagerly over
+        the packed tokens, unless `chunked` asks for the chunked head and it can serve; else last
+        hidden states, then the output head chunk by chunk (logprobs only)."""
         self._next_replay()
-        if self._compiled_logprobs is not None:
+        run = self._compiled_logprobs
+        if run is None and not (chunked and not entropy and topk_indices is None):
+            run = self._packed_logprobs
+        if run is not None:
             with self.autocast(), self._graphs():
                 packing = self.kernels.packing and bool(attention_mask.any())
-                return fused_token_logprobs(self.model, self._compiled_logprobs, input_ids, attention_mask,
-                                            temperature, packing, bucket=self.kernels.cuda_graphs, entropy=entropy,
+                return fused_token_logprobs(self.model, run, input_ids, attention_mask, temperature, packing,
+                                            bucket=self.kernels.cuda_graphs, entropy=entropy,
                                             topk_indices=topk_indices)
         if entropy or topk_indices is not None:
             raise ValueError("chunked logprobs give no entropy or top-k: the loss needs the full logits")

@@ -237,11 +237,16 @@ def next_token_logprobs(model, targets: torch.Tensor, temperature: float, entrop
     return picked, ent, top, rest
 
 
+def plain_head(model) -> bool:
+    """Whether the model's logits are its output head's projection of the last hidden states
+    (what the chunked and fused logprobs compute from): no bias, no logit soft-capping."""
+    return getattr(model.get_output_embeddings(), "bias", None) is None and \
+        not getattr(model.config, "final_logit_softcapping", None)
+
+
 def check_plain_head(model, option: str) -> None:
-    """Raise unless the model's logits are its output head's projection of the last hidden
-    states (what the chunked and fused logprobs compute from)."""
-    if getattr(model.get_output_embeddings(), "bias", None) is not None or \
-            getattr(model.config, "final_logit_softcapping", None):
+    """Raise unless `plain_head(model)`."""
+    if not plain_head(model):
         raise ValueError(f"{option} needs logits that are the output head's projection of the last hidden "
                          "states (no bias, no logit soft-capping); turn it off for this model")
 
