@@ -368,7 +368,9 @@ def _passed(args) -> list[str]:
 
 
 def ratios(summary: dict) -> None:
-    """Each variant's tokens/s over raw vLLM's (same workload), and multi-turn over single-turn."""
+    """Each variant's tokens/s over raw vLLM's (same workload) and raw vLLM's wall over its own
+    (where the samples differ in length, the long tail's, the two tell different stories: tokens
+    made per second, and the time a call of the same prompts takes), and multi-turn over single-turn."""
     engines = summary["engines"]
     raw_runs = (engines["vllm"].get("vllm_raw") if "vllm" in engines else None) or {}
     for result in summary["engines"].values():
@@ -376,9 +378,10 @@ def ratios(summary: dict) -> None:
             if not isinstance(workloads, dict) or name in ("settings", "process", "mismatch"):
                 continue
             for workload, figures in workloads.items():
-                base = raw_runs[workload].get("tokens_per_s") if workload in raw_runs else None
-                if base and "tokens_per_s" in figures:
-                    figures["x_raw_vllm"] = figures["tokens_per_s"] / base
+                raw = raw_runs.get(workload, {})
+                if raw.get("tokens_per_s") and "tokens_per_s" in figures:
+                    figures["x_raw_vllm"] = figures["tokens_per_s"] / raw["tokens_per_s"]
+                    figures["x_raw_vllm_wall"] = raw["wall_s"] / figures["wall_s"]
             multi, single = workloads.get("multi_turn", {}), workloads.get("single_turn", {})
             if "wall_s" in multi and "wall_s" in single:
                 multi["x_single_turn_time"] = multi["wall_s"] / single["wall_s"]
@@ -386,23 +389,25 @@ def ratios(summary: dict) -> None:
 
 def print_table(summary: dict) -> None:
     print(f"\n{summary['device']}, {summary['model']} shape, vocabulary {summary['vocab_size']:,}")
-    print("| engine | workload | tokens/s | ms/step | x raw vLLM | lengths mean / p50 / max | multi / single time |")
-    print("|---|---|---|---|---|---|---|")
+    print("| engine | workload | tokens/s | ms/step | x raw vLLM | wall x raw vLLM | lengths mean / p50 / max | "
+          "multi / single time |")
+    print("|---|---|---|---|---|---|---|---|")
     for result in summary["engines"].values():
         for name, workloads in result.items():
             if name in ("settings", "process", "mismatch") or not isinstance(workloads, dict):
                 continue
             for workload, f in workloads.items():
                 if "error" in f:
-                    print(f"| {name} | {workload} | failed: {f['error'][:80]} | | | | |")
+                    print(f"| {name} | {workload} | failed: {f['error'][:80]} | | | | | |")
                     continue
                 print(f"| {name} | {workload} | {f['tokens_per_s']:,.0f} | {f['ms_per_step']:.2f} | "
-                      f"{f.get('x_raw_vllm', float('nan')):.2f} | {f['length_mean']:.0f} / {f['length_p50']} / "
+                      f"{f.get('x_raw_vllm', float('nan')):.2f} | {f.get('x_raw_vllm_wall', float('nan')):.2f} | "
+                      f"{f['length_mean']:.0f} / {f['length_p50']} / "
                       f"{f['length_max']} | {f.get('x_single_turn_time', float('nan')):.2f} |")
         if "mismatch" in result:
             print(f"| {result['mismatch']} |")
         if result.get("process", {}).get("exit"):
-            print(f"| process exit {result['process']['exit']} | | | | | | |")
+            print(f"| process exit {result['process']['exit']} | | | | | | | |")
 
 
 def main() -> None:

@@ -168,7 +168,9 @@ def test_rollout_engines_runs_every_workload_on_every_engine(tmp_path):
         assert fixed["tokens"] == 8 * 6 and fixed["x_raw_vllm"] > 0, (name, fixed)  # eos ignored
         assert len(fixed["walls_s"]) == 2  # one wall per round
         assert 1 <= variants[name]["long_tail"]["length_max"] <= 16
-    assert variants["vllm_raw"]["fixed"]["x_raw_vllm"] == 1.0
+    assert variants["vllm_raw"]["fixed"]["x_raw_vllm"] == 1.0 == variants["vllm_raw"]["fixed"]["x_raw_vllm_wall"]
+    rollout = variants["vllm_rollout"]["long_tail"]
+    assert rollout["x_raw_vllm_wall"] == pytest.approx(variants["vllm_raw"]["long_tail"]["wall_s"] / rollout["wall_s"])
     for name in ("vllm_rollout", "torch"):
         multi = variants[name]["multi_turn"]
         assert multi["tokens"] == variants[name]["single_turn"]["tokens"] == 8 * 3 * 4  # 3 turns of 4 tokens
