@@ -31,8 +31,8 @@ from pathlib import Path
 from typing import Any, ClassVar, Optional
 
 from algorithms import sft
-from algorithms.config.checks import (ANY_NUMBER, AT_LEAST_1, NON_NEGATIVE, POSITIVE, check_run, check_scorer, require,
-                                      require_all, require_roles)
+from algorithms.config.checks import check_run, check_scorer
+from algorithms.config.rules import ANY_NUMBER, AT_LEAST_1, NON_NEGATIVE, POSITIVE, require, require_all, require_roles
 from algorithms.config.schema import DriverConfig, as_dict, engine_args, phase_run, rollout_section, warmup_steps
 from algorithms.data.answers import checker, correct, reference
 from algorithms.data.loading import DataConfig, load_task, row_limits

@@ -43,10 +43,9 @@ from typing import Any, ClassVar, Optional
 import torch
 
 from algorithms import sft
-from algorithms.config.checks import (AT_LEAST_1, FRACTION, NON_NEGATIVE, POSITIVE, check_model, check_multi_turn,
-                                      check_run,
-                                      check_staleness, check_trainer, require, require_all, require_roles,
+from algorithms.config.checks import (check_model, check_multi_turn, check_run, check_staleness, check_trainer,
                                       vocab_size)
+from algorithms.config.rules import AT_LEAST_1, FRACTION, NON_NEGATIVE, POSITIVE, require, require_all, require_roles
 from algorithms.config.schema import (DriverConfig, as_dict, engine_args, fit_epochs, local_model_path, phase_run,
                                       rollout_section, warmup_steps)
 from algorithms.data.answers import accuracy
@@ -491,7 +490,7 @@ def validate(cfg: GKDConfig, plan: Plan) -> None:
         vocab = min(vocab_size(cfg.model), vocab_size(teacher_model))
         require(topk <= vocab, "algorithm.logits_topk", topk, f"exceeds the {vocab}-token vocabulary",
                 f"set it to at most {vocab}, or null for the full vocabulary")
-    if cfg.backend.teacher == "vllm":  # top-k and max_logprobs: checks.check_vllm_teacher
+    if cfg.backend.teacher == "vllm":  # top-k and max_logprobs: engine_checks.check_vllm_teacher
         sleeps = plan["rollout"].sleep_level or plan["teacher"].offload_model
         require(not (cfg.backend.workers == "local" and cfg.backend.rollout == "vllm" and sleeps
                      and torch.cuda.is_available()), "backend.rollout", "vllm",

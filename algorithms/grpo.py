@@ -50,9 +50,9 @@ from typing import Any, ClassVar, List, Optional
 import torch
 
 from algorithms import sft
-from algorithms.config.checks import (AT_LEAST_1, NON_NEGATIVE, POSITIVE, check_importable, check_multi_turn,
-                                      check_opd_teacher, check_rollout_correction, check_run, check_staleness,
-                                      check_trainer, require, require_all, require_roles, validate_check)
+from algorithms.config.checks import (check_importable, check_multi_turn, check_opd_teacher, check_rollout_correction,
+                                      check_run, check_staleness, check_trainer, validate_check)
+from algorithms.config.rules import AT_LEAST_1, NON_NEGATIVE, POSITIVE, require, require_all, require_roles
 from algorithms.config.schema import (DriverConfig, as_dict, engine_args, fit_epochs, local_model_path, phase_run,
                                       rollout_section)
 from algorithms.data.answers import checker, correct, reference

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, ClassVar, List, Optional
 
-from algorithms.config.checks import check_run, require, require_roles
+from algorithms.config.checks import check_run
+from algorithms.config.rules import require, require_roles
 from algorithms.config.schema import DriverConfig, as_dict, engine_args, fit_epochs, rollout_section
 from algorithms.data.loading import load_task, row_limits
 from algorithms.data.prompts import PromptStream, batch_of, encode_examples

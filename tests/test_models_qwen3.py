@@ -14,7 +14,7 @@ from algorithms import grpo
 from algorithms.config.swift_keys import translate
 from algorithms.data.prompts import chat_prompt, encode_examples
 from algorithms.data.tasks import arithmetic_examples
-from algorithms.config.checks import vllm_cpu_build
+from algorithms.config.engine_checks import vllm_cpu_build
 from algorithms.config.schema import prepare
 from algorithms.records.trackers import read_metrics
 from orchestration.config import ConfigError

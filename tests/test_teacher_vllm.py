@@ -21,7 +21,7 @@ import yaml
 from omegaconf import OmegaConf
 
 from algorithms import gkd
-from algorithms.config.checks import check_engine_options
+from algorithms.config.engine_checks import check_engine_options
 from algorithms.config.schema import prepare
 from algorithms.config.swift_keys import translate
 from algorithms.gkd import GKDConfig
