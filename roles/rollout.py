@@ -435,6 +435,7 @@ class Rollout(WeightReceiver):
             raise ValueError(f"sleep level must be 1 (weights to host memory) or 2 (weights discarded), got {level}")
         start = time.perf_counter()
         self._decoder.release()  # its graph holds the weights' addresses, which wake_up changes
+        released_at = time.perf_counter()
         if self._sleep_level:
             if level == 2:  # deeper sleep: drop what level 1 kept
                 self._host, self._weights_valid = None, False
@@ -451,10 +452,15 @@ class Rollout(WeightReceiver):
         self._host, self._sleep_level = host, level
         if level == 2:
             self._weights_valid = False
+        copied_at = time.perf_counter()
         if self.device.type == "cuda":  # on CPU freed tensors return at once; a full gc costs ~0.3 s
             gc.collect()
             torch.cuda.empty_cache()
-        return {"model_bytes": released, "seconds": time.perf_counter() - start}
+        end = time.perf_counter()
+        # Its parts, logged as move/rollout_sleep_<part>_s: the decode buffers and graphs dropped,
+        # the weights copied out, the freed memory returned to the device.
+        return {"model_bytes": released, "seconds": end - start, "buffers_s": released_at - start,
+                "weights_s": copied_at - released_at, "free_s": end - copied_at}
 
     def wake_up(self) -> dict[str, float]:
         """Bring the weights back to the device (level 2 without an update since: allocated, unset).

@@ -264,3 +264,26 @@ def test_worker_groups_match_the_direct_object(ray_cluster, rollout):
         if group is not None:
             group.shutdown()
         placement.remove()
+
+
+def test_sleep_times_its_parts_and_the_run_log_records_them(tmp_path):
+    """The torch rollout's sleep reports the seconds of its parts (decode buffers dropped,
+    weights copied out, memory returned), which the run log records per part beside the whole."""
+    import io
+
+    from algorithms.config.schema import LoopConfig
+    from algorithms.records.runlog import RunLog
+
+    r = Rollout("tiny_qwen2", config=CPU)
+    r.generate(PROMPTS, GREEDY)
+    moved = r.sleep(1)
+    parts = ("buffers_s", "weights_s", "free_s")
+    assert all(moved[k] >= 0 for k in parts)
+    assert sum(moved[k] for k in parts) == pytest.approx(moved["seconds"], abs=1e-3)
+    log = RunLog(tmp_path, 1, LoopConfig(), stream=io.StringIO())
+    slow = {**moved, "weights_s": moved["weights_s"] + 1.0}
+    log.moved("rollout", "sleep", [moved, slow])  # two ranks: the slower one's parts
+    record = log.step(1, {})
+    assert record["move/rollout_sleep_weights_s"] == pytest.approx(slow["weights_s"], abs=1e-5)
+    assert record["move/rollout_sleep_free_s"] == pytest.approx(moved["free_s"], abs=1e-5)
+    assert record["move/rollout_sleep_bytes"] == 2 * moved["model_bytes"]

@@ -117,12 +117,15 @@ class RunLog:
     def moved(self, role: str, op: str, results: Any) -> None:
         """Bytes and seconds of an offload/onload/sleep/wake_up call (one result per rank, or
         one result): bytes summed over ranks, seconds (where the role reports them) of the
-        slowest rank."""
+        slowest rank, and each part the role times (`<part>_s`) as move/<role>_<op>_<part>_s,
+        its slowest rank's."""
         per_rank = [r for r in (results if isinstance(results, list) else [results]) if isinstance(r, dict)]
         if per_rank:
             self.add(f"move/{role}_{op}_bytes", sum(v for r in per_rank for k, v in r.items() if k.endswith("bytes")))
         if any("seconds" in r for r in per_rank):
             self.add(f"move/{role}_{op}_s", max(float(r.get("seconds", 0.0)) for r in per_rank))
+        for part in sorted({k for r in per_rank for k in r if k.endswith("_s")}):
+            self.add(f"move/{role}_{op}_{part}", max(float(r.get(part, 0.0)) for r in per_rank))
 
     def memory(self, role: str, results: Any) -> None:
         """A role's memory() figures, the largest over its ranks, as mem/<role>_<figure>."""
