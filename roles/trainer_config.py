@@ -56,7 +56,9 @@ class TrainerConfig:
     # or 'auto' (bfloat16 on CUDA, float32 on CPU).
     dtype: str = "auto"
     # Forward options of the torch engine (KERNEL_OPTIONS; docs/gpu.md measures them), all off:
-    # pack a micro-batch's real tokens into one sequence (FlashAttention varlen on CUDA).
+    # pack a micro-batch's real tokens into one sequence (FlashAttention varlen on CUDA); without
+    # compile the output head and log-softmax then run on those tokens only, unless the loss reads
+    # the logits (with compile, fused_logprobs does that).
     packing: bool = False
     # torch.compile the model's forward (about a minute of compilation per new shape).
     compile: bool = False
