@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Callable, Mapping, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -35,7 +35,8 @@ from roles.engines.options import TEACHER_ENGINES, MegatronOptions, check_engine
 from roles.engines.torch_engine import process_memory, token_logprobs as engine_token_logprobs
 from roles.engines.torch_trainer import rank_device
 from roles.engines.train_kernels import (check_plain_head, chunked_token_logprobs, chunked_vocab_logprobs,
-                                        next_token_vocab_logprobs, pack, packed_forward, use_packing, vocab_logprobs)
+                                        next_token_vocab_logprobs, pack, packed_forward, plain_head, use_packing,
+                                        vocab_logprobs)
 from roles.engines.vllm_engine import VLLMEngine
 from roles.models import DTYPES, ModelSpec, build_model, load_tokenizer, resolve_config
 from roles.weight_transfer import WeightReceiver, load_named_weights
@@ -59,7 +60,8 @@ class TeacherConfig:
     dtype: Optional[str] = None
     # Forward options of the torch engine (KERNEL_OPTIONS; the trainer's options of the same names,
     # docs/gpu.md measures them), all off: pack a micro-batch's real tokens into one sequence
-    # (FlashAttention varlen on CUDA; rows right-padded, as the drivers' batches are).
+    # (FlashAttention varlen on CUDA; rows right-padded, as the drivers' batches are); without
+    # compile or chunks, its top-k and logprobs come from the output head over those tokens only.
     packing: bool = False
     # torch.compile the model's forward (about a minute of compilation per new shape).
     compile: bool = False
@@ -131,6 +133,9 @@ class Teacher(WeightReceiver):
         return self._vocab_size
 
     _run: Optional[torch.nn.Module] = None  # the compiled forward (compile), else None
+    # The output head, log-softmax, top-k and tail as one function of the model (fused_logprobs:
+    # compiled; packing alone: eager, over the packed real tokens, never the padded [b, T, V]).
+    _vocab: Optional[Callable] = None
 
     def _set_options(self) -> None:
         """Packing and compilation of the torch engine's forward (KERNEL_OPTIONS)."""
@@ -140,9 +145,11 @@ class Teacher(WeightReceiver):
                 check_plain_head(self.model, f"teacher {option}")
         use_packing(self.model, c.packing)
         if c.fused_logprobs:  # the module itself stays what offload and weight loads see
-            self._run = torch.compile(functools.partial(next_token_vocab_logprobs, self.model))
+            self._run = self._vocab = torch.compile(functools.partial(next_token_vocab_logprobs, self.model))
         elif c.compile:
             self._run = torch.compile(self.model.base_model if c.chunked_logprobs else self.model)
+        elif c.packing and not c.chunked_logprobs and plain_head(self.model):
+            self._vocab = functools.partial(next_token_vocab_logprobs, self.model)
 
     def _torch_forward(self, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """Logits [b, T, V] (HF layout), or with chunked_logprobs the last hidden states [b, T, H];
@@ -156,12 +163,12 @@ class Teacher(WeightReceiver):
 
     def _fused_forward(self, ids: torch.Tensor, mask: torch.Tensor, topk: Optional[int], tail: bool,
                        temperature: float) -> tuple[torch.Tensor, ...]:
-        """`vocab_logprobs` of the model's logits [b, T, ...] (HF layout) through the compiled
-        function (fused_logprobs); packed: zero on padding."""
+        """`vocab_logprobs` of the model's logits [b, T, ...] (HF layout) through `_vocab`; packed:
+        zero on padding."""
         if not self.config.packing:
-            return self._run(topk, tail, temperature, input_ids=ids, attention_mask=mask, use_cache=False)
+            return self._vocab(topk, tail, temperature, input_ids=ids, attention_mask=mask, use_cache=False)
         p = pack(self.model, ids, mask)
-        return tuple(p.unpack(got[0]) for got in self._run(topk, tail, temperature, **p.inputs))
+        return tuple(p.unpack(got[0]) for got in self._vocab(topk, tail, temperature, **p.inputs))
 
     @torch.no_grad()
     def _micro_batches(self, batch: Batch):
@@ -222,7 +229,7 @@ class Teacher(WeightReceiver):
                 if tail:
                     tails[rows, 1:][kept] = flat[2]
                 continue
-            elif self.config.fused_logprobs:
+            elif self._vocab is not None:
                 outs = self._fused_forward(ids, mask, topk, tail, temperature)
             else:
                 outs = vocab_logprobs(self._torch_forward(ids, mask), topk, tail, temperature)

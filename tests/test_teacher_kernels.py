@@ -32,6 +32,21 @@ def plain():
 FUSED = [{"compile": True, "fused_logprobs": True, "packing": True}]
 
 
+def test_packing_alone_takes_the_head_over_the_packed_tokens_only(monkeypatch, plain):
+    """With packing (no compile, no chunks) the top-k, tail and full vocabulary come from the
+    output head over the packed real tokens: the padded [b, T, V] logits are never made."""
+    batch = ragged_batch()
+    fast = Teacher(MODEL, TeacherConfig(device="cpu", micro_batch_per_device=3, packing=True))
+
+    def padded(*args):
+        raise AssertionError("the padded logits were computed")
+    monkeypatch.setattr(fast, "_torch_forward", padded)
+    for got, want in zip(fast.logits(batch, topk=7, tail=True, temperature=0.7),
+                         plain.logits(batch, topk=7, tail=True, temperature=0.7)):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=0)
+    torch.testing.assert_close(fast.logits(batch, topk=None), plain.logits(batch, topk=None), atol=2e-5, rtol=0)
+
+
 @pytest.mark.parametrize("options", OPTIONS + FUSED, ids=lambda o: "+".join(o))
 def test_options_give_the_plain_forwards_topk_tail_and_full_vocabulary(monkeypatch, plain, options):
     """(fused_logprobs: its compiled function traced by dynamo and AOTAutograd here.)"""
