@@ -145,7 +145,7 @@ class Teacher(WeightReceiver):
                 check_plain_head(self.model, f"teacher {option}")
         use_packing(self.model, c.packing)
         if c.fused_logprobs:  # the module itself stays what offload and weight loads see
-            self._run = self._vocab = torch.compile(functools.partial(next_token_vocab_logprobs, self.model))
+            self._vocab = torch.compile(functools.partial(next_token_vocab_logprobs, self.model))
         elif c.compile:
             self._run = torch.compile(self.model.base_model if c.chunked_logprobs else self.model)
         elif c.packing and not c.chunked_logprobs and plain_head(self.model):
