@@ -2,10 +2,11 @@
 
     python benchmarks/gpu_drivers.py --rollout-engines torch vllm --steps 4
     python benchmarks/gpu_drivers.py --algorithms grpo --override run.prompts_per_step=32
+    python benchmarks/gpu_drivers.py --algorithms grpo grpo_async --rollout-engines vllm
 
 Each run is the real driver (`python -m algorithms.grpo +experiment=grpo_gpu`, `algorithms.gkd
-+experiment=gkd_gpu`: Ray actors sharing the GPU) as a subprocess, with the engine's
-overrides below; from each run's metrics.jsonl, the step time and its phases averaged over
++experiment=gkd_gpu`, grpo_async `algorithms.grpo +experiment=grpo_gpu_async`: Ray actors
+sharing the GPU) as a subprocess, with the engine's overrides below; from each run's metrics.jsonl, the step time and its phases averaged over
 the steps after the first and before the last (GKD: on- and off-policy steps apart). Writes
 the figures as JSON to --out (after every run) and prints a table.
 """
@@ -25,13 +26,18 @@ ROOT = Path(__file__).resolve().parent.parent
 DRIVER_RUNS = {
     "grpo": ("algorithms.grpo", "+experiment=grpo_gpu"),
     "gkd": ("algorithms.gkd", "+experiment=gkd_gpu"),
+    # Generation one step ahead on the same GPU (both roles resident, the rollout never sleeps).
+    "grpo_async": ("algorithms.grpo", "+experiment=grpo_gpu_async"),
 }
 # Per-engine overrides of the GPU experiments (which ship with vLLM: it sleeps at level 2, so
-# updates wake only its weights and load device to device, and serves the GKD teacher too).
+# updates wake only its weights and load device to device, and serves the GKD teacher too;
+# grpo_async keeps the rollout awake throughout).
 ENGINE_OVERRIDES = {"torch": {"grpo": ["backend.rollout=torch", "placement.sleep_level=1"],
-                              "gkd": ["backend.rollout=torch", "backend.teacher=torch", "placement.sleep_level=1"]},
+                              "gkd": ["backend.rollout=torch", "backend.teacher=torch", "placement.sleep_level=1"],
+                              "grpo_async": ["backend.rollout=torch"]},
                     "vllm": {"grpo": ["backend.rollout=vllm", "placement.sleep_level=2"],
-                             "gkd": ["backend.rollout=vllm", "backend.teacher=vllm", "placement.sleep_level=2"]}}
+                             "gkd": ["backend.rollout=vllm", "backend.teacher=vllm", "placement.sleep_level=2"],
+                             "grpo_async": ["backend.rollout=vllm"]}}
 
 
 # The trainer-rollout gap metrics shown (train/rollout_correction/<key>).
@@ -52,7 +58,7 @@ def drivers(args) -> dict:
             module, experiment = DRIVER_RUNS[algo]
             run_dir = out_root / f"{algo}_{engine}"
             cmd = [sys.executable, "-m", module, experiment, f"run.steps={args.steps}", f"hydra.run.dir={run_dir}",
-                   *ENGINE_OVERRIDES[engine][algo], *args.override, *(args.grpo_override if algo == "grpo" else [])]
+                   *ENGINE_OVERRIDES[engine][algo], *args.override, *(args.grpo_override if algo.startswith("grpo") else [])]
             print("$", " ".join(cmd[1:]), flush=True)
             t0 = time.perf_counter()
             try:

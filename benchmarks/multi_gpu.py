@@ -11,7 +11,8 @@ weight sync between GPUs, each part in one command.
 placement  the real drivers (algorithms.grpo / algorithms.gkd, in this process, one local Ray
            cluster for every run) with the experiments <algo>_gpu_colocate_2gpu (trainer DP=2
            and rollout on both GPUs, taking turns), <algo>_gpu_separate_2gpu with
-           algorithm.max_staleness 0 (separate) and --staleness (overlap), and for GKD
+           algorithm.max_staleness 0 (separate) and --staleness (overlap), the colocated one
+           with every role resident and --staleness (colocate_overlap), and for GKD
            gkd_gpu_teacher_group_3gpu (the teacher on a GPU of its own; 3 GPUs). Per run, from its
            metrics and timeline (benchmarks/colocate_vs_separate.py's summary): step time,
            trained tokens/s, seconds per phase, idle fraction per role, weight-sync time, peak
@@ -86,13 +87,19 @@ PLACEMENTS = {
     ("grpo", "colocate"): ("grpo_gpu_colocate_2gpu", 0, 2),
     ("grpo", "separate"): ("grpo_gpu_separate_2gpu", 0, 2),
     ("grpo", "overlap"): ("grpo_gpu_separate_2gpu", None, 2),
+    ("grpo", "colocate_overlap"): ("grpo_gpu_colocate_2gpu", None, 2),
     ("gkd", "colocate"): ("gkd_gpu_colocate_2gpu", 0, 2),
+    ("gkd", "colocate_overlap"): ("gkd_gpu_colocate_2gpu", None, 2),
     ("gkd", "separate"): ("gkd_gpu_separate_2gpu", 0, 2),
     ("gkd", "overlap"): ("gkd_gpu_separate_2gpu", None, 2),
     ("gkd", "teacher_group"): ("gkd_gpu_teacher_group_3gpu", 0, 3),
     ("gkd", "teacher_group_overlap"): ("gkd_gpu_teacher_group_3gpu", None, 3),
 }
-MODES = ("colocate", "separate", "overlap", "teacher_group", "teacher_group_overlap")
+MODES = ("colocate", "separate", "overlap", "colocate_overlap", "teacher_group", "teacher_group_overlap")
+# colocate_overlap: the colocated layout with every role resident (no sleep, no offload), so the
+# rollout generates ahead on the devices the trainer trains on.
+MODE_OVERRIDES = {"colocate_overlap": ["placement.sleep_level=0", "placement.offload_model=false",
+                                       "placement.offload_optimizer=false", "placement.offload_teacher_model=false"]}
 # Simulated runs: tiny models and data, fp32 on the CPU (as tests/test_experiments_run.py shrinks them).
 SIMULATE_PLACEMENT = {
     "common": ["model=tiny_qwen2", "run.prompts_per_step=4", "data.train_size=32", "data.eval_size=2",
@@ -111,7 +118,8 @@ def placement_runs(args) -> list[tuple[str, str]]:
 def placement_overrides(args, algo: str, mode: str, out: Path) -> list[str]:
     experiment, staleness, _ = PLACEMENTS[(algo, mode)]
     items = [f"+experiment={experiment}", f"run.steps={args.steps}", "run.eval_every=0", "run.save_final=false",
-             f"algorithm.max_staleness={args.staleness if staleness is None else staleness}"]
+             f"algorithm.max_staleness={args.staleness if staleness is None else staleness}",
+             *MODE_OVERRIDES.get(mode, [])]
     if args.simulate:
         items += SIMULATE_PLACEMENT["common"] + [s.format(out=out) for s in SIMULATE_PLACEMENT[algo]]
         # The experiments' teacher (colocated or in its own group): a smaller preset with the tiny student's vocabulary.

@@ -32,6 +32,7 @@ EXPERIMENTS = {
     "grpo_quickstart": ("grpo", "local", []),
     "grpo_multi_turn": ("grpo", "local", []),
     "grpo_gpu": ("grpo", "local", []),
+    "grpo_gpu_async": ("grpo", "local", []),
     "grpo_colocate": ("grpo", "local", ONE_RANK),
     "grpo_separate": ("grpo", "local", ONE_RANK),
     "grpo_two_nodes": ("grpo", "ray", ONE_RANK + ["placement.nproc_per_node=1"]),

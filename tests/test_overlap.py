@@ -192,16 +192,39 @@ def test_gkd_staleness_1_overlaps_generation_with_teacher_and_training(tmp_path)
     assert records[1]["mem/teacher_rss_bytes"] == 50
 
 
-@pytest.mark.parametrize("placement", [
-    COLOCATED,
-    {"device_groups": {"nproc_per_node": 1, "gen": {"device": "GPU", "ranks": [0], "workers": ["train", "rollout"]}}},
+@pytest.mark.parametrize("placement, turns", [
+    (COLOCATED, r"the rollout sleeps \(placement.sleep_level=1\); the trainer offloads"),
+    ({**COLOCATED, "sleep_level": 0}, r"there: the trainer offloads \(placement.offload_model/offload_optimizer\)"),
+    ({**COLOCATED, "offload_model": False}, r"there: the rollout sleeps \(placement.sleep_level=1\)\. Fix"),
 ])
-def test_overlap_on_a_shared_device_is_refused(placement):
+def test_overlap_on_a_shared_device_where_roles_take_turns_is_refused(placement, turns):
     plan = make_plan(placement)
     cfg = grpo.GRPOConfig(run=LoopConfig(prompts_per_step=4), algorithm=grpo.GRPOAlgorithm(max_staleness=1))
-    with pytest.raises(ConfigError, match=r"'algorithm.max_staleness'=1 .*colocates rollout with \['train'\].*Fix"):
+    with pytest.raises(ConfigError, match=r"'algorithm.max_staleness'=1 .*colocates rollout with \['train'\].*" + turns):
         grpo.validate(cfg, plan)
     grpo.validate(grpo.GRPOConfig(run=LoopConfig(prompts_per_step=4)), plan)  # 0 is fine there
+
+
+@pytest.mark.parametrize("placement", [
+    {**COLOCATED, "sleep_level": 0, "offload_model": False},
+    {"device_groups": {"nproc_per_node": 1, "gen": {"device": "GPU", "ranks": [0], "workers": ["train", "rollout"]}}},
+])
+def test_overlap_on_a_shared_device_where_every_role_stays_resident_is_accepted(placement):
+    plan = make_plan(placement)
+    assert plan["rollout"].colocated_with == ("train",)
+    grpo.validate(grpo.GRPOConfig(run=LoopConfig(prompts_per_step=4), algorithm=grpo.GRPOAlgorithm(max_staleness=1)),
+                  plan)
+
+
+def test_grpo_staleness_1_overlaps_on_a_shared_device_when_nothing_takes_turns(tmp_path):
+    """Colocated, the rollout awake and the trainer resident: the loop overlaps as on separate
+    devices, and no step moves anything (no sleep, wake-up, offload or onload)."""
+    records, timeline = run_grpo(tmp_path, max_staleness=1, placement={**COLOCATED, "sleep_level": 0,
+                                                                        "offload_model": False})
+    assert [r["staleness/max"] for r in records[1:]] == [0.0, 1.0, 1.0, 1.0, 1.0]
+    assert not any(k.startswith("move/") for r in records for k in r)
+    gen, train = spans(timeline, "rollout", "generate"), spans(timeline, "train", "train")
+    assert all(gen[k + 1][0] < train[k][0] for k in range(1, 5)), (gen, train)
 
 
 def test_gkd_overlap_with_a_colocated_rollout_is_refused():

@@ -376,14 +376,23 @@ def check_loggers(loggers: Any, key: str = "run.loggers") -> None:
 
 
 def check_staleness(max_staleness: int, plan: Plan, key: str = "algorithm.max_staleness") -> None:
-    """Refuse a negative bound, and overlap where the rollout shares its devices with a role
-    that runs meanwhile (they take turns there, so nothing could overlap)."""
+    """Refuse a negative bound, and overlap where the rollout takes turns with a role on its
+    devices: it sleeps there, or the trainer or teacher beside it offloads (nothing could run
+    meanwhile). Colocated roles that all stay on the devices run at once there."""
     require(max_staleness >= 0, key, max_staleness, "must be >= 0",
             "set it to 0 (strictly on-policy) or to the weight versions a sample may lag")
-    shared = sorted(set(plan["rollout"].colocated_with) & {"train", "teacher"}) if "rollout" in plan.roles else []
-    require(max_staleness == 0 or not shared, key, max_staleness, "overlaps generation with training, but the "
-            f"placement colocates rollout with {shared} (placement.colocate_groups / device_groups): they share a "
-            "device and take turns", f"set {key}=0, or give the rollout its own devices (separate placement)")
+    if not max_staleness or "rollout" not in plan.roles:
+        return
+    rollout = plan["rollout"]
+    shared = sorted(set(rollout.colocated_with) & {"train", "teacher"})
+    turns = [f"the rollout sleeps (placement.sleep_level={rollout.sleep_level})"] if rollout.sleep_level else []
+    offloads = {"train": "the trainer offloads (placement.offload_model/offload_optimizer)",
+                "teacher": "the teacher offloads (placement.offload_teacher_model)"}
+    turns += [offloads[role] for role in shared if plan[role].offload_model or plan[role].offload_optimizer]
+    require(not (shared and turns), key, max_staleness, f"overlaps generation with training, but the placement "
+            f"colocates rollout with {shared} (placement.colocate_groups / device_groups) and they take turns "
+            f"there: {'; '.join(turns)}", f"set {key}=0; or keep every role on the shared devices "
+            "(placement.sleep_level=0 and no offload: their memory is then needed at once); or give the rollout its own devices (separate placement)")
 
 
 def check_opd_teacher(cfg: Any, plan: Plan, key: str = "algorithm.teacher_kl_coef") -> None:
