@@ -12,8 +12,8 @@ trainer minimises the generalized JSD (`beta`, `temperature`, `sft_alpha`), and 
 weights go to the rollout. The teacher is colocated with the trainer (placement
 `teacher_model`) or in its own group (`placement.teacher`); with `trainer.lora` and the
 student's own model as the teacher, it is the trainer's base with the adapter off, scored
-inside the train call (no teacher role). With separate placement and
-`max_staleness` N > 0, the student's generations for the next N steps run while the teacher
+inside the train call (no teacher role). With `max_staleness` N > 0 (the rollout on devices
+of its own, or on shared ones where no role takes turns), the student's generations for the next N steps run while the teacher
 and trainer work (samples at most N weight versions old). On Ray, a teacher group of its own
 scores an off-policy step's dataset responses during the previous step's train call
 (`algorithm.score_ahead`). With `teacher.warmup_steps`, the
@@ -93,7 +93,8 @@ class GKDAlgorithm:
     topk_mode: str = "renorm"
     # Longest student generation in tokens.
     max_new_tokens: int = 48
-    # Steps an on-policy generation may run ahead of training (separate placement only): with N
+    # Steps an on-policy generation may run ahead of training (the rollout on devices of its own,
+    # or on shared ones where no role takes turns: sleep_level 0, no offload): with N
     # the rollout generates for steps k+1..k+N while the teacher and trainer work on step k, so
     # the student's samples are up to N weight versions old. 0: strictly on-policy.
     max_staleness: int = 0

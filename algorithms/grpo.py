@@ -16,9 +16,11 @@ truncated or masked trainer/rollout probability ratio: ms-swift's mismatch corre
 a k3 KL penalty to the initial weights when `beta` > 0 (the reference policy: a role on
 the trainer's devices and engine, offloaded between uses when the trainer offloads; with
 `trainer.lora`, the trainer's own base with the adapter off, inside its train call), and
-the new weights go to the rollout. With separate placement and `max_staleness` N > 0, the
-rollout generates the batches of the next N steps while the trainer trains (samples at
-most N weight versions old; staleness/max and staleness/mean are logged). With
+the new weights go to the rollout. With `max_staleness` N > 0 the rollout generates the
+batches of the next N steps while the trainer trains (samples at most N weight versions
+old; staleness/max and staleness/mean are logged): on devices of its own, or on the
+trainer's when neither takes turns there (sleep_level 0, no offload; ms-swift's
+async_generate). With
 `warmup_sft_steps`, the policy is first trained by SFT on the task's reference solutions
 and GRPO starts from that checkpoint. eval/accuracy (greedy, held-out) is logged at step
 0, every run.eval_every steps and at the end. Per step: time/<phase>,
@@ -110,8 +112,9 @@ class GRPOAlgorithm:
     # Extra generation rounds per step for dynamic_sample; still short after them, the step is
     # topped up with zero-variance groups.
     max_resample_times: int = 3
-    # Steps a generation may run ahead of training (separate placement only): with N the rollout
-    # generates the batches of steps k+1..k+N while the trainer trains on step k's, so samples
+    # Steps a generation may run ahead of training (the rollout on devices of its own, or on the
+    # trainer's with neither taking turns: placement.sleep_level 0, no offload): with N the
+    # rollout generates the batches of steps k+1..k+N while the trainer trains on step k's, so samples
     # are up to N weight versions old (the ratio uses their own sampling logprobs; with a
     # rollout_importance_sampling_mode the trainer's current ones, the weight then covering the
     # lag too: decoupled PPO). 0: on-policy.

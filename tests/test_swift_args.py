@@ -105,6 +105,8 @@ def test_each_example_prepares_and_validates_before_anything_starts(example, mon
                                                              "data.paths": ["/d/a.jsonl#100", "/d/b.jsonl#100"],
                                                              "data.truncation_strategy": "delete"}),
     ("num_generations", 4, "grpo", {"algorithm.num_generations": 4}),
+    ("async_generate", True, "grpo", {"algorithm.max_staleness": 1, "placement.sleep_level": 0}),
+    ("async_generate", False, "grpo", {"algorithm.max_staleness": 0}),
     ("generation_batch_size", 32, "grpo", {"run.prompts_per_step": 4}),  # 32 completions / 8 per prompt
     ("scale_rewards", False, "grpo", {"algorithm.scale_rewards": "none"}),
     ("advantage_estimator", "rloo", "grpo", {"algorithm.leave_one_out": True}),
@@ -338,3 +340,21 @@ def test_flash_attn_runs_as_sdpa_where_flash_attn_is_not_installed(capsys):
         assert out["model.attn_implementation"] == "sdpa" and "flash-attn is not installed" in capsys.readouterr().out
     else:
         assert out["model.attn_implementation"] == "flash_attention_2"
+
+
+def test_async_generate_keeps_the_colocated_rollout_awake_and_refuses_an_offloading_trainer(example, monkeypatch):
+    """ms-swift's async_generate: one step of staleness and sleep_level 0 (its own override of
+    the file's sleep_level); beside the rollout the trainer must then stay on the device too."""
+    from algorithms import grpo
+
+    monkeypatch.chdir(example)
+    file = {**yaml.safe_load((example / "grpo_colocate.yaml").read_text()), "async_generate": True}
+    for offload, path in ((False, "async_resident.yaml"), (True, "async_offload.yaml")):
+        (example / path).write_text(yaml.safe_dump({**file, "offload_model": offload, "offload_optimizer": offload}))
+    typed, plan = prepare({"config_file": "async_resident.yaml"}, GRPOConfig, cli=[])
+    assert typed.algorithm.max_staleness == 1 and plan["rollout"].sleep_level == 0
+    assert plan["rollout"].colocated_with == ("train",)
+    grpo.validate(typed, plan)
+    with pytest.raises(ConfigError, match=r"max_staleness'=1 overlaps generation with training.*the trainer "
+                                          r"offloads.*Fix"):
+        grpo.validate(*prepare({"config_file": "async_offload.yaml"}, GRPOConfig, cli=[]))

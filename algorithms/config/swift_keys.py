@@ -149,6 +149,8 @@ DRIVER_KEYS: dict[str, dict[str, conv.Mapper]] = {
         "advantage_estimator": conv.advantage,
         "dynamic_sample": conv.to("algorithm.dynamic_sample", convert=conv.flag),
         "max_resample_times": conv.to("algorithm.max_resample_times", convert=conv.integer),
+        # Generation one step ahead of training.
+        "async_generate": conv.async_generate,
         # Rewards.
         "reward_funcs": conv.reward_funcs,
         "reward_weights": conv.to("algorithm.reward_weights", convert=conv.numbers),

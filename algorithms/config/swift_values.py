@@ -275,6 +275,14 @@ def use_vllm(value: Any, file: Mapping, cfg: Any) -> dict:
     return {"backend.rollout": "vllm" if flag(value) else "torch"}
 
 
+def async_generate(value: Any, file: Mapping, cfg: Any) -> dict:
+    """ms-swift's async rollout: each batch sampled with the previous step's weights while the
+    trainer trains, the rollout awake throughout (ms-swift sets sleep_level 0 with it)."""
+    if not flag(value):
+        return {"algorithm.max_staleness": 0}
+    return {"algorithm.max_staleness": 1, "placement.sleep_level": 0}
+
+
 def vllm_mode(value: Any, file: Mapping, cfg: Any) -> dict:
     if value != "colocate":
         raise Unsupported(f"{value!r}: the rollout is a role on planned devices, never an external vLLM "
