@@ -111,16 +111,18 @@ def test_benchmark_refuses_runs_that_need_more_gpus_than_the_host_has():
 
 
 def test_benchmark_simulated_on_cpu(ray_cluster, tmp_path, one_thread):
-    """Every part of benchmarks/multi_gpu.py on simulated GPUs with a tiny model: GRPO colocated
-    and separate with overlap, Megatron TP=2 against the torch reference, and gloo weight sync
-    between two (simulated) GPUs. The two GRPO runs are also the real runs of the overlap and
-    of colocated turns: their metrics and timelines are checked as such."""
+    """Every part of benchmarks/multi_gpu.py on simulated GPUs with a tiny model: GRPO colocated,
+    separate with overlap and colocated with overlap, Megatron TP=2 against the torch reference,
+    and gloo weight sync between two (simulated) GPUs. The GRPO runs are also the real runs of
+    the overlap, of colocated turns and of overlap on shared devices: their metrics and
+    timelines are checked as such."""
     bench = multi_gpu_module()
     res = bench.main(["all", "--simulate", "4", "--out", str(tmp_path), "--algorithms", "grpo", "--modes",
-                      "colocate", "overlap", "--steps", "3", "--no-plot", "--variants", "megatron_tp2",
+                      "colocate", "overlap", "colocate_overlap", "--steps", "3", "--no-plot", "--variants", "megatron_tp2",
                       "--train-steps", "2", "--layouts", "between_gpus", "--reps", "2"])
-    colocate, overlap = res["placement"]
-    assert (colocate["mode"], overlap["mode"]) == ("colocate", "overlap")
+    colocate, overlap, shared = res["placement"]
+    assert (colocate["mode"], overlap["mode"], shared["mode"]) == ("colocate", "overlap", "colocate_overlap")
+    assert shared["ranks"] == colocate["ranks"] and shared["staleness_max"] == 1
     assert colocate["ranks"] == {"train": [0, 1], "rollout": [0, 1]} and overlap["ranks"] == {"train": [0],
                                                                                              "rollout": [1]}
     assert overlap["staleness_max"] == 1 and colocate["staleness_max"] == 0
@@ -139,10 +141,12 @@ def test_benchmark_simulated_on_cpu(ray_cluster, tmp_path, one_thread):
                                                                            "device": "cpu"}
     check_overlap_run(tmp_path / "grpo_overlap")
     check_colocated_run(tmp_path / "grpo_colocate")
+    check_overlap_run(tmp_path / "grpo_colocate_overlap")  # on the devices the trainer uses
 
 
 def check_overlap_run(run_dir: Path) -> None:
-    """Separate devices, algorithm.max_staleness=1: generation of the next batch overlaps training."""
+    """algorithm.max_staleness=1 on separate devices, or on shared ones where no role takes turns:
+    generation of the next batch overlaps training, and nothing sleeps or offloads."""
     from algorithms.records.trackers import read_metrics
     from tests.test_overlap import spans
 
@@ -151,7 +155,7 @@ def check_overlap_run(run_dir: Path) -> None:
     assert [r["staleness/max"] for r in records[1:]] == [0.0, 1.0, 1.0]
     for r in records[1:]:
         assert r["train/loss"] == r["train/loss"] and "time/wait_rollout" in r and r["rollout/generate_s"] > 0
-        assert not any(k.startswith("move/") for k in r)  # nothing takes turns on separate devices
+        assert not any(k.startswith("move/") for k in r)  # nothing takes turns
     gen, train = spans(timeline, "rollout", "generate"), spans(timeline, "train", "train")
     assert gen[3][0] < train[2][1]  # batch 3 was started before training on batch 2 ended
     assert records[-1]["mem/train_rss_peak_bytes"] > 50 * 2**20 and records[-1]["mem/rollout_rss_bytes"] > 50 * 2**20
