@@ -179,3 +179,23 @@ def test_rollout_engines_runs_every_workload_on_every_engine(tmp_path):
         mismatch = engines[engine]["mismatch"]
         assert math.isfinite(mismatch["kl"]) and mismatch["ratio_max"] >= 1.0
     assert "| vllm_rollout | fixed |" in done.stdout
+
+
+def test_shared_device_times_each_side_alone_then_both_at_once(tmp_path):
+    """benchmarks/shared_device.py (generation and training at once on one device) on CPU at a
+    tiny size with the torch rollout: each side alone, then both in their own processes at once."""
+    out = tmp_path / "shared.json"
+    cmd = [sys.executable, "benchmarks/shared_device.py", "--device", "cpu", "--model", "tiny_qwen2", "--engine",
+           "torch", "--rows", "8", "--samples", "2", "--new-tokens", "6", "--train-rows", "8", "--train-tokens", "16",
+           "--calls", "2", "--steps", "3", "--out", str(out)]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert len(res["rollout_alone_s"]) == len(res["rollout_together_s"]) == 2
+    assert len(res["train_alone_s"]) == len(res["train_together_s"]) == 3
+    assert res["serial_s"] == pytest.approx(sum(res["rollout_alone_s"]) + sum(res["train_alone_s"]))
+    assert res["x_serial"] == pytest.approx(res["together_wall_s"] / res["serial_s"])
+    (r0, r1), (t0, t1) = res["rollout_together_span"], res["train_together_span"]
+    assert r0 < t1 and t0 < r1  # the two sides ran at the same time
+    assert res["together_wall_s"] >= max(sum(res["rollout_together_s"]), sum(res["train_together_s"]))
+    assert "| together |" in done.stdout
