@@ -30,7 +30,6 @@ from typing import Callable
 import torch
 
 from roles.batch import SamplingParams
-from roles.models import build_model
 from roles.rollout import Rollout
 from roles.trainer import Trainer
 from roles.trainer_config import TrainerConfig
@@ -50,8 +49,7 @@ def rollout_side(args) -> Callable[[int], None]:
     options = json.loads(args.vllm_options) if args.engine == "vllm" else None
     rollout = Rollout(args.model, config={"device": args.device, "dtype": "bfloat16" if cuda else None,
                                           "max_batch_size": args.rows}, engine=args.engine, engine_options=options)
-    vocab = build_model(args.model).config.vocab_size
-    prompts = prompt_ids(args.rows // args.samples, args.prompt_len, vocab, seed=1)
+    prompts = prompt_ids(args.rows // args.samples, args.prompt_len, len(rollout.tokenizer), seed=1)
 
     def call(seed: int) -> None:
         rollout.generate(prompts, SamplingParams(temperature=1.0, n=args.samples, seed=seed, logprobs=True,
@@ -66,8 +64,7 @@ def train_side(args) -> Callable[[int], None]:
                            dtype="bfloat16" if cuda else "float32", micro_batch_per_device=args.micro_batch,
                            packing=cuda, optimizer="adamw_fused" if cuda else "adamw")
     trainer = Trainer(args.model, config)
-    vocab = build_model(args.model).config.vocab_size
-    batch = train_batch(args.train_rows, args.train_tokens, vocab, ragged=True, seed=0)
+    batch = train_batch(args.train_rows, args.train_tokens, len(trainer.tokenizer), ragged=True, seed=0)
     return lambda seed: trainer.train_step(batch)
 
 
