@@ -227,6 +227,15 @@ def test_grpo_staleness_1_overlaps_on_a_shared_device_when_nothing_takes_turns(t
     assert all(gen[k + 1][0] < train[k][0] for k in range(1, 5)), (gen, train)
 
 
+def test_gkd_overlap_beside_a_colocated_teacher_needs_the_teacher_resident_too():
+    resident = {**COLOCATED, "sleep_level": 0, "offload_model": False, "teacher_model": "tiny_llama"}
+    gkd.validate(GKDConfig(algorithm=GKDAlgorithm(max_staleness=1)), make_plan(resident))
+    with pytest.raises(ConfigError, match=r"\['teacher', 'train'\].*there: the teacher offloads "
+                                          r"\(placement.offload_teacher_model\)\. Fix"):
+        gkd.validate(GKDConfig(algorithm=GKDAlgorithm(max_staleness=1)),
+                     make_plan({**resident, "offload_teacher_model": True}))
+
+
 def test_gkd_overlap_with_a_colocated_rollout_is_refused():
     plan = make_plan({**COLOCATED, "teacher_model": "tiny_llama"})
     with pytest.raises(ConfigError, match="algorithm.max_staleness"):
