@@ -13,10 +13,10 @@ weights go to the rollout. The teacher is colocated with the trainer (placement
 `teacher_model`) or in its own group (`placement.teacher`); with `trainer.lora` and the
 student's own model as the teacher, it is the trainer's base with the adapter off, scored
 inside the train call (no teacher role). With `max_staleness` N > 0 (the rollout on devices
-of its own, or on shared ones where no role takes turns), the student's generations for the next N steps run while the teacher
-and trainer work (samples at most N weight versions old). On Ray, a teacher group of its own
-scores an off-policy step's dataset responses during the previous step's train call
-(`algorithm.score_ahead`). With `teacher.warmup_steps`, the
+of its own, or on shared ones where no role takes turns), the student's generations for the
+next N steps run while the teacher and trainer work (samples at most N weight versions old).
+On Ray, a teacher group of its own scores an off-policy step's dataset responses during the
+previous step's train call (`algorithm.score_ahead`). With `teacher.warmup_steps`, the
 teacher is first trained by SFT on the task and cached. eval/accuracy (greedy, held-out) of
 the student is logged at step 0, every run.eval_every steps and at the end, beside the
 teacher's own accuracy. Per-step time, bytes moved and memory figures and timeline.jsonl are

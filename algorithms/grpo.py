@@ -114,8 +114,8 @@ class GRPOAlgorithm:
     max_resample_times: int = 3
     # Steps a generation may run ahead of training (the rollout on devices of its own, or on the
     # trainer's with neither taking turns: placement.sleep_level 0, no offload): with N the
-    # rollout generates the batches of steps k+1..k+N while the trainer trains on step k's, so samples
-    # are up to N weight versions old (the ratio uses their own sampling logprobs; with a
+    # rollout generates the batches of steps k+1..k+N while the trainer trains on step k's, so
+    # samples are up to N weight versions old (the ratio uses their own sampling logprobs; with a
     # rollout_importance_sampling_mode the trainer's current ones, the weight then covering the
     # lag too: decoupled PPO). 0: on-policy.
     max_staleness: int = 0

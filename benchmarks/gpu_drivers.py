@@ -6,8 +6,9 @@
 
 Each run is the real driver (`python -m algorithms.grpo +experiment=grpo_gpu`, `algorithms.gkd
 +experiment=gkd_gpu`, grpo_async `algorithms.grpo +experiment=grpo_gpu_async`: Ray actors
-sharing the GPU) as a subprocess, with the engine's overrides below; from each run's metrics.jsonl, the step time and its phases averaged over
-the steps after the first and before the last (GKD: on- and off-policy steps apart). Writes
+sharing the GPU) as a subprocess, with the engine's overrides below; from each run's
+metrics.jsonl, the step time and its phases averaged over the steps after the first and
+before the last (GKD: on- and off-policy steps apart). Writes
 the figures as JSON to --out (after every run) and prints a table.
 """
 from __future__ import annotations

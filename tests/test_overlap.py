@@ -200,7 +200,8 @@ def test_gkd_staleness_1_overlaps_generation_with_teacher_and_training(tmp_path)
 def test_overlap_on_a_shared_device_where_roles_take_turns_is_refused(placement, turns):
     plan = make_plan(placement)
     cfg = grpo.GRPOConfig(run=LoopConfig(prompts_per_step=4), algorithm=grpo.GRPOAlgorithm(max_staleness=1))
-    with pytest.raises(ConfigError, match=r"'algorithm.max_staleness'=1 .*colocates rollout with \['train'\].*" + turns):
+    refused = r"'algorithm.max_staleness'=1 .*colocates rollout with \['train'\].*"
+    with pytest.raises(ConfigError, match=refused + turns):
         grpo.validate(cfg, plan)
     grpo.validate(grpo.GRPOConfig(run=LoopConfig(prompts_per_step=4)), plan)  # 0 is fine there
 

@@ -392,7 +392,8 @@ def check_staleness(max_staleness: int, plan: Plan, key: str = "algorithm.max_st
     require(not (shared and turns), key, max_staleness, f"overlaps generation with training, but the placement "
             f"colocates rollout with {shared} (placement.colocate_groups / device_groups) and they take turns "
             f"there: {'; '.join(turns)}", f"set {key}=0; or keep every role on the shared devices "
-            "(placement.sleep_level=0 and no offload: their memory is then needed at once); or give the rollout its own devices (separate placement)")
+            "(placement.sleep_level=0 and no offload: their memory is then needed at once); or give the rollout "
+            "its own devices (separate placement)")
 
 
 def check_opd_teacher(cfg: Any, plan: Plan, key: str = "algorithm.teacher_kl_coef") -> None:
