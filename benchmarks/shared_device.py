@@ -112,8 +112,11 @@ def main_run(args) -> dict:
     deadline = time.monotonic() + args.timeout_s
     while not all(Path(f"{go}.ready.{side}").exists() for side in counts):
         if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-            wait(procs, 1)
-            raise SystemExit("shared_device: a side did not get ready")
+            codes = [p.poll() for p in procs]
+            for p in procs:
+                p.kill()
+            raise SystemExit(f"shared_device: a side did not get ready within --timeout-s={args.timeout_s} "
+                             f"(exit codes {codes}, None: still running)")
         time.sleep(0.01)
     go.touch()
     wait(procs, args.timeout_s)
