@@ -93,9 +93,16 @@ def spawn(args, side: str, count: int, result: Path, go: Path | None) -> subproc
 
 
 def wait(procs: list[subprocess.Popen], timeout: float) -> None:
+    """Each side's exit, 0 expected; a failed or late side stops the run, naming it."""
     for p in procs:
-        if p.wait(timeout=timeout):
-            raise SystemExit(f"shared_device: a side exited with {p.returncode} ({' '.join(p.args[2:])})")
+        try:
+            code = p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            code = f"no exit within --timeout-s={timeout}"
+        if code:
+            for q in procs:
+                q.kill()
+            raise SystemExit(f"shared_device: a side failed ({code}): {' '.join(p.args[2:])}")
 
 
 def main_run(args) -> dict:
