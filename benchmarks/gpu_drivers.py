@@ -8,8 +8,8 @@ Each run is the real driver (`python -m algorithms.grpo +experiment=grpo_gpu`, `
 +experiment=gkd_gpu`, grpo_async `algorithms.grpo +experiment=grpo_gpu_async`: Ray actors
 sharing the GPU) as a subprocess, with the engine's overrides below; from each run's
 metrics.jsonl, the step time and its phases averaged over the steps after the first and
-before the last (GKD: on- and off-policy steps apart). Writes
-the figures as JSON to --out (after every run) and prints a table.
+before the last (GKD: on- and off-policy steps apart). Writes the figures as JSON to --out
+(after every run) and prints a table.
 """
 from __future__ import annotations
 
@@ -58,8 +58,9 @@ def drivers(args) -> dict:
         for engine in args.rollout_engines:
             module, experiment = DRIVER_RUNS[algo]
             run_dir = out_root / f"{algo}_{engine}"
+            grpo_only = args.grpo_override if module == "algorithms.grpo" else []
             cmd = [sys.executable, "-m", module, experiment, f"run.steps={args.steps}", f"hydra.run.dir={run_dir}",
-                   *ENGINE_OVERRIDES[engine][algo], *args.override, *(args.grpo_override if algo.startswith("grpo") else [])]
+                   *ENGINE_OVERRIDES[engine][algo], *args.override, *grpo_only]
             print("$", " ".join(cmd[1:]), flush=True)
             t0 = time.perf_counter()
             try:

@@ -118,8 +118,8 @@ def test_benchmark_simulated_on_cpu(ray_cluster, tmp_path, one_thread):
     timelines are checked as such."""
     bench = multi_gpu_module()
     res = bench.main(["all", "--simulate", "4", "--out", str(tmp_path), "--algorithms", "grpo", "--modes",
-                      "colocate", "overlap", "colocate_overlap", "--steps", "3", "--no-plot", "--variants", "megatron_tp2",
-                      "--train-steps", "2", "--layouts", "between_gpus", "--reps", "2"])
+                      "colocate", "overlap", "colocate_overlap", "--steps", "3", "--no-plot", "--variants",
+                      "megatron_tp2", "--train-steps", "2", "--layouts", "between_gpus", "--reps", "2"])
     colocate, overlap, shared = res["placement"]
     assert (colocate["mode"], overlap["mode"], shared["mode"]) == ("colocate", "overlap", "colocate_overlap")
     assert shared["ranks"] == colocate["ranks"] and shared["staleness_max"] == 1
